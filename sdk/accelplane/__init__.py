@@ -1,0 +1,37 @@
+"""accelplane: compute backends as plugins, in the mould of ggml's backend system.
+
+Import is cheap: plugins are discovered on first use of :func:`registry` (or anything that
+needs devices), and each plugin imports its runtime only when its devices are opened.
+"""
+
+from __future__ import annotations
+
+from .errors import AccelplaneError
+from .graph import Context, Graph
+from .ops import GluOp, Op, SortOrder, UnaryOp
+from .tensor import Tensor, TensorFlag
+from .types import GGMLType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccelplaneError", "Context", "Graph", "GGMLType", "GluOp", "Op", "SortOrder", "Tensor",
+    "TensorFlag", "UnaryOp", "registry", "devices", "device", "__version__",
+]  # fmt: skip
+
+
+def registry():
+    """The process-wide plugin registry (discovers plugins on first call)."""
+    from .registry import get_registry
+
+    return get_registry()
+
+
+def devices():
+    """All devices of all loaded plugins (CPU devices last)."""
+    return registry().devices
+
+
+def device(name: str):
+    """A device by name, e.g. ``accelplane.device("CPU")``."""
+    return registry().device(name)

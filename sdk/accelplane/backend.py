@@ -1,0 +1,486 @@
+"""Handles over plugin objects — Device, BufferType, Buffer, MultiBuffer, Backend, Event —
+and ggml's fallbacks for every optional hook, in this one place.
+
+A handle keeps the plugin's dispatch table (``_fn``: hook name → function, resolved once at
+registration) and the plugin's own state in ``ctx``. Calls go straight to the plugin's
+function; a missing optional hook takes the fallback written here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import (
+    AllocationError,
+    BufferFreedError,
+    DeviceError,
+    OutOfRangeError,
+    ShapeError,
+)
+from .hookspecs import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType
+
+if TYPE_CHECKING:
+    from .graph import Graph
+    from .registry import Plugin
+    from .tensor import Tensor
+
+_ids = itertools.count()
+
+
+class BufferUsage(IntEnum):
+    ANY = 0
+    WEIGHTS = 1
+    COMPUTE = 2
+
+
+class Device:
+    """One device of a plugin (ggml_backend_dev)."""
+
+    def __init__(self, plugin: Plugin, spec: DeviceSpec, index: int) -> None:
+        self.plugin = plugin
+        self._fn = plugin.fn
+        self.name = spec.name
+        self.description = spec.description
+        self.type: DeviceType = spec.type
+        self.caps: DeviceCaps = spec.caps
+        self.ctx = spec.ctx
+        self.index = index  # position within the plugin
+        self._buft: BufferType | None = None
+        self._host_buft: BufferType | None | bool = False
+        self._extra: list[BufferType] | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Device({self.name!r}, plugin={self.plugin.name!r}, type={self.type.value})"
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes; (0, 0) when the device has nothing to report."""
+        f = self._fn.get("device_memory")
+        return tuple(f(self)) if f else (0, 0)  # type: ignore[return-value]
+
+    @property
+    def buffer_type(self) -> BufferType:
+        if self._buft is None:
+            with self._lock:
+                if self._buft is None:
+                    self._buft = BufferType(self, self._fn["get_buffer_type"](self))
+        return self._buft
+
+    @property
+    def host_buffer_type(self) -> BufferType | None:
+        if self._host_buft is False:
+            f = self._fn.get("get_host_buffer_type")
+            spec = f(self) if f else None
+            self._host_buft = BufferType(self, spec) if spec is not None else None
+        return self._host_buft  # type: ignore[return-value]
+
+    @property
+    def extra_buffer_types(self) -> list[BufferType]:
+        if self._extra is None:
+            f = self._fn.get("get_extra_buffer_types")
+            self._extra = [BufferType(self, s) for s in (f(self) if f else [])]
+        return self._extra
+
+    def supports_op(self, op: Tensor) -> bool:
+        return bool(self._fn["supports_op"](self, op))
+
+    def supports_buft(self, buft: BufferType) -> bool:
+        return bool(self._fn["supports_buft"](self, buft))
+
+    def offload_op(self, op: Tensor) -> bool:
+        f = self._fn.get("offload_op")
+        return bool(f(self, op)) if f else False
+
+    def new_backend(self, params: str = "") -> Backend:
+        """A new stream on this device (each call an independent in-order queue)."""
+        b = Backend.__new__(Backend)
+        b._init(self)
+        b.ctx = self._fn["init_backend"](self, b, params)
+        return b
+
+    @property
+    def has_events(self) -> bool:
+        return "event_new" in self._fn and self.caps.events
+
+    def new_event(self) -> Event:
+        return Event(self)
+
+
+class BufferType:
+    """A kind of memory of a device (ggml_backend_buffer_type)."""
+
+    def __init__(self, device: Device, spec: BufferTypeSpec) -> None:
+        self.device = device
+        self._fn = device._fn
+        self.name = spec.name
+        self.ctx = spec.ctx
+        f = self._fn.get("buft_alignment")
+        self.alignment: int = int(f(self)) if f else 64
+        f = self._fn.get("buft_max_size")
+        self.max_size: int = int(f(self)) if f else 1 << 62
+        f = self._fn.get("buft_is_host")
+        self.is_host: bool = bool(f(self)) if f else False
+        self._alloc_size = self._fn.get("buft_alloc_size")
+
+    def __repr__(self) -> str:
+        return f"BufferType({self.name!r})"
+
+    def alloc_size(self, t: Tensor) -> int:
+        return int(self._alloc_size(self, t)) if self._alloc_size else t.nbytes
+
+    def alloc(self, size: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
+        """One buffer of ``size`` bytes (no max-size splitting: see alloc.py for that)."""
+        if size < 0:
+            raise AllocationError(f"{self.name}: negative buffer size {size}")
+        if size > self.max_size:
+            raise AllocationError(
+                f"{self.name}: {size} bytes exceed the buffer type's max size {self.max_size}; "
+                "allocate through accelplane.alloc to get a multi-buffer"
+            )
+        b = Buffer.__new__(Buffer)
+        b._init(self, size, usage)
+        b.ctx = self._fn["buft_alloc"](self, b, size)
+        return b
+
+
+class Buffer:
+    """Memory of one buffer type (ggml_backend_buffer). Tensors are placed with place()."""
+
+    def _init(self, buft: BufferType, size: int, usage: BufferUsage) -> None:
+        self.buft = buft
+        self._fn = buft._fn
+        self.size = size
+        self.usage = usage
+        self.freed = False
+        self.ctx: Any = None
+        self.uid = next(_ids)
+        self.name = f"{buft.name}#{self.uid}"
+        self._host: np.ndarray | None = None
+
+    def __repr__(self) -> str:
+        state = " freed" if self.freed else ""
+        return f"Buffer({self.name!r}, {self.size} bytes{state})"
+
+    @property
+    def is_host(self) -> bool:
+        return self.buft.is_host
+
+    @property
+    def device(self) -> Device:
+        return self.buft.device
+
+    def _check(self) -> None:
+        if self.freed:
+            raise BufferFreedError(f"buffer {self.name!r} was freed")
+
+    @property
+    def host_array(self) -> np.ndarray:
+        """uint8 array over the whole buffer; only for host buffers."""
+        self._check()
+        if self._host is None:
+            if not self.is_host:
+                raise DeviceError(f"buffer {self.name!r} is not in host memory")
+            self._host = self._fn["buffer_host_array"](self)
+        return self._host
+
+    def place(self, t: Tensor, offs: int) -> None:
+        """Put tensor ``t`` (not a view) at byte ``offs`` of this buffer."""
+        self._check()
+        if t.view_src is not None:
+            raise DeviceError(f"tensor {t.name!r} is a view; place its view_src instead")
+        need = self.buft.alloc_size(t)
+        if offs < 0 or offs + need > self.size:
+            raise OutOfRangeError(
+                f"tensor {t.name or t.uid!r} ({need} bytes) at offset {offs} does not fit "
+                f"buffer {self.name!r} of {self.size} bytes"
+            )
+        t.buffer = self
+        t.offs = offs
+        f = self._fn.get("buffer_init_tensor")
+        if f:
+            f(self, t)
+
+    def init_view(self, t: Tensor) -> None:
+        """Bind view ``t`` to its view_src's memory (the view invariant)."""
+        src = t.view_src
+        if src is None or src.buffer is None:
+            raise DeviceError(f"view {t.name or t.uid!r}: its view_src is not allocated")
+        t.buffer = src.buffer
+        t.offs = src.offs + t.view_offs
+        f = t.buffer._fn.get("buffer_init_tensor")
+        if f:
+            f(t.buffer, t)
+
+    # data: ranges are checked by Tensor before these are called
+    def set_tensor(self, t: Tensor, data: np.ndarray, offset: int, size: int) -> None:
+        self._check()
+        self._fn["buffer_set_tensor"](self, t, data, offset, size)
+
+    def get_tensor(self, t: Tensor, out: np.ndarray, offset: int, size: int) -> None:
+        self._check()
+        self._fn["buffer_get_tensor"](self, t, out, offset, size)
+
+    def memset_tensor(self, t: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
+        size = t.nbytes - offset if size is None else size
+        t._check_range(offset, size)
+        f = self._fn.get("buffer_memset_tensor")
+        if f:
+            f(self, t, value, offset, size)
+        else:
+            self.set_tensor(t, np.full(size, value, np.uint8), offset, size)
+
+    def clear(self, value: int = 0) -> None:
+        self._check()
+        f = self._fn.get("buffer_clear")
+        if f:
+            f(self, value)
+        elif self.is_host:
+            self.host_array[:] = value
+        else:
+            raise DeviceError(f"buffer {self.name!r}: plugin has no buffer_clear")
+
+    def set_usage(self, usage: BufferUsage) -> None:
+        self.usage = usage
+
+    def free(self) -> None:
+        """Release the memory; later use of the buffer or its tensors raises BufferFreedError."""
+        if self.freed:
+            return
+        self.freed = True
+        self._host = None
+        f = self._fn.get("buffer_free")
+        if f:
+            f(self)
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        return [self]
+
+
+class MultiBuffer(Buffer):
+    """Several real buffers acting as one (ggml's multi_buffer). Tensors never point at the
+    multi-buffer: each is placed in, and points at, one real sub-buffer."""
+
+    def __init__(self, buft: BufferType, parts: list[Buffer], usage: BufferUsage) -> None:
+        self._init(buft, sum(p.size for p in parts), usage)
+        self.parts = parts
+        self.name = f"{buft.name}#multi{self.uid}"
+
+    def place(self, t: Tensor, offs: int) -> None:
+        raise DeviceError("tensors are placed in a multi-buffer's parts, not in the multi-buffer")
+
+    def set_tensor(self, t, data, offset, size):  # pragma: no cover - tensors use their part
+        raise DeviceError("multi-buffer: use the tensor's own buffer")
+
+    get_tensor = set_tensor
+
+    def clear(self, value: int = 0) -> None:
+        for p in self.parts:
+            p.clear(value)
+
+    def set_usage(self, usage: BufferUsage) -> None:
+        self.usage = usage
+        for p in self.parts:
+            p.set_usage(usage)
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        self.freed = True
+        for p in self.parts:
+            p.free()
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        return list(self.parts)
+
+
+class Event:
+    """A device event (ggml_backend_event). Fallback without event hooks: record means
+    synchronize, so the event is complete as soon as it is recorded."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._fn = device._fn
+        self.freed = False
+        f = self._fn.get("event_new") if device.caps.events else None
+        self.ctx = f(device) if f else None
+        self.native = f is not None
+
+    def _check(self) -> None:
+        if self.freed:
+            raise DeviceError(f"event of {self.device.name} used after free")
+
+    def record(self, backend: Backend) -> None:
+        """Complete when all work queued on ``backend`` so far has completed."""
+        self._check()
+        if backend.device is not self.device:
+            raise DeviceError(
+                f"event of device {self.device.name} cannot be recorded on a backend of "
+                f"{backend.device.name}"
+            )
+        if self.native:
+            self._fn["event_record"](backend, self)
+        else:
+            backend.synchronize()
+
+    def synchronize(self) -> None:
+        """Block the host until the event has completed."""
+        self._check()
+        if self.native:
+            self._fn["event_synchronize"](self.device, self)
+
+    def wait(self, backend: Backend) -> None:
+        """Make later work on ``backend`` wait for this event (device-side when the event and
+        the backend belong to the same plugin and it implements event_wait)."""
+        self._check()
+        if not self.native:
+            return
+        f = backend._fn.get("event_wait")
+        if f is not None and backend.device.plugin is self.device.plugin:
+            f(backend, self)
+        else:
+            self.synchronize()
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        self.freed = True
+        f = self._fn.get("event_free") if self.native else None
+        if f:
+            f(self.device, self)
+
+
+class Backend:
+    """A stream on a device (ggml_backend): an in-order queue of work (docs/ordering.md)."""
+
+    def _init(self, device: Device) -> None:
+        self.device = device
+        self._fn = device._fn
+        self.ctx: Any = None
+        self.freed = False
+        self.uid = next(_ids)
+        self.name = f"{device.name}/{self.uid}"
+        self.n_syncs = 0  # host synchronizations issued through this handle (stats)
+        fn = self._fn
+        self._graph_compute = fn["graph_compute"]
+        self._sync = fn.get("synchronize")
+        self._set_async = fn.get("set_tensor_async")
+        self._get_async = fn.get("get_tensor_async")
+        self._cpy_async = fn.get("cpy_tensor_async")
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+    def _check(self) -> None:
+        if self.freed:
+            raise DeviceError(f"backend {self.name} used after free")
+
+    def synchronize(self) -> None:
+        self._check()
+        self.n_syncs += 1
+        if self._sync is not None:
+            self._sync(self)
+
+    def graph_compute(self, graph: Graph) -> None:
+        """Queue ``graph``; returns possibly before completion (synchronize to wait)."""
+        self._check()
+        self._graph_compute(self, graph)
+
+    def compute(self, graph: Graph) -> None:
+        """graph_compute + synchronize."""
+        self.graph_compute(graph)
+        self.synchronize()
+
+    def graph_optimize(self, graph: Graph) -> None:
+        f = self._fn.get("graph_optimize")
+        if f:
+            f(self, graph)
+
+    def set_tensor_async(self, t: Tensor, data: np.ndarray, offset: int = 0,
+                         size: int | None = None) -> None:  # fmt: skip
+        """Queue a host→tensor copy; keep ``data`` alive and unchanged until synchronized."""
+        self._check()
+        from .tensor import _as_u8
+
+        data = _as_u8(data)
+        size = data.size if size is None else size
+        buf = t._check_range(offset, size)
+        if self._set_async is None or not self._set_async(self, t, data, offset, size):
+            self.synchronize()
+            buf.set_tensor(t, data, offset, size)
+
+    def get_tensor_async(self, t: Tensor, out: np.ndarray, offset: int = 0,
+                         size: int | None = None) -> None:  # fmt: skip
+        """Queue a tensor→host copy into the uint8 array ``out``; valid after synchronize."""
+        self._check()
+        size = out.size if size is None else size
+        buf = t._check_range(offset, size)
+        if out.size < size:
+            raise OutOfRangeError(f"get_tensor_async: out has {out.size} bytes, need {size}")
+        if self._get_async is None or not self._get_async(self, t, out, offset, size):
+            self.synchronize()
+            buf.get_tensor(t, out, offset, size)
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        f = self._fn.get("backend_free")
+        if f:
+            f(self)
+        self.freed = True
+
+
+# --- copies between tensors (ggml_backend_tensor_copy / _copy_async) ------------------------------
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    return a.type == b.type and a.ne == b.ne and a.nb == b.nb
+
+
+def tensor_copy(src: Tensor, dst: Tensor) -> None:
+    """Blocking copy of src's data into dst (same layout), across any two buffers."""
+    if not same_layout(src, dst):
+        raise ShapeError(
+            f"copy {src.name or src.uid} → {dst.name or dst.uid}: layouts differ "
+            f"({src.type.name} {list(src.ne)} {list(src.nb)} vs {dst.type.name} {list(dst.ne)} "
+            f"{list(dst.nb)})"
+        )
+    if src is dst or src.nbytes == 0:
+        return
+    sbuf = src._check_range(0, src.nbytes)
+    dbuf = dst._check_range(0, dst.nbytes)
+    if sbuf.is_host:
+        arr = sbuf.host_array[src.offs : src.offs + src.nbytes]
+        dbuf.set_tensor(dst, arr, 0, dst.nbytes)
+    elif dbuf.is_host:
+        arr = dbuf.host_array[dst.offs : dst.offs + dst.nbytes]
+        sbuf.get_tensor(src, arr, 0, src.nbytes)
+    else:
+        f = dbuf._fn.get("buffer_cpy_tensor")
+        if f is None or not f(dbuf, src, dst):
+            tmp = np.empty(src.nbytes, np.uint8)
+            sbuf.get_tensor(src, tmp, 0, src.nbytes)
+            dbuf.set_tensor(dst, tmp, 0, dst.nbytes)
+
+
+def tensor_copy_async(backend_src: Backend, backend_dst: Backend, src: Tensor, dst: Tensor) -> bool:
+    """Copy src → dst ordered after prior work on backend_src and before later work on
+    backend_dst. Tries the destination plugin's cpy_tensor_async; when it is missing or
+    returns False, synchronizes both backends and copies blocking (ggml's fallback).
+    Returns True when the plugin did it asynchronously."""
+    if not same_layout(src, dst):
+        raise ShapeError(f"async copy {src.name} → {dst.name}: layouts differ")
+    if src is dst:
+        return True
+    f = backend_dst._cpy_async
+    if f is not None and f(backend_src, backend_dst, src, dst):
+        return True
+    backend_src.synchronize()
+    if backend_dst is not backend_src:
+        backend_dst.synchronize()
+    tensor_copy(src, dst)
+    return False

@@ -1,0 +1,1 @@
+"""The built-in CPU plugin (entry point ``cpu = accelplane.cpu.plugin``)."""

@@ -1,0 +1,509 @@
+"""The CPU plugin's graph plans: a graph becomes, once, a list of closures bound to numpy
+views of the tensors' memory; computing the graph again replays the list.
+
+Arithmetic is float32 (float64 accumulators for row reductions, like ggml's ggml_float);
+F16/BF16 operands are widened to float32 and results rounded back on store. Quantized
+matrix products go to the C kernels (accelplane.cpu.kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import BufferFreedError, ComputeError
+from ..ops import (
+    ROPE_TYPE_NEOX,
+    VIEW_OPS,
+    GluOp,
+    Op,
+    SortOrder,
+    UnaryOp,
+    rope_yarn_corr_dims,
+)
+from ..tensor import Tensor, strided_view
+from ..types import GGMLType, quantize
+
+F32 = np.float32
+Step = Callable[[], None]
+
+
+def host_view(t: Tensor) -> np.ndarray:
+    """numpy view of a tensor in a host buffer: reversed(ne) elements, or rows of raw bytes
+    [ne3, ne2, ne1, row_bytes] for block types."""
+    base = t.buffer.host_array
+    return strided_view(t, base[t.offs : t.offs + t.nbytes])
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return x if x.dtype == F32 else x.astype(F32)
+
+
+def _bcast_pair(a: Tensor, b: Tensor, av: np.ndarray, bv: np.ndarray):
+    """Views of a and b where b is repeated (tiled) to a's shape: each ggml dim i becomes two
+    numpy axes (a.ne[i] // b.ne[i], b.ne[i]), b's outer one with stride 0."""
+    shp, sa, sb = [], [], []
+    for i in (3, 2, 1, 0):
+        r, n = a.ne[i] // b.ne[i], b.ne[i]
+        ai, bi = 3 - i, 3 - i
+        shp += [r, n]
+        sa += [av.strides[ai] * n, av.strides[ai]]
+        sb += [0, bv.strides[bi]]
+    as_ = np.lib.stride_tricks.as_strided
+    return as_(av, shp, sa), as_(bv, shp, sb)
+
+
+# --- op builders: (node, views...) -> step -----------------------------------------------------
+_BINARY = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide}
+
+
+def _binary(t: Tensor) -> Step:
+    a, b = t.src
+    ufunc = _BINARY[t.op]
+    av, bv, dv = host_view(a), host_view(b), host_view(t)
+    if a.ne == b.ne and a.type == b.type == t.type == GGMLType.F32:
+        if a.is_contiguous() and b.is_contiguous() and t.is_contiguous():
+            av, bv, dv = av.reshape(-1), bv.reshape(-1), dv.reshape(-1)
+        return lambda: ufunc(av, bv, out=dv)
+    if a.ne != b.ne and any(b.ne[i] not in (1, a.ne[i]) for i in range(4)):
+        av, bv = _bcast_pair(a, b, av, bv)
+        dv = _bcast_pair(t, b, dv, host_view(b))[0]
+    if t.type == GGMLType.F32 and a.type == GGMLType.F32 and b.type == GGMLType.F32:
+        return lambda: ufunc(av, bv, out=dv)
+    return lambda: dv.__setitem__(Ellipsis, ufunc(_f32(av), _f32(bv)))
+
+
+def _unary_fn(t: Tensor) -> Callable[[np.ndarray], np.ndarray]:
+    p = t.op_params
+    op = t.op
+    if op is Op.SCALE:
+        s, b = F32(p[0]), F32(p[1])
+        return (lambda x: x * s) if p[1] == 0 else (lambda x: x * s + b)
+    if op is Op.SQR:
+        return np.square
+    if op is Op.SQRT:
+        return np.sqrt
+    if op is Op.LOG:
+        return np.log
+    if op is Op.SIN:
+        return np.sin
+    if op is Op.COS:
+        return np.cos
+    if op is Op.CLAMP:
+        lo, hi = F32(p[0]), F32(p[1])
+        return lambda x: np.minimum(np.maximum(x, lo), hi)
+    if op is Op.LEAKY_RELU:
+        k = F32(p[0])
+        return lambda x: np.where(x > 0, x, x * k)
+    u = UnaryOp(p[0])
+    return _UNARY[u]
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _gelu(x):
+    c = F32(math.sqrt(2.0 / math.pi))
+    return F32(0.5) * x * (F32(1.0) + np.tanh(c * x * (F32(1.0) + F32(0.044715) * x * x)))
+
+
+_UNARY = {
+    UnaryOp.ABS: np.abs,
+    UnaryOp.NEG: np.negative,
+    UnaryOp.TANH: np.tanh,
+    UnaryOp.RELU: lambda x: np.maximum(x, F32(0)),
+    UnaryOp.SIGMOID: _sigmoid,
+    UnaryOp.GELU: _gelu,
+    UnaryOp.GELU_QUICK: lambda x: x * _sigmoid(F32(1.702) * x),
+    UnaryOp.SILU: lambda x: x * _sigmoid(x),
+    UnaryOp.EXP: np.exp,
+}
+
+
+def _unary(t: Tensor) -> Step:
+    (a,) = t.src
+    f = _unary_fn(t)
+    av, dv = host_view(a), host_view(t)
+    if a.is_contiguous() and t.is_contiguous():
+        av, dv = av.reshape(-1), dv.reshape(-1)
+    if a.type == t.type == GGMLType.F32:
+        return lambda: dv.__setitem__(Ellipsis, f(av))
+    return lambda: dv.__setitem__(Ellipsis, f(_f32(av)))
+
+
+def _glu(t: Tensor) -> Step:
+    a, b = t.src
+    op, swapped = GluOp(t.op_params[0]), bool(t.op_params[1])
+    f = _UNARY[UnaryOp.SILU] if op is GluOp.SWIGLU else _gelu
+    av, dv = host_view(a), host_view(t)
+    if b is None:
+        h = t.ne[0]
+        x, g = av[..., :h], av[..., h : 2 * h]
+        if swapped:
+            x, g = g, x
+    else:
+        x, g = av, host_view(b)
+    return lambda: dv.__setitem__(Ellipsis, f(_f32(x)) * _f32(g))
+
+
+def _norm(t: Tensor) -> Step:
+    (a,) = t.src
+    eps = t.op_params[0]
+    av, dv = host_view(a), host_view(t)
+    op = t.op
+
+    def step() -> None:
+        x = av.astype(np.float64)
+        if op is Op.NORM:
+            x = x - x.mean(axis=-1, keepdims=True)
+            y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+        elif op is Op.RMS_NORM:
+            y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+        else:
+            y = x / np.maximum(np.sqrt((x * x).sum(axis=-1, keepdims=True)), eps)
+        dv[...] = y
+
+    return step
+
+
+def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    if max_bias <= 0:
+        return np.ones(n_head, F32)
+    n_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_log2)
+    m1 = 2.0 ** (-max_bias / 2.0 / n_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1)).astype(F32)
+
+
+def _soft_max(t: Tensor) -> Step:
+    a, mask = t.src
+    scale, max_bias = F32(t.op_params[0]), t.op_params[1]
+    av, dv = host_view(a), host_view(t)
+    mv = None
+    if mask is not None:
+        m = host_view(mask)[:, :, : a.ne[1], :]
+        # broadcast over ne2/ne3 by repetition
+        r3, r2 = a.ne[3] // mask.ne[3], a.ne[2] // mask.ne[2]
+        mv = np.tile(m, (r3, r2, 1, 1)) if (r3 > 1 or r2 > 1) and m.shape[:2] != (1, 1) else m
+        slopes = _alibi_slopes(a.ne[2], max_bias)[None, :, None, None]
+    else:
+        slopes = None
+
+    def step() -> None:
+        x = _f32(av) * scale
+        if mv is not None:
+            mm = _f32(mv)
+            x = x + (mm * slopes if max_bias > 0 else mm)
+        x = x - x.max(axis=-1, keepdims=True)
+        e = np.exp(x)
+        dv[...] = e / e.sum(axis=-1, keepdims=True, dtype=np.float64)
+
+    return step
+
+
+def _rope(t: Tensor) -> Step:
+    a, pos = t.src
+    (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = t.op_params  # fmt: skip
+    av, pv, dv = host_view(a), host_view(pos), host_view(t)
+    half = n_dims // 2
+    i = np.arange(half, dtype=np.float64)
+    theta_scale = freq_base ** (-2.0 / n_dims)
+    inv_freq = theta_scale**i
+    corr = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale) if ext_factor != 0 else 1.0)
+    if ext_factor != 0:
+        y = (2 * i / 2.0 - corr[0]) / max(0.001, corr[1] - corr[0])
+        ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
+    else:
+        ramp = np.zeros(half)
+    neox = mode == ROPE_TYPE_NEOX
+
+    def step() -> None:
+        p = pv.reshape(-1).astype(np.float64)  # one per token (ne2)
+        te = p[:, None] * inv_freq[None, :]
+        ti = freq_scale * te
+        th = ti * (1 - ramp) + te * ramp
+        c = (np.cos(th) * mscale).astype(F32)[None, :, None, :]  # [1, ne2, 1, half]
+        s = (np.sin(th) * mscale).astype(F32)[None, :, None, :]
+        x = _f32(av)
+        if neox:
+            x0, x1 = x[..., :half], x[..., half:n_dims]
+        else:
+            x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out = x.copy() if n_dims < a.ne[0] else np.empty_like(x)
+        if neox:
+            out[..., :half] = x0 * c - x1 * s
+            out[..., half:n_dims] = x0 * s + x1 * c
+        else:
+            out[..., 0:n_dims:2] = x0 * c - x1 * s
+            out[..., 1:n_dims:2] = x0 * s + x1 * c
+        dv[...] = out
+
+    return step
+
+
+def _mul_mat(t: Tensor) -> Step:
+    a, b = t.src
+    av, bv, dv = host_view(a), host_view(b), host_view(t)
+    r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
+    wt = a.type
+    jobs = [(av[i3 // r3, i2 // r2], bv[i3, i2], dv[i3, i2])
+            for i3 in range(b.ne[3]) for i2 in range(b.ne[2])]  # fmt: skip
+    if wt == GGMLType.F32 and b.type == GGMLType.F32:
+        return lambda: [np.matmul(x, w.T, out=o) for w, x, o in jobs] and None
+    from . import kernels
+
+    return lambda: [kernels.mul_mat(wt, w, _f32c(x), o) for w, x, o in jobs] and None
+
+
+def _f32c(x: np.ndarray) -> np.ndarray:
+    if x.dtype == F32 and x.strides[-1] == 4:
+        return x
+    return np.ascontiguousarray(x, dtype=F32)
+
+
+def _mul_mat_id(t: Tensor) -> Step:
+    from . import kernels
+
+    as_, b, ids = t.src
+    av, bv, iv, dv = host_view(as_), host_view(b), host_view(ids), host_view(t)
+    wt = as_.type
+    n_b1 = b.ne[1]
+
+    def step() -> None:
+        idx = iv[0, 0]  # [tokens, n_used]
+        if idx.min(initial=0) < 0 or idx.max(initial=0) >= as_.ne[2]:
+            raise ComputeError(f"MUL_MAT_ID {t.name}: expert id out of range 0..{as_.ne[2] - 1}")
+        for e in np.unique(idx):
+            tok, used = np.nonzero(idx == e)
+            x = np.ascontiguousarray(bv[0, tok, used % n_b1], dtype=F32)
+            out = np.empty((len(tok), as_.ne[1]), F32)
+            w = av[0, e]
+            if wt == GGMLType.F32:
+                np.matmul(x, w.T, out=out)
+            else:
+                kernels.mul_mat(wt, w, x, out)
+            dv[0, tok, used] = out
+
+    return step
+
+
+def _dequant_rows(ty: GGMLType, rows: np.ndarray, ne0: int) -> np.ndarray:
+    from . import kernels
+
+    return kernels.dequantize(ty, rows, ne0)
+
+
+def _get_rows(t: Tensor) -> Step:
+    a, idx = t.src
+    av, iv, dv = host_view(a), host_view(idx), host_view(t)
+    n_rows = a.ne[1]
+
+    def step() -> None:
+        ix = iv[0]  # [ne2(b), ne1(b), n] -> rows of a[i3=b.ne2 idx, i2=b.ne1 idx]
+        if ix.size and (ix.min() < 0 or ix.max() >= n_rows):
+            raise ComputeError(f"GET_ROWS {t.name}: row index out of range 0..{n_rows - 1}")
+        for i3 in range(ix.shape[0]):
+            for i2 in range(ix.shape[1]):
+                rows = av[i3, i2][ix[i3, i2]]
+                if a.type.is_quantized:
+                    dv[i3, i2] = _dequant_rows(a.type, rows, a.ne[0])
+                else:
+                    dv[i3, i2] = rows
+
+    return step
+
+
+def _store(dst_type: GGMLType, values: np.ndarray) -> np.ndarray:
+    """Values (float) → what the destination stores: quantized row bytes, or cast elements."""
+    if dst_type.is_quantized:
+        return quantize(dst_type, _f32(values))
+    return values
+
+
+def _set_rows(t: Tensor) -> Step:
+    dst, src, idx = t.src
+    dv, sv, iv = host_view(dst), host_view(src), host_view(idx)
+    n_rows = dst.ne[1]
+
+    def step() -> None:
+        for i3 in range(src.ne[3]):
+            for i2 in range(src.ne[2]):
+                rows = iv[0, i3 % idx.ne[2], i2 % idx.ne[1]]
+                if rows.size and (rows.min() < 0 or rows.max() >= n_rows):
+                    raise ComputeError(f"SET_ROWS {t.name}: row index out of range")
+                dv[i3, i2][rows] = _store(dst.type, sv[i3, i2])
+
+    return step
+
+
+def _values(t: Tensor, v: np.ndarray) -> np.ndarray:
+    """Element values of a tensor view as float32 (dequantized) or as stored."""
+    if t.type.is_quantized:
+        rows = np.ascontiguousarray(v).reshape(-1, t.row_bytes)
+        return _dequant_rows(t.type, rows, t.ne[0]).reshape(tuple(reversed(t.ne)))
+    return v
+
+
+def _cpy(t: Tensor) -> Step:
+    a = t.src[0]
+    dst = t.src[1] if t.op is Op.CPY else t
+    av, dv = host_view(a), host_view(dst)
+    shape = tuple(reversed(dst.ne))
+    same = a.ne == dst.ne
+
+    def step() -> None:
+        x = _values(a, av)
+        if not same:
+            x = x.reshape(shape) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(shape)
+        dv[...] = _store(dst.type, x)
+
+    return step
+
+
+def _concat(t: Tensor) -> Step:
+    a, b = t.src
+    ax = 3 - t.op_params[0]
+    av, bv, dv = host_view(a), host_view(b), host_view(t)
+    n = av.shape[ax]
+    sl_a = tuple(slice(0, n) if i == ax else slice(None) for i in range(4))
+    sl_b = tuple(slice(n, None) if i == ax else slice(None) for i in range(4))
+
+    def step() -> None:
+        dv[sl_a] = av
+        dv[sl_b] = bv
+
+    return step
+
+
+def _reduce(t: Tensor) -> Step:
+    (a,) = t.src
+    av, dv = host_view(a), host_view(t)
+    op = t.op
+    if op is Op.SUM:
+        return lambda: dv.reshape(-1).__setitem__(0, av.sum(dtype=np.float64))
+    if op is Op.SUM_ROWS:
+        return lambda: dv.__setitem__(Ellipsis, av.sum(axis=-1, keepdims=True, dtype=np.float64))
+    if op is Op.MEAN:
+        return lambda: dv.__setitem__(Ellipsis, av.mean(axis=-1, keepdims=True, dtype=np.float64))
+    if op is Op.ARGMAX:
+        return lambda: dv.reshape(-1).__setitem__(Ellipsis, av[0, 0].argmax(axis=-1))
+    desc = t.op_params[0] == SortOrder.DESC
+
+    def argsort() -> None:
+        x = _f32(av)
+        dv[...] = np.argsort(-x if desc else x, axis=-1, kind="stable")
+
+    return argsort
+
+
+def _im2col(t: Tensor) -> Step:
+    k, x = t.src
+    s0, s1, p0, p1, d0, d1, is_2d, _ = t.op_params
+    xv, dv = host_view(x), host_view(t)
+    if is_2d:
+        kh, kw, ic = k.ne[1], k.ne[0], k.ne[2]
+        oh, ow = t.ne[2], t.ne[1]
+        h, w = x.ne[1], x.ne[0]
+    else:
+        kh, kw, ic = 1, k.ne[0], k.ne[1]
+        oh, ow = 1, t.ne[1]
+        h, w = 1, x.ne[0]
+        p1, s1, d1 = 0, 1, 1
+
+    def step() -> None:
+        xx = _f32(xv)
+        # ggml order: x [N, IC, H, W] (2-D) or [1, N, IC, W] (1-D)
+        src = xx if is_2d else xx[0][:, :, None, :]
+        n = src.shape[0]
+        pad = np.zeros((n, ic, h + 2 * p1, w + 2 * p0), F32)
+        pad[:, :, p1 : p1 + h, p0 : p0 + w] = src
+        cols = np.empty((n, oh, ow, ic, kh, kw), F32)
+        for ikh in range(kh):
+            for ikw in range(kw):
+                ys, xs = ikh * d1, ikw * d0
+                patch = pad[:, :, ys : ys + s1 * (oh - 1) + 1 : s1, xs : xs + s0 * (ow - 1) + 1 : s0]
+                cols[:, :, :, :, ikh, ikw] = patch.transpose(0, 2, 3, 1)
+        res = cols.reshape(n, oh, ow, ic * kh * kw)
+        dv[...] = res if is_2d else res.reshape(1, n, ow, ic * kw)
+
+    return step
+
+
+def _col2im_1d(t: Tensor) -> Step:
+    (a,) = t.src
+    s0, oc, p0 = t.op_params
+    av, dv = host_view(a), host_view(t)
+    k = a.ne[0] // oc
+    t_in, t_out = a.ne[1], t.ne[0]
+
+    def step() -> None:
+        x = _f32(av)[0]  # [B, T_in, OC*K]
+        b = x.shape[0]
+        full = np.zeros((b, oc, (t_in - 1) * s0 + k), F32)
+        cols = x.reshape(b, t_in, oc, k)
+        for kk in range(k):
+            full[:, :, kk : kk + s0 * (t_in - 1) + 1 : s0] += cols[:, :, :, kk].transpose(0, 2, 1)
+        dv[0] = full[:, :, p0 : p0 + t_out]
+
+    return step
+
+
+BUILDERS: dict[Op, Callable[[Tensor], Step]] = {
+    Op.ADD: _binary, Op.SUB: _binary, Op.MUL: _binary, Op.DIV: _binary,
+    Op.SCALE: _unary, Op.SQR: _unary, Op.SQRT: _unary, Op.LOG: _unary, Op.SIN: _unary,
+    Op.COS: _unary, Op.CLAMP: _unary, Op.LEAKY_RELU: _unary, Op.UNARY: _unary,
+    Op.GLU: _glu, Op.NORM: _norm, Op.RMS_NORM: _norm, Op.L2_NORM: _norm,
+    Op.SOFT_MAX: _soft_max, Op.ROPE: _rope, Op.MUL_MAT: _mul_mat, Op.MUL_MAT_ID: _mul_mat_id,
+    Op.GET_ROWS: _get_rows, Op.SET_ROWS: _set_rows, Op.CPY: _cpy, Op.CONT: _cpy,
+    Op.DUP: _cpy, Op.CONCAT: _concat, Op.SUM: _reduce, Op.SUM_ROWS: _reduce, Op.MEAN: _reduce,
+    Op.ARGMAX: _reduce, Op.ARGSORT: _reduce, Op.IM2COL: _im2col, Op.COL2IM_1D: _col2im_1d,
+}  # fmt: skip
+
+
+class Plan:
+    """A graph bound to memory: ``steps`` replay it. Valid while the graph's layout version
+    and the buffers it touches are unchanged."""
+
+    __slots__ = ("steps", "layout_version", "buffers", "nodes")
+
+    def __init__(self, graph) -> None:
+        self.layout_version = graph.layout_version
+        self.steps: list[Step] = []
+        self.nodes: list[Tensor] = []
+        bufs = {}
+        for n in graph.nodes:
+            for s in (n, *n.src):
+                if s is not None:
+                    if s.buffer is None:
+                        raise ComputeError(f"{n.op.name} {n.name or n.uid}: tensor "
+                                           f"{s.name or s.uid} is not allocated")  # fmt: skip
+                    bufs[id(s.buffer)] = s.buffer
+            if n.op in VIEW_OPS:
+                continue
+            self.steps.append(BUILDERS[n.op](n))
+            self.nodes.append(n)
+        self.buffers = list(bufs.values())
+
+    def valid_for(self, graph) -> bool:
+        if graph.layout_version != self.layout_version:
+            return False
+        for b in self.buffers:
+            if b.freed:
+                raise BufferFreedError(f"graph #{graph.uid} uses freed buffer {b.name!r}")
+        return True
+
+    def run(self, callback=None) -> None:
+        if callback is None:
+            for s in self.steps:
+                s()
+        else:
+            for s, n in zip(self.steps, self.nodes, strict=True):
+                s()
+                if callback(n) is False:
+                    break

@@ -1,0 +1,155 @@
+"""The built-in CPU plugin: host memory buffers, numpy for what numpy does well (BLAS GEMM,
+elementwise), C kernels (cffi, accelplane.cpu._kernels) for quantized products.
+
+Registered through the ``accelplane.plugins`` entry point like any vendor plugin. The
+backend is synchronous: graph_compute returns when the work is done, so the async hooks and
+events are left to the SDK's fallbacks (docs/ordering.md).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+
+from ..errors import AllocationError
+from ..hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from ..ops import RULES, Op
+
+ALIGNMENT = 64
+_SUPPORTED = frozenset(RULES) - {Op.NONE}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _mem() -> tuple[int, int]:
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+@hookimpl
+def api_version():
+    return API_VERSION
+
+
+@hookimpl
+def get_devices():
+    n = os.cpu_count() or 1
+    return [DeviceSpec("CPU", f"{_cpu_name()} ({n} threads)", DeviceType.CPU, DeviceCaps())]
+
+
+@hookimpl
+def device_memory(device):
+    return _mem()
+
+
+class _BackendCtx:
+    __slots__ = ("plans",)
+
+    def __init__(self) -> None:
+        self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@hookimpl
+def init_backend(device, backend, params):
+    return _BackendCtx()
+
+
+@hookimpl
+def get_buffer_type(device):
+    return BufferTypeSpec("CPU")
+
+
+@hookimpl
+def supports_op(device, op):
+    # every op of the catalog, for every type combination the catalog's rules admit
+    return op.op in _SUPPORTED
+
+
+@hookimpl
+def supports_buft(device, buft):
+    return buft.is_host
+
+
+@hookimpl
+def buft_alloc(buft, buffer, size):
+    try:
+        raw = np.empty(size + ALIGNMENT, np.uint8)
+    except MemoryError as e:
+        raise AllocationError(f"CPU: cannot allocate {size} bytes") from e
+    shift = (-raw.ctypes.data) % ALIGNMENT
+    return raw[shift : shift + size]
+
+
+@hookimpl
+def buft_alignment(buft):
+    return ALIGNMENT
+
+
+@hookimpl
+def buft_is_host(buft):
+    return True
+
+
+@hookimpl
+def buffer_host_array(buffer):
+    return buffer.ctx
+
+
+@hookimpl
+def buffer_free(buffer):
+    buffer.ctx = None
+
+
+@hookimpl
+def buffer_set_tensor(buffer, tensor, data, offset, size):
+    start = tensor.offs + offset
+    buffer.ctx[start : start + size] = data[:size]
+
+
+@hookimpl
+def buffer_get_tensor(buffer, tensor, out, offset, size):
+    start = tensor.offs + offset
+    out[:size] = buffer.ctx[start : start + size]
+
+
+@hookimpl
+def buffer_memset_tensor(buffer, tensor, value, offset, size):
+    start = tensor.offs + offset
+    buffer.ctx[start : start + size] = value
+
+
+@hookimpl
+def buffer_clear(buffer, value):
+    buffer.ctx[:] = value
+
+
+@hookimpl
+def graph_compute(backend, graph):
+    from .plan import Plan
+
+    plans = backend.ctx.plans
+    plan = plans.get(graph)
+    if plan is None or not plan.valid_for(graph):
+        plan = Plan(graph)
+        plans[graph] = plan
+    plan.run()

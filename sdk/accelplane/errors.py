@@ -1,0 +1,59 @@
+"""Typed errors of accelplane.
+
+Every error the SDK or a plugin raises on bad input derives from :class:`AccelplaneError`,
+so a host can catch one class. Messages name the tensor, op, device or plugin at fault.
+"""
+
+from __future__ import annotations
+
+
+class AccelplaneError(Exception):
+    """Base class of every accelplane error."""
+
+
+class ShapeError(AccelplaneError, ValueError):
+    """Tensor shapes do not fit the op or the call (build time or set/get)."""
+
+
+class TypeMismatchError(AccelplaneError, TypeError):
+    """A tensor type is not allowed for the op, or types of operands disagree."""
+
+
+class UnsupportedOpError(AccelplaneError):
+    """No backend (or not the pinned one) can run this node."""
+
+
+class OutOfRangeError(AccelplaneError, IndexError):
+    """An offset/size outside a tensor or buffer, or an index outside its range."""
+
+
+class PluginLoadError(AccelplaneError):
+    """A plugin failed to import, validate, register or report its devices."""
+
+
+class APIVersionError(PluginLoadError):
+    """A plugin implements a different major version of the backend interface."""
+
+
+class DeviceError(AccelplaneError):
+    """A device, buffer, backend or event was misused: freed, of another device, absent."""
+
+
+class BufferFreedError(DeviceError):
+    """A buffer (or a tensor in it) was used after the buffer was freed."""
+
+
+class AllocationError(DeviceError, MemoryError):
+    """A buffer could not be allocated."""
+
+
+class ComputeError(AccelplaneError):
+    """A backend failed while computing a graph."""
+
+
+class CheckResultsError(ComputeError):
+    """Check-results mode found a node whose result is over its error threshold."""
+
+
+class GGUFError(AccelplaneError):
+    """A GGUF file is malformed, truncated or uses something accelplane does not support."""

@@ -1,0 +1,283 @@
+"""THE backend interface: pluggy hookspecs, one per member of ggml's backend interfaces.
+
+A plugin is a module (named by an ``accelplane.plugins`` entry point) whose functions are
+decorated with :data:`hookimpl`. Every hook except the registration hooks takes, as its first
+argument, the SDK handle of the object it acts on (``device``, ``buft``, ``buffer``,
+``backend``, ``event``, ``comm``); ``handle.ctx`` holds whatever the plugin returned when the
+object was created. The SDK resolves each plugin's hookimpls once, at registration, into a
+dispatch table; the hot path calls those functions directly, never ``pm.hook`` (see
+docs/writing-a-plugin.md for the measured cost).
+
+Members marked *required* must be implemented; for every optional member the SDK has a
+fallback, in one place (:mod:`accelplane.backend`), named in each docstring.
+Ordering and synchronization contracts are specified in docs/ordering.md.
+
+API versioning: :data:`API_VERSION` is (major, minor). A plugin whose ``api_version()``
+major differs is rejected before any of its device code runs. Hooks added in a minor version
+are called only for plugins that declare at least that minor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import pluggy
+
+PROJECT = "accelplane"
+API_VERSION: tuple[int, int] = (1, 0)
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class DeviceType(Enum):
+    CPU = "CPU"
+    GPU = "GPU"
+    IGPU = "IGPU"
+    ACCEL = "ACCEL"
+
+
+@dataclass
+class DeviceCaps:
+    """What a device can do (ggml_backend_dev_caps)."""
+
+    async_: bool = False  # set/get/cpy_tensor_async and graph_compute return before completion
+    host_buffer: bool = False  # get_host_buffer_type gives a pinned host buffer type
+    events: bool = False  # event_new/record/wait/synchronize are implemented
+    relaxed_sync: bool = True  # the scheduler's relaxed policy may be used (docs/ordering.md)
+
+
+@dataclass
+class DeviceSpec:
+    """One device a plugin reports from :func:`get_devices`."""
+
+    name: str  # short unique id, e.g. "CPU", "CUDA0", "Vulkan1"
+    description: str
+    type: DeviceType
+    caps: DeviceCaps = field(default_factory=DeviceCaps)
+    ctx: Any = None  # the plugin's own device state (becomes device.ctx)
+
+
+@dataclass
+class BufferTypeSpec:
+    """A buffer type a plugin returns from get_buffer_type / get_host_buffer_type / extras."""
+
+    name: str
+    ctx: Any = None
+
+
+class Specs:
+    """The hookspecs. Names are the ones the whole ecosystem reads; do not rename."""
+
+    # --- registration (ggml_backend_reg_i) ----------------------------------------------------
+    @hookspec
+    def api_version(self) -> tuple[int, int]:
+        """*Required.* The (major, minor) of this interface the plugin implements.
+
+        Called before any other hook; must import nothing heavy. Example::
+
+            @hookimpl
+            def api_version():
+                return (1, 0)
+        """
+
+    @hookspec
+    def get_devices(self) -> list[DeviceSpec]:
+        """*Required.* The plugin's devices, in a stable order. May open the runtime (this is
+        the first call allowed to). Return [] when the runtime has no device; raise to
+        report a broken runtime (the registry records it, the host carries on).
+        Example: ``return [DeviceSpec("CPU", "numpy + C kernels", DeviceType.CPU)]``."""
+
+    # --- device (ggml_backend_device_i) -------------------------------------------------------
+    @hookspec
+    def device_memory(self, device) -> tuple[int, int]:
+        """(free, total) bytes. Fallback: (0, 0) = "no memory to report"."""
+
+    @hookspec
+    def init_backend(self, device, backend, params: str) -> Any:
+        """*Required.* Create a stream (an in-order queue of work) on ``device``; return its
+        ctx (becomes ``backend.ctx``). Every call makes a new, independent stream."""
+
+    @hookspec
+    def get_buffer_type(self, device) -> BufferTypeSpec:
+        """*Required.* The device's preferred buffer type. Called once per device; the SDK
+        caches the handle."""
+
+    @hookspec
+    def get_host_buffer_type(self, device) -> BufferTypeSpec | None:
+        """A pinned host buffer type for faster transfers. Fallback: None (none)."""
+
+    @hookspec
+    def get_extra_buffer_types(self, device) -> list[BufferTypeSpec]:
+        """Extra buffer types (e.g. a weight repack layout). Fallback: []."""
+
+    @hookspec
+    def supports_op(self, device, op) -> bool:
+        """*Required.* Whether ``op`` (a node: type, ne, nb, op_params and sources as built)
+        can run on this device with the results the conformance suite demands. False means
+        "not supported" and is never a failure; True must be honest (the suite proves it)."""
+
+    @hookspec
+    def supports_buft(self, device, buft) -> bool:
+        """*Required.* Whether this device's backends can read and write tensors in buffers
+        of ``buft`` directly during graph_compute."""
+
+    @hookspec
+    def offload_op(self, device, op) -> bool:
+        """Whether the device wants to run ``op`` although its weights live in a host buffer
+        (the scheduler then copies them). Fallback: False."""
+
+    @hookspec
+    def event_new(self, device) -> Any:
+        """A new event's ctx. Fallback (no events): the scheduler synchronizes instead."""
+
+    @hookspec
+    def event_free(self, device, event) -> None:
+        """Release an event. Fallback: nothing."""
+
+    @hookspec
+    def event_synchronize(self, device, event) -> None:
+        """Block the host until ``event`` has completed (an unrecorded event is complete)."""
+
+    # --- buffer type (ggml_backend_buffer_type_i) ---------------------------------------------
+    @hookspec
+    def buft_alloc(self, buft, buffer, size: int) -> Any:
+        """*Required.* Allocate ``size`` bytes; return the buffer's ctx. Raise
+        accelplane.errors.AllocationError when the memory is not there."""
+
+    @hookspec
+    def buft_alignment(self, buft) -> int:
+        """Alignment of tensor offsets in bytes. Fallback: 64."""
+
+    @hookspec
+    def buft_max_size(self, buft) -> int:
+        """Largest single allocation; bigger ones become a multi-buffer. Fallback: unlimited."""
+
+    @hookspec
+    def buft_alloc_size(self, buft, tensor) -> int:
+        """Bytes a tensor takes in this buffer type (padding). Fallback: tensor.nbytes."""
+
+    @hookspec
+    def buft_is_host(self, buft) -> bool:
+        """Data lives in host memory in standard ggml layout, readable through
+        buffer_host_array. Fallback: False."""
+
+    # --- buffer (ggml_backend_buffer_i) ---------------------------------------------------------
+    @hookspec
+    def buffer_free(self, buffer) -> None:
+        """Release the buffer's memory. Fallback: nothing (garbage collection)."""
+
+    @hookspec
+    def buffer_host_array(self, buffer) -> Any:
+        """For host buffers: a writable numpy uint8 array over the whole buffer (ggml's
+        get_base). Required when buft_is_host is True."""
+
+    @hookspec
+    def buffer_init_tensor(self, buffer, tensor) -> None:
+        """Called when a tensor (or view) is placed in the buffer; may set tensor.extra."""
+
+    @hookspec
+    def buffer_memset_tensor(self, buffer, tensor, value: int, offset: int, size: int) -> None:
+        """Set ``size`` bytes at ``offset`` of the tensor's data to ``value``.
+        Fallback: buffer_set_tensor with a filled array."""
+
+    @hookspec
+    def buffer_set_tensor(self, buffer, tensor, data, offset: int, size: int) -> None:
+        """*Required.* Copy ``size`` bytes from the uint8 array ``data`` to byte ``offset``
+        of the tensor's data, blocking. Ranges are checked by the SDK before the call."""
+
+    @hookspec
+    def buffer_get_tensor(self, buffer, tensor, out, offset: int, size: int) -> None:
+        """*Required.* Copy ``size`` bytes at ``offset`` of the tensor's data into the uint8
+        array ``out``, blocking."""
+
+    @hookspec
+    def buffer_cpy_tensor(self, buffer, src, dst) -> bool:
+        """Copy src (any buffer) into dst (in this buffer), blocking. Return False when it
+        cannot; fallback: through host memory."""
+
+    @hookspec
+    def buffer_clear(self, buffer, value: int) -> None:
+        """Fill the whole buffer with the byte ``value``. Fallback: set_tensor of a filled
+        array over the buffer."""
+
+    # --- backend / stream (ggml_backend_i) --------------------------------------------------------
+    @hookspec
+    def backend_free(self, backend) -> None:
+        """Release the stream after finishing its work. Fallback: nothing."""
+
+    @hookspec
+    def set_tensor_async(self, backend, tensor, data, offset: int, size: int) -> bool:
+        """Queue a host→tensor copy on the stream; ``data`` must stay alive and unchanged
+        until the stream is synchronized (docs/ordering.md). Return False (or leave
+        unimplemented) to get the fallback: synchronize + blocking set."""
+
+    @hookspec
+    def get_tensor_async(self, backend, tensor, out, offset: int, size: int) -> bool:
+        """Queue a tensor→host copy; ``out`` is valid after a synchronize. Fallback as above."""
+
+    @hookspec
+    def cpy_tensor_async(self, backend_src, backend_dst, src, dst) -> bool:
+        """Called for the destination's plugin. Copy src into dst ordered after prior work
+        on backend_src and before later work on backend_dst, without blocking the host where
+        the hardware allows. Return False when it cannot (never silently block or copy
+        wrong). Fallback: synchronize both backends, then a blocking copy."""
+
+    @hookspec
+    def synchronize(self, backend) -> None:
+        """Block the host until all work queued on the stream has completed. Fallback:
+        nothing (a backend without it must be fully synchronous)."""
+
+    @hookspec
+    def graph_compute(self, backend, graph) -> None:
+        """*Required.* Queue the computation of every node of ``graph`` (nodes whose op is a
+        view op compute nothing). May return before completion if caps.async_. A plugin
+        should plan once per (graph.uid, graph.layout_version) and replay. Raise
+        accelplane.errors.ComputeError on failure."""
+
+    @hookspec
+    def graph_optimize(self, backend, graph) -> None:
+        """Optional reorder/fusion preparation, called once per scheduler split."""
+
+    @hookspec
+    def event_record(self, backend, event) -> None:
+        """Record ``event`` at the current end of the stream: it completes when all work
+        queued before it has. Fallback (no events): synchronize."""
+
+    @hookspec
+    def event_wait(self, backend, event) -> None:
+        """Make later work on the stream wait for ``event``, device-side where possible
+        (not by blocking the host). Fallback: event_synchronize."""
+
+    # --- comm extension (tensor parallelism) ---------------------------------------------------
+    @hookspec
+    def comm_init(self, backends) -> Any:
+        """A communicator over ``backends`` (all of this plugin), or None when the plugin
+        cannot serve that set (the SDK then uses its butterfly / ring fallback)."""
+
+    @hookspec
+    def comm_allreduce_tensor(self, comm, tensors) -> bool:
+        """Sum ``tensors`` (one per backend, same type and shape) in place on every backend,
+        asynchronously ordered on each backend's stream. Return False to ask for the SDK
+        fallback for this call."""
+
+    @hookspec
+    def comm_free(self, comm) -> None:
+        """Release a communicator."""
+
+    # --- conformance ------------------------------------------------------------------------------
+    @hookspec
+    def conformance_expected_failures(self) -> str | None:
+        """Text of the plugin's expected-failures file (``test id: reason`` lines, ``#``
+        comments) for the conformance suite, or None."""
+
+
+REQUIRED_HOOKS = frozenset(
+    {"api_version", "get_devices", "init_backend", "get_buffer_type", "supports_op",
+     "supports_buft", "buft_alloc", "buffer_set_tensor", "buffer_get_tensor", "graph_compute"}
+)  # fmt: skip
+HOOK_NAMES = tuple(n for n in vars(Specs) if not n.startswith("_"))
+# hooks new in a minor version: name -> minor that introduced it (none yet beyond 1.0)
+HOOK_MIN_MINOR: dict[str, int] = {}

@@ -1,0 +1,274 @@
+"""Plugin discovery and registration: entry points → validated plugins → devices.
+
+Each entry point of the ``accelplane.plugins`` group is loaded in its own try block; a
+plugin that fails (import error, wrong API major, hookimpl that does not match its spec,
+missing required hook, error or nothing from get_devices) is recorded in
+``Registry.failures`` with the stage and reason, and the host carries on.
+
+Environment:
+  ACCELPLANE_PLUGINS          comma list: load only these; a listed plugin that fails or is
+                              missing raises PluginLoadError (loud, like JAX_PLATFORMS)
+  ACCELPLANE_DISABLE_PLUGINS  comma list: never load these
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from .backend import Device
+from .errors import APIVersionError, DeviceError, PluginLoadError
+from .hookspecs import API_VERSION, HOOK_MIN_MINOR, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, Specs
+from .hookspecs import DeviceType
+
+GROUP = "accelplane.plugins"
+
+
+@dataclass
+class Plugin:
+    """A registered plugin: its dispatch table (hook name → function) and devices."""
+
+    name: str
+    module: Any
+    api_version: tuple[int, int]
+    version: str
+    fn: dict[str, Any]
+    devices: list[Device] = field(default_factory=list)
+
+
+@dataclass
+class Failure:
+    name: str
+    stage: str  # import | api_version | validate | devices | allowlist
+    reason: str
+    detail: str = ""
+
+
+def _parse_list(var: str) -> list[str] | None:
+    v = os.environ.get(var, "").strip()
+    return [x.strip() for x in v.split(",") if x.strip()] if v else None
+
+
+def _dist_version(ep: metadata.EntryPoint) -> str:
+    try:
+        return ep.dist.version if ep.dist is not None else "?"
+    except Exception:  # pragma: no cover - broken metadata
+        return "?"
+
+
+class Registry:
+    """The process-wide set of plugins and devices (ggml_backend_registry)."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(Specs)
+        self.plugins: dict[str, Plugin] = {}
+        self.failures: list[Failure] = []
+        self.devices: list[Device] = []
+        self._lock = threading.RLock()
+
+    # --- discovery ------------------------------------------------------------------------------
+    def discover(self) -> None:
+        """Load every entry point of the group (subject to the allow/block lists)."""
+        allow = _parse_list("ACCELPLANE_PLUGINS")
+        block = set(_parse_list("ACCELPLANE_DISABLE_PLUGINS") or [])
+        eps = sorted(metadata.entry_points(group=GROUP), key=lambda e: (e.name == "cpu", e.name))
+        found = set()
+        for ep in eps:
+            if ep.name in found:  # the same distribution seen twice on sys.path
+                continue
+            found.add(ep.name)
+            if ep.name in block or (allow is not None and ep.name not in allow):
+                continue
+            try:
+                module = ep.load()
+            except Exception as e:
+                self._fail(ep.name, "import", f"{type(e).__name__}: {e}", allow)
+                continue
+            self.register(module, ep.name, version=_dist_version(ep), _allow=allow)
+        if allow is not None:
+            missing = [n for n in allow if n not in found]
+            if missing:
+                raise PluginLoadError(
+                    f"ACCELPLANE_PLUGINS names {', '.join(missing)}, which no installed "
+                    f"distribution provides (installed: {', '.join(sorted(found)) or 'none'})"
+                )
+
+    def _fail(self, name: str, stage: str, reason: str, allow: list[str] | None = None) -> None:
+        self.failures.append(Failure(name, stage, reason, traceback.format_exc(limit=3)))
+        if allow is not None and name in allow:
+            raise PluginLoadError(f"plugin {name!r} failed at {stage}: {reason}")
+
+    # --- registration -----------------------------------------------------------------------------
+    def register(
+        self, module: ModuleType | Any, name: str, version: str = "?", _allow=None
+    ) -> Plugin | None:
+        """Validate and register one plugin object; returns None (and records why) on failure."""
+        with self._lock:
+            if name in self.plugins:
+                self._fail(name, "validate", f"a plugin named {name!r} is already registered")
+                return None
+            # 1. API version, read before pluggy or any device code touches the plugin
+            try:
+                av = getattr(module, "api_version", None)
+                if av is None:
+                    raise APIVersionError(f"plugin {name!r} has no api_version() hook")
+                got = tuple(av())
+                if len(got) != 2 or got[0] != API_VERSION[0]:
+                    raise APIVersionError(
+                        f"plugin {name!r} implements backend API {got[0]}.{got[1] if len(got) > 1 else '?'}"
+                        f", this accelplane implements {API_VERSION[0]}.{API_VERSION[1]} "
+                        "(major versions must match)"
+                    )
+            except Exception as e:
+                self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
+                return None
+            # 2. pluggy validation (argument names, unknown hooks), then required hooks
+            try:
+                self.pm.register(module, name=name)
+                try:
+                    self.pm.check_pending()
+                except pluggy.PluginValidationError as e:
+                    raise PluginLoadError(str(e)) from e
+                fn = self._dispatch_table(module, got)
+                missing = sorted(REQUIRED_HOOKS - fn.keys())
+                if missing:
+                    raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
+            except Exception as e:
+                if self.pm.is_registered(module):
+                    self.pm.unregister(module)
+                self._fail(name, "validate", f"{type(e).__name__}: {e}", _allow)
+                return None
+            plugin = Plugin(name, module, got, version, fn)
+            # 3. devices (first call allowed to open the runtime)
+            try:
+                specs = list(fn["get_devices"]())
+                if not specs:
+                    raise DeviceError("plugin reports no devices")
+                for s in specs:
+                    if not isinstance(s.type, DeviceType):
+                        raise PluginLoadError(f"device {s.name!r}: type must be a DeviceType")
+                plugin.devices = [Device(plugin, s, i) for i, s in enumerate(specs)]
+            except Exception as e:
+                self.pm.unregister(module)
+                self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow)
+                return None
+            names = {d.name for d in self.devices}
+            clash = [d.name for d in plugin.devices if d.name in names]
+            if clash:
+                self.pm.unregister(module)
+                self._fail(name, "devices", f"device names already taken: {', '.join(clash)}")
+                return None
+            self.plugins[name] = plugin
+            # CPU devices last, like ggml (the scheduler's last backend is the CPU)
+            self.devices = sorted(
+                self.devices + plugin.devices, key=lambda d: d.type == DeviceType.CPU
+            )
+            return plugin
+
+    def _dispatch_table(self, module: Any, version: tuple[int, int]) -> dict[str, Any]:
+        """hook name → this plugin's function, resolved once (the hot path skips pm.hook)."""
+        fn: dict[str, Any] = {}
+        for hname in HOOK_NAMES:
+            if HOOK_MIN_MINOR.get(hname, 0) > version[1]:
+                continue
+            for impl in getattr(self.pm.hook, hname).get_hookimpls():
+                if impl.plugin is module:
+                    fn[hname] = impl.function
+        return fn
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            p = self.plugins.pop(name)
+            self.pm.unregister(p.module)
+            self.devices = [d for d in self.devices if d.plugin is not p]
+
+    # --- lookups ----------------------------------------------------------------------------------
+    def device(self, name: str) -> Device:
+        """Device by name (case-insensitive), e.g. 'CPU', 'Vulkan0'."""
+        for d in self.devices:
+            if d.name.lower() == name.lower():
+                return d
+        raise DeviceError(
+            f"no device named {name!r}; devices: {', '.join(d.name for d in self.devices) or 'none'}"
+        )
+
+    def devices_of(self, plugin: str) -> list[Device]:
+        if plugin not in self.plugins:
+            why = [f.reason for f in self.failures if f.name == plugin]
+            raise DeviceError(
+                f"plugin {plugin!r} is not loaded"
+                + (f": {why[0]}" if why else f"; loaded: {', '.join(self.plugins) or 'none'}")
+            )
+        return self.plugins[plugin].devices
+
+    def best_device(self) -> Device:
+        """GPU, else IGPU, else ACCEL, else CPU (ggml_backend_init_best)."""
+        for t in (DeviceType.GPU, DeviceType.IGPU, DeviceType.ACCEL, DeviceType.CPU):
+            for d in self.devices:
+                if d.type == t:
+                    return d
+        raise DeviceError("no devices registered")
+
+    def info(self) -> dict:
+        """Everything `accelplane devices --json` prints."""
+        from . import __version__
+
+        return {
+            "accelplane": __version__,
+            "api_version": list(API_VERSION),
+            "plugins": [
+                {
+                    "name": p.name,
+                    "version": p.version,
+                    "api_version": list(p.api_version),
+                    "devices": [
+                        {
+                            "name": d.name,
+                            "description": d.description,
+                            "type": d.type.value,
+                            "memory_free": d.memory()[0],
+                            "memory_total": d.memory()[1],
+                            "caps": {
+                                "async": d.caps.async_,
+                                "host_buffer": d.caps.host_buffer,
+                                "events": d.caps.events,
+                            },
+                        }
+                        for d in p.devices
+                    ],
+                }
+                for p in self.plugins.values()
+            ],
+            "failures": [{"name": f.name, "stage": f.stage, "reason": f.reason} for f in self.failures],
+        }
+
+
+_registry: Registry | None = None
+_reg_lock = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, discovering plugins on first use."""
+    global _registry
+    if _registry is None:
+        with _reg_lock:
+            if _registry is None:
+                r = Registry()
+                r.discover()
+                _registry = r
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the registry (tests; the next get_registry() discovers again)."""
+    global _registry
+    with _reg_lock:
+        _registry = None

@@ -1,0 +1,310 @@
+"""Tensor: a ggml-style 4-D tensor description (type, ne[4], nb[4], op, sources, view, placement).
+
+Two views of the same object:
+
+* plugin code reads ``t.ne`` / ``t.nb`` exactly as ggml's (``ne[0]`` innermost, strides in bytes)
+  and ``t.op_params`` laid out as ggml's op_params;
+* host code reads ``t.shape`` / ``t.strides`` numpy-ordered (outermost first) and moves data with
+  ``t.set(array)`` / ``t.get()`` / ``np.asarray(t)``.
+
+Invariant (llama.cpp #22197): a view never owns memory: ``t.buffer`` of a view is always its
+``view_src``'s buffer, and ``t.offs == view_src.offs + view_offs``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import IntFlag
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import BufferFreedError, DeviceError, OutOfRangeError, ShapeError
+from .types import TRAITS, GGMLType, np_dtype, parse_type, row_size
+
+if TYPE_CHECKING:
+    from .backend import Buffer
+    from .ops import Op
+
+GGML_MAX_DIMS = 4
+_ids = itertools.count()
+
+
+class TensorFlag(IntFlag):
+    NONE = 0
+    INPUT = 1  # graph input: allocated first, never overwritten by the allocator
+    OUTPUT = 2  # graph output: never freed or reused by the allocator
+    PARAM = 4  # a weight (model parameter)
+
+
+def contiguous_strides(type_: GGMLType, ne: tuple[int, int, int, int]) -> tuple[int, ...]:
+    """ggml's strides of a contiguous tensor of ``ne`` (bytes; row 0 is a packed row)."""
+    tr = TRAITS[type_]
+    nb0 = tr.type_size
+    nb1 = row_size(type_, ne[0])
+    nb2 = nb1 * ne[1]
+    nb3 = nb2 * ne[2]
+    return (nb0, nb1, nb2, nb3)
+
+
+class Tensor:
+    """A node or leaf of a compute graph. Create them through a :class:`~accelplane.graph.Context`.
+
+    Attributes are ggml's: ``type``, ``ne``, ``nb``, ``op``, ``op_params``, ``src``,
+    ``view_src``, ``view_offs``, ``buffer`` (a Buffer handle or None), ``offs`` (byte offset of
+    element 0 in the buffer), ``flags``, ``name``; ``extra`` is free for the plugin that owns
+    the buffer (ggml's tensor->extra); ``ndim`` is the host-facing rank.
+    """
+
+    __slots__ = (
+        "type", "ne", "nb", "op", "op_params", "src", "view_src", "view_offs",
+        "buffer", "offs", "flags", "name", "extra", "ndim", "uid", "__weakref__",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        type_: GGMLType | str | int,
+        ne: tuple[int, ...],
+        nb: tuple[int, ...] | None = None,
+        *,
+        op: Op | None = None,
+        op_params: tuple = (),
+        src: tuple[Tensor | None, ...] = (),
+        view_src: Tensor | None = None,
+        view_offs: int = 0,
+        name: str = "",
+        ndim: int | None = None,
+    ) -> None:
+        t = parse_type(type_)
+        ne = tuple(int(x) for x in ne)
+        if len(ne) > GGML_MAX_DIMS:
+            raise ShapeError(f"tensor {name!r}: at most 4 dimensions, got {len(ne)}")
+        if any(x < 0 for x in ne):
+            raise ShapeError(f"tensor {name!r}: negative dimension in ne={ne}")
+        ndim = len(ne) if ndim is None else ndim
+        ne = ne + (1,) * (GGML_MAX_DIMS - len(ne))
+        if nb is None:
+            nb = contiguous_strides(t, ne)  # raises ShapeError on a partial block
+        elif TRAITS[t].blck_size > 1 and ne[0] % TRAITS[t].blck_size:
+            raise ShapeError(f"tensor {name!r}: ne0={ne[0]} not a multiple of {t.name} block")
+        self.type = t
+        self.ne: tuple[int, int, int, int] = ne  # type: ignore[assignment]
+        self.nb: tuple[int, int, int, int] = tuple(int(x) for x in nb)  # type: ignore[assignment]
+        self.op = op
+        self.op_params = op_params
+        self.src = src
+        self.view_src = view_src
+        self.view_offs = view_offs
+        self.buffer: Buffer | None = None
+        self.offs = 0
+        self.flags = TensorFlag.NONE
+        self.name = name
+        self.extra: Any = None
+        self.ndim = max(0, min(ndim, GGML_MAX_DIMS))
+        self.uid = next(_ids)
+        if view_src is not None:
+            # a view of a view points at the memory owner (ggml does the same)
+            while view_src.view_src is not None:
+                self.view_offs += view_src.view_offs
+                view_src = view_src.view_src
+            self.view_src = view_src
+            if view_src.buffer is not None:
+                self.buffer = view_src.buffer
+                self.offs = view_src.offs + self.view_offs
+
+    # --- ggml facts --------------------------------------------------------------------
+    @property
+    def nelements(self) -> int:
+        n0, n1, n2, n3 = self.ne
+        return n0 * n1 * n2 * n3
+
+    @property
+    def nrows(self) -> int:
+        return self.ne[1] * self.ne[2] * self.ne[3]
+
+    @property
+    def nbytes(self) -> int:
+        """ggml_nbytes: the byte span from element 0 to the end of the last element."""
+        if any(x <= 0 for x in self.ne):
+            return 0
+        bs = TRAITS[self.type].blck_size
+        if bs == 1:
+            n = TRAITS[self.type].type_size
+            for i in range(4):
+                n += (self.ne[i] - 1) * self.nb[i]
+            return n
+        n = self.ne[0] * self.nb[0] // bs
+        for i in range(1, 4):
+            n += (self.ne[i] - 1) * self.nb[i]
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        return row_size(self.type, self.ne[0])
+
+    def is_contiguous(self) -> bool:
+        """Packed in ggml order, ignoring strides of dimensions of size 1 (ggml_is_contiguous)."""
+        nxt = TRAITS[self.type].type_size
+        for i in range(4):
+            if self.ne[i] != 1:
+                if self.nb[i] != nxt:
+                    return False
+                nxt *= self.ne[i] if i else self.ne[0] // TRAITS[self.type].blck_size
+            elif i == 0:
+                nxt = row_size(self.type, self.ne[0])
+        return True
+
+    def is_contiguous_rows(self) -> bool:
+        """Each row (ne[0] elements) is packed; rows may be anywhere (ggml_is_contiguous_rows)."""
+        return self.ne[0] == 1 or self.nb[0] == TRAITS[self.type].type_size
+
+    def is_transposed(self) -> bool:
+        return self.nb[0] > self.nb[1]
+
+    def is_permuted(self) -> bool:
+        nb = self.nb
+        return nb[0] > nb[1] or nb[1] > nb[2] or nb[2] > nb[3]
+
+    @property
+    def is_view(self) -> bool:
+        return self.view_src is not None
+
+    @property
+    def data_owner(self) -> Tensor:
+        return self.view_src if self.view_src is not None else self
+
+    # --- host-facing (numpy-ordered) ----------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne[: self.ndim]))
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return tuple(reversed(self.nb[: self.ndim]))
+
+    @property
+    def dtype(self) -> np.dtype:
+        """numpy dtype of get(): the element dtype, float32 for block-quantized types."""
+        return np.dtype(np.float32) if self.type.is_quantized else np_dtype(self.type)
+
+    def set_input(self) -> Tensor:
+        self.flags |= TensorFlag.INPUT
+        return self
+
+    def set_output(self) -> Tensor:
+        self.flags |= TensorFlag.OUTPUT
+        return self
+
+    def set_param(self) -> Tensor:
+        self.flags |= TensorFlag.PARAM
+        return self
+
+    def set_name(self, name: str) -> Tensor:
+        self.name = name
+        return self
+
+    def __repr__(self) -> str:
+        op = f" op={self.op.name}" if self.op is not None else ""
+        where = f" @{self.buffer.name}+{self.offs}" if self.buffer is not None else ""
+        return f"Tensor({self.name or '#%d' % self.uid!s} {self.type.name} ne={list(self.ne)}{op}{where})"
+
+    # --- data movement (ggml_backend_tensor_set/get; fallbacks live in Buffer) -------------
+    def _check_range(self, offset: int, size: int) -> Buffer:
+        buf = self.buffer
+        if buf is None:
+            raise DeviceError(f"tensor {self.name or self.uid!r} is not allocated in any buffer")
+        if buf.freed:
+            raise BufferFreedError(
+                f"tensor {self.name or self.uid!r}: its buffer {buf.name!r} was freed"
+            )
+        if offset < 0 or size < 0 or offset + size > self.nbytes:
+            raise OutOfRangeError(
+                f"tensor {self.name or self.uid!r}: bytes [{offset}, {offset + size}) are outside "
+                f"its {self.nbytes} bytes"
+            )
+        return buf
+
+    def set_bytes(self, data: bytes | bytearray | memoryview | np.ndarray, offset: int = 0) -> None:
+        """Write raw bytes at byte ``offset`` of the tensor's data (ggml_backend_tensor_set)."""
+        arr = _as_u8(data)
+        buf = self._check_range(offset, arr.size)
+        if arr.size:
+            buf.set_tensor(self, arr, offset, arr.size)
+
+    def get_bytes(self, offset: int = 0, size: int | None = None) -> np.ndarray:
+        """Read raw bytes (ggml_backend_tensor_get) into a new uint8 array."""
+        size = self.nbytes - offset if size is None else size
+        buf = self._check_range(offset, size)
+        out = np.empty(size, np.uint8)
+        if size:
+            buf.get_tensor(self, out, offset, size)
+        return out
+
+    def set(self, value: Any) -> Tensor:
+        """Write a numpy-compatible array of ``self.shape`` (converted and quantized as needed)."""
+        from .types import quantize
+
+        arr = np.asarray(value)
+        if arr.shape != self.shape and arr.size == self.nelements and arr.ndim <= 1:
+            arr = arr.reshape(self.shape)
+        if arr.shape != self.shape:
+            raise ShapeError(
+                f"tensor {self.name or self.uid!r}: cannot set an array of shape {arr.shape} "
+                f"into a tensor of shape {self.shape}"
+            )
+        full = arr.reshape(tuple(reversed(self.ne)))
+        if self.type.is_quantized:
+            raw = quantize(self.type, np.ascontiguousarray(full, np.float32))
+        else:
+            raw = np.ascontiguousarray(full, dtype=np_dtype(self.type))
+        if self.is_contiguous():
+            self.set_bytes(raw.reshape(-1).view(np.uint8))
+            return self
+        # strided: read-modify-write the byte span through a strided numpy view
+        span = self.get_bytes()
+        strided_view(self, span)[...] = raw
+        self.set_bytes(span)
+        return self
+
+    def get(self) -> np.ndarray:
+        """A new numpy array of ``self.shape`` with the tensor's values (dequantized to f32)."""
+        from .types import dequantize
+
+        span = self.get_bytes()
+        view = strided_view(self, span)
+        if self.type.is_quantized:
+            out = dequantize(self.type, np.ascontiguousarray(view), self.ne[0])
+        else:
+            out = np.array(view)
+        return out.reshape(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.get()
+        return a if dtype is None else a.astype(dtype)
+
+
+def _as_u8(data: Any) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+
+
+def _row_shape(t: Tensor) -> tuple[int, ...]:
+    return (t.ne[3], t.ne[2], t.ne[1], t.row_bytes)
+
+
+def strided_view(t: Tensor, span: np.ndarray) -> np.ndarray:
+    """numpy view over ``span`` (the tensor's bytes starting at element 0), ne reversed.
+
+    Element types give an array of ``reversed(ne)``; block types give rows of raw bytes
+    ``[ne3, ne2, ne1, row_bytes]``.
+    """
+    if t.type.is_quantized:
+        return np.lib.stride_tricks.as_strided(
+            span, _row_shape(t), (t.nb[3], t.nb[2], t.nb[1], 1), writeable=True
+        )
+    return np.lib.stride_tricks.as_strided(
+        span.view(np_dtype(t.type)), tuple(reversed(t.ne)), tuple(reversed(t.nb)), writeable=True
+    )
