@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 
 from .errors import ShapeError
 from .ops import (
-    RULES,
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORMAL,
+    RULES,
     GluOp,
     Op,
     SortOrder,

@@ -25,10 +25,18 @@ import pluggy
 
 from .backend import Device
 from .errors import APIVersionError, DeviceError, PluginLoadError
-from .hookspecs import API_VERSION, HOOK_MIN_MINOR, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, Specs
-from .hookspecs import DeviceType
+from .hookspecs import (
+    API_VERSION,
+    HOOK_MIN_MINOR,
+    HOOK_NAMES,
+    PROJECT,
+    REQUIRED_HOOKS,
+    DeviceType,
+    Specs,
+)
 
 GROUP = "accelplane.plugins"
+EVENT_HOOKS = frozenset({"event_new", "event_record", "event_synchronize"})
 
 
 @dataclass
@@ -113,7 +121,9 @@ class Registry:
         """Validate and register one plugin object; returns None (and records why) on failure."""
         with self._lock:
             if name in self.plugins:
-                self._fail(name, "validate", f"a plugin named {name!r} is already registered")
+                self._fail(
+                    name, "validate", f"a plugin named {name!r} is already registered", _allow
+                )
                 return None
             # 1. API version, read before pluggy or any device code touches the plugin
             try:
@@ -122,10 +132,10 @@ class Registry:
                     raise APIVersionError(f"plugin {name!r} has no api_version() hook")
                 got = tuple(av())
                 if len(got) != 2 or got[0] != API_VERSION[0]:
+                    theirs = ".".join(str(x) for x in got)
                     raise APIVersionError(
-                        f"plugin {name!r} implements backend API {got[0]}.{got[1] if len(got) > 1 else '?'}"
-                        f", this accelplane implements {API_VERSION[0]}.{API_VERSION[1]} "
-                        "(major versions must match)"
+                        f"plugin {name!r} implements backend API {theirs}, this accelplane "
+                        f"implements {API_VERSION[0]}.{API_VERSION[1]} (major versions must match)"
                     )
             except Exception as e:
                 self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
@@ -141,6 +151,12 @@ class Registry:
                 missing = sorted(REQUIRED_HOOKS - fn.keys())
                 if missing:
                     raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
+                if "event_new" in fn:  # events come as a group: Event calls these directly
+                    missing = sorted(EVENT_HOOKS - fn.keys())
+                    if missing:
+                        raise PluginLoadError(
+                            f"event_new is implemented but not {', '.join(missing)}"
+                        )
             except Exception as e:
                 if self.pm.is_registered(module):
                     self.pm.unregister(module)
@@ -160,11 +176,18 @@ class Registry:
                 self.pm.unregister(module)
                 self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow)
                 return None
-            names = {d.name for d in self.devices}
-            clash = [d.name for d in plugin.devices if d.name in names]
+            # device names are looked up case-insensitively: unique across all plugins
+            taken = {d.name.lower() for d in self.devices}
+            clash = []
+            for d in plugin.devices:
+                if d.name.lower() in taken:
+                    clash.append(d.name)
+                taken.add(d.name.lower())
             if clash:
                 self.pm.unregister(module)
-                self._fail(name, "devices", f"device names already taken: {', '.join(clash)}")
+                self._fail(
+                    name, "devices", f"device names already taken: {', '.join(clash)}", _allow
+                )
                 return None
             self.plugins[name] = plugin
             # CPU devices last, like ggml (the scheduler's last backend is the CPU)
@@ -174,14 +197,19 @@ class Registry:
             return plugin
 
     def _dispatch_table(self, module: Any, version: tuple[int, int]) -> dict[str, Any]:
-        """hook name → this plugin's function, resolved once (the hot path skips pm.hook)."""
+        """hook name → this plugin's function, resolved once (the hot path skips pm.hook).
+
+        Handles call these positionally with the spec's arguments. pluggy lets an impl take
+        a subset of them, in any order (it passes them by name); such an impl gets an adapter
+        that picks its arguments, so it sees what pluggy would give it."""
         fn: dict[str, Any] = {}
         for hname in HOOK_NAMES:
             if HOOK_MIN_MINOR.get(hname, 0) > version[1]:
                 continue
-            for impl in getattr(self.pm.hook, hname).get_hookimpls():
+            hook = getattr(self.pm.hook, hname)
+            for impl in hook.get_hookimpls():
                 if impl.plugin is module:
-                    fn[hname] = impl.function
+                    fn[hname] = _bind(impl, hook.spec.argnames)
         return fn
 
     def unregister(self, name: str) -> None:
@@ -197,7 +225,8 @@ class Registry:
             if d.name.lower() == name.lower():
                 return d
         raise DeviceError(
-            f"no device named {name!r}; devices: {', '.join(d.name for d in self.devices) or 'none'}"
+            f"no device named {name!r}; devices: "
+            f"{', '.join(d.name for d in self.devices) or 'none'}"
         )
 
     def devices_of(self, plugin: str) -> list[Device]:
@@ -234,8 +263,8 @@ class Registry:
                             "name": d.name,
                             "description": d.description,
                             "type": d.type.value,
-                            "memory_free": d.memory()[0],
-                            "memory_total": d.memory()[1],
+                            "memory_free": _memory(d)[0],
+                            "memory_total": _memory(d)[1],
                             "caps": {
                                 "async": d.caps.async_,
                                 "host_buffer": d.caps.host_buffer,
@@ -247,8 +276,32 @@ class Registry:
                 }
                 for p in self.plugins.values()
             ],
-            "failures": [{"name": f.name, "stage": f.stage, "reason": f.reason} for f in self.failures],
+            "failures": [
+                {"name": f.name, "stage": f.stage, "reason": f.reason} for f in self.failures
+            ],
         }
+
+
+def _bind(impl: Any, spec_args: tuple[str, ...]) -> Any:
+    """The impl's function, or an adapter when it takes a subset/reordering of spec_args."""
+    f = impl.function
+    if tuple(impl.argnames) == tuple(spec_args):
+        return f
+    idx = tuple(spec_args.index(a) for a in impl.argnames)
+
+    def adapter(*args: Any) -> Any:
+        return f(*[args[i] for i in idx])
+
+    adapter.__wrapped__ = f  # type: ignore[attr-defined]
+    return adapter
+
+
+def _memory(d: Device) -> tuple[int, int]:
+    """device.memory() for listings: a plugin whose device_memory raises shows (0, 0)."""
+    try:
+        return d.memory()
+    except Exception:
+        return (0, 0)
 
 
 _registry: Registry | None = None

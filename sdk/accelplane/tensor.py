@@ -206,7 +206,8 @@ class Tensor:
     def __repr__(self) -> str:
         op = f" op={self.op.name}" if self.op is not None else ""
         where = f" @{self.buffer.name}+{self.offs}" if self.buffer is not None else ""
-        return f"Tensor({self.name or '#%d' % self.uid!s} {self.type.name} ne={list(self.ne)}{op}{where})"
+        label = self.name or f"#{self.uid}"
+        return f"Tensor({label} {self.type.name} ne={list(self.ne)}{op}{where})"
 
     # --- data movement (ggml_backend_tensor_set/get; fallbacks live in Buffer) -------------
     def _check_range(self, offset: int, size: int) -> Buffer:

@@ -296,10 +296,13 @@ def _mul_mat_id(t: Tensor) -> Step:
 def _dequant_rows(ty: GGMLType, rows: np.ndarray, ne0: int) -> np.ndarray:
     from . import kernels
 
-    return kernels.dequantize(ty, rows, ne0)
+    out = np.empty((rows.shape[0], ne0), F32)
+    return kernels.dequantize(ty, rows, out)
 
 
 def _get_rows(t: Tensor) -> Step:
+    from . import kernels
+
     a, idx = t.src
     av, iv, dv = host_view(a), host_view(idx), host_view(t)
     n_rows = a.ne[1]
@@ -310,11 +313,10 @@ def _get_rows(t: Tensor) -> Step:
             raise ComputeError(f"GET_ROWS {t.name}: row index out of range 0..{n_rows - 1}")
         for i3 in range(ix.shape[0]):
             for i2 in range(ix.shape[1]):
-                rows = av[i3, i2][ix[i3, i2]]
                 if a.type.is_quantized:
-                    dv[i3, i2] = _dequant_rows(a.type, rows, a.ne[0])
+                    kernels.dequantize(a.type, av[i3, i2], dv[i3, i2], rows=ix[i3, i2])
                 else:
-                    dv[i3, i2] = rows
+                    dv[i3, i2] = av[i3, i2][ix[i3, i2]]
 
     return step
 

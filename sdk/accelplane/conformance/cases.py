@@ -1,0 +1,451 @@
+"""The op cases of the conformance suite: every op × type × shape of the catalog.
+
+A case builds a small graph whose output node is the op under test, says how its leaves are
+initialized and what error it may have against the float64 oracle (ggml's test-backend-ops
+thresholds: NMSE 1e-7 by default, 5e-4 for matrix products, one quantization step for
+quantizing copies). Shapes include non-contiguous sources (permuted and strided views),
+sizes that are not multiples of 32 or of a vector width, K tails, broadcasting and long rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..graph import Context
+from ..ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, GluOp, SortOrder, UnaryOp
+from ..tensor import Tensor
+from ..types import GGMLType
+
+T = GGMLType
+Init = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]
+
+
+@dataclass
+class OpCase:
+    """One conformance case. ``build(ctx)`` returns the output node; ``inits`` maps a leaf
+    name to its initializer (default: uniform in [-1, 1])."""
+
+    op: str
+    params: dict
+    build: Callable[[Context], Tensor]
+    max_nmse: float = 1e-7
+    inits: dict[str, Init] = field(default_factory=dict)
+    exact: bool = False  # integer results must match exactly
+    thorough_only: bool = False
+
+    @property
+    def id(self) -> str:
+        inner = ",".join(f"{k}={_fmt(v)}" for k, v in self.params.items())
+        return f"{self.op}({inner})"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, GGMLType):
+        return v.name.lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def uniform(lo: float, hi: float) -> Init:
+    return lambda rng, shape: rng.uniform(lo, hi, shape)
+
+
+def ints(lo: int, hi: int) -> Init:
+    """Integers in [lo, hi)."""
+    return lambda rng, shape: rng.integers(lo, hi, shape)
+
+
+def perm_rows(n: int) -> Init:
+    """Distinct row indices (a permutation prefix of range(n)) along the last axis."""
+
+    def init(rng, shape):
+        flat = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        out = np.stack([rng.permutation(n)[: shape[-1]] for _ in range(flat)])
+        return out.reshape(shape)
+
+    return init
+
+
+def leaf(ctx: Context, type_: GGMLType, ne, name: str, perm=None, strided: bool = False) -> Tensor:
+    """A source of logical ``ne`` (ggml order). ``perm`` makes it a permuted (non-contiguous)
+    view of a leaf; ``strided`` a view whose rows skip elements (nb1 > row bytes)."""
+    ne = list(ne) + [1] * (4 - len(ne))
+    if perm is not None:
+        inv = [0] * 4
+        for i, p in enumerate(perm):
+            inv[p] = i
+        base = ctx.new_tensor_ne(type_, *[ne[inv[i]] for i in range(4)], name=name)
+        return ctx.permute(base, *perm)
+    if strided:
+        pad = type_.blck_size if type_.is_quantized else 3
+        base = ctx.new_tensor_ne(type_, ne[0] + pad, *ne[1:], name=name)
+        return ctx.view(base, ne, base.nb, 0)
+    return ctx.new_tensor_ne(type_, *ne, name=name)
+
+
+# --- generators, one per op family ---------------------------------------------------------------
+def _binary() -> Iterator[OpCase]:
+    from ..graph import Context as C
+
+    fns = {"ADD": C.add, "SUB": C.sub, "MUL": C.mul, "DIV": C.div}
+    shapes = [  # (ne_a, ne_b)
+        ((16, 5, 4, 3), (16, 5, 4, 3)),
+        ((10, 5, 4, 3), (10, 1, 1, 1)),
+        ((10, 5, 4, 3), (1, 5, 1, 1)),
+        ((10, 5, 4, 3), (5, 5, 2, 3)),
+        ((1, 1, 1, 1), (1, 1, 1, 1)),
+        ((33, 7, 1, 1), (33, 7, 1, 1)),
+        ((4099, 2, 1, 1), (4099, 1, 1, 1)),
+    ]
+    for name, fn in fns.items():
+        for ta in (T.F32, T.F16, T.BF16):
+            for ne_a, ne_b in shapes:
+                for perm in (None, (0, 2, 1, 3)):
+                    if perm and ne_a[0] == 1:
+                        continue
+
+                    def build(ctx, fn=fn, ta=ta, ne_a=ne_a, ne_b=ne_b, perm=perm):
+                        a = leaf(ctx, ta, ne_a, "a", perm)
+                        b = leaf(ctx, ta, ne_b, "b")
+                        return fn(ctx, a, b)
+
+                    inits = {"b": uniform(0.5, 1.5)} if name == "DIV" else {}
+                    yield OpCase(name, {"type": ta, "ne_a": ne_a, "ne_b": ne_b, "perm": perm},
+                                 build, _float_thr(ta), inits)  # fmt: skip
+
+
+def _float_thr(t: GGMLType) -> float:
+    # the oracle rounds results to the storage type, so only f32-vs-f64 rounding remains;
+    # half types can land one ulp apart where the f32 value sits on a rounding boundary
+    return {T.F32: 1e-7, T.F16: 1e-6, T.BF16: 5e-5}.get(t, 1e-7)
+
+
+_UNARIES = {
+    "SQR": (lambda c, a: c.sqr(a), None),
+    "SQRT": (lambda c, a: c.sqrt(a), uniform(0.01, 2.0)),
+    "LOG": (lambda c, a: c.log(a), uniform(0.05, 2.0)),
+    "SIN": (lambda c, a: c.sin(a), uniform(-6, 6)),
+    "COS": (lambda c, a: c.cos(a), uniform(-6, 6)),
+    "SCALE": (lambda c, a: c.scale(a, 1.7, -0.25), None),
+    "CLAMP": (lambda c, a: c.clamp(a, -0.5, 0.5), None),
+    "LEAKY_RELU": (lambda c, a: c.leaky_relu(a, 0.1), None),
+}
+for _u in UnaryOp:
+    _UNARIES[_u.name] = (lambda c, a, u=_u: c.unary(a, u), uniform(-4, 4))
+
+
+def _unary() -> Iterator[OpCase]:
+    shapes = [(16, 5, 2, 1), (7, 3, 1, 1), (1, 1, 1, 1), (1031, 3, 1, 1)]
+    for name, (fn, init) in _UNARIES.items():
+        for ta in (T.F32, T.F16, T.BF16):
+            for ne in shapes:
+                for perm in (None, (1, 0, 2, 3)):
+                    if perm and ne[0] == 1:
+                        continue
+
+                    def build(ctx, fn=fn, ta=ta, ne=ne, perm=perm):
+                        return fn(ctx, leaf(ctx, ta, ne, "a", perm))
+
+                    thr = _float_thr(ta)
+                    if name in ("EXP",) and ta == T.BF16:
+                        thr = 1e-4
+                    yield OpCase(name, {"type": ta, "ne": ne, "perm": perm}, build, thr,
+                                 {"a": init} if init else {})  # fmt: skip
+
+
+def _glu() -> Iterator[OpCase]:
+    for op in GluOp:
+        for ta in (T.F32, T.F16):
+            for ne in ((32, 4, 2, 1), (22, 3, 1, 1), (2, 1, 1, 1)):
+                for split in (False, True):
+                    for swapped in ((False,) if split else (False, True)):
+
+                        def build(ctx, op=op, ta=ta, ne=ne, split=split, swapped=swapped):
+                            if split:
+                                half = (ne[0] // 2, *ne[1:])
+                                return ctx.glu(leaf(ctx, ta, half, "a"),
+                                               leaf(ctx, ta, half, "b"), op)  # fmt: skip
+                            return ctx.glu(leaf(ctx, ta, ne, "a"), None, op, swapped)
+
+                        yield OpCase(op.name, {"type": ta, "ne": ne, "split": split,
+                                               "swapped": swapped}, build, _float_thr(ta),
+                                     {"a": uniform(-3, 3)})  # fmt: skip
+
+
+def _norms() -> Iterator[OpCase]:
+    for name in ("NORM", "RMS_NORM", "L2_NORM"):
+        for ne in ((64, 5, 4, 3), (33, 2, 1, 1), (1, 3, 1, 1), (4097, 2, 1, 1)):
+            for variant in (None, "perm", "strided"):
+                if variant == "perm" and ne[1] == 1:
+                    continue
+                for eps in (1e-6,):
+
+                    def build(ctx, name=name, ne=ne, variant=variant, eps=eps):
+                        perm = (0, 2, 1, 3) if variant == "perm" else None
+                        a = leaf(ctx, T.F32, ne, "a", perm, strided=variant == "strided")
+                        f = {"NORM": ctx.norm, "RMS_NORM": ctx.rms_norm, "L2_NORM": ctx.l2_norm}
+                        return f[name](a, eps)
+
+                    thr = 1e-6 if ne[0] == 1 and name == "NORM" else 1e-7
+                    yield OpCase(name, {"ne": ne, "v": variant, "eps": eps}, build, thr)
+
+
+def _soft_max() -> Iterator[OpCase]:
+    for ne in ((16, 5, 4, 1), (33, 7, 2, 3), (1, 1, 1, 1), (1500, 2, 1, 1)):
+        for mask in (None, T.F32, T.F16):
+            for scale, max_bias in ((1.0, 0.0), (0.125, 0.0), (0.5, 8.0)):
+                if max_bias and mask is None:
+                    continue
+
+                def build(ctx, ne=ne, mask=mask, scale=scale, max_bias=max_bias):
+                    a = leaf(ctx, T.F32, ne, "a")
+                    m = None
+                    if mask is not None:
+                        m = leaf(ctx, mask, (ne[0], ne[1] + 2, 1, ne[3]), "mask")
+                    return ctx.soft_max(a, m, scale, max_bias)
+
+                yield OpCase("SOFT_MAX", {"ne": ne, "mask": mask, "scale": scale,
+                                          "max_bias": max_bias}, build, 1e-7,
+                             {"a": uniform(-5, 5), "mask": uniform(-2, 0)})  # fmt: skip
+
+
+def _rope() -> Iterator[OpCase]:
+    for ta in (T.F32, T.F16):
+        for mode in (ROPE_TYPE_NORMAL, ROPE_TYPE_NEOX):
+            for ne, n_dims in (((64, 4, 5, 1), 64), ((128, 2, 3, 1), 64), ((10, 3, 7, 1), 10)):
+                for fs, ef in ((1.0, 0.0), (0.25, 1.0)):
+
+                    def build(ctx, ta=ta, mode=mode, ne=ne, n_dims=n_dims, fs=fs, ef=ef):
+                        a = leaf(ctx, ta, ne, "a")
+                        pos = ctx.new_tensor_ne(T.I32, ne[2], name="pos")
+                        return ctx.rope(a, pos, n_dims, mode, n_ctx_orig=512, freq_base=10000.0,
+                                        freq_scale=fs, ext_factor=ef)  # fmt: skip
+
+                    yield OpCase("ROPE", {"type": ta, "mode": mode, "ne": ne, "n_dims": n_dims,
+                                          "fs": fs, "ef": ef}, build,
+                                 _float_thr(ta) if ta != T.F32 else 1e-7,
+                                 {"pos": ints(0, 200)})  # fmt: skip
+
+
+def _mul_mat() -> Iterator[OpCase]:
+    types = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+    for ta in types:
+        bs = ta.blck_size
+        ks = (bs * 8, bs * 3) if bs > 1 else (256, 67, 1)
+        for k in ks:
+            for m, n in ((16, 1), (17, 9), (33, 64), (1, 5)):
+                for batch in (((1, 1), (1, 1)), ((2, 1), (4, 3))) if (m, n) == (16, 1) else \
+                        (((1, 1), (1, 1)),):  # fmt: skip
+                    for tb in (T.F32, T.F16) if (m, n) == (17, 9) else (T.F32,):
+
+                        def build(ctx, ta=ta, tb=tb, k=k, m=m, n=n, batch=batch):
+                            (a2, a3), (b2, b3) = batch
+                            a = leaf(ctx, ta, (k, m, a2, a3), "a")
+                            b = leaf(ctx, tb, (k, n, b2, b3), "b")
+                            return ctx.mul_mat(a, b)
+
+                        yield OpCase("MUL_MAT", {"type_a": ta, "type_b": tb, "m": m, "n": n,
+                                                 "k": k, "bs": batch}, build, 5e-4)  # fmt: skip
+    # non-contiguous activations and strided weight rows
+    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0):
+        k = 64
+
+        def build_nc(ctx, ta=ta, k=k):
+            a = leaf(ctx, ta, (k, 12, 1, 1), "a", strided=True)
+            b = leaf(ctx, T.F32, (k, 5, 3, 1), "b", perm=(0, 2, 1, 3))
+            return ctx.mul_mat(a, b)
+
+        yield OpCase("MUL_MAT", {"type_a": ta, "k": k, "v": "noncont"}, build_nc, 5e-4)
+
+
+def _mul_mat_id() -> Iterator[OpCase]:
+    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K):
+        k = 256 if ta.blck_size == 256 else 64
+        for n_exp, n_used, n_tok, b1 in ((4, 2, 5, 1), (8, 3, 2, 3), (4, 1, 1, 1)):
+
+            def build(ctx, ta=ta, k=k, n_exp=n_exp, n_used=n_used, n_tok=n_tok, b1=b1):
+                a = leaf(ctx, ta, (k, 9, n_exp), "as")
+                b = leaf(ctx, T.F32, (k, b1, n_tok), "b")
+                ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
+                return ctx.mul_mat_id(a, b, ids)
+
+            yield OpCase("MUL_MAT_ID", {"type_a": ta, "n_exp": n_exp, "n_used": n_used,
+                                        "n_tok": n_tok, "b1": b1, "k": k}, build, 5e-4,
+                         {"ids": perm_rows(n_exp)})  # fmt: skip
+
+
+def _get_set_rows() -> Iterator[OpCase]:
+    for ta in (T.F32, T.F16, T.BF16, T.I32, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+        ne0 = ta.blck_size * 2 if ta.is_quantized else 10
+        for nr, nidx, b in ((5, 3, 1), (7, 7, 2)):
+
+            def build(ctx, ta=ta, ne0=ne0, nr=nr, nidx=nidx, b=b):
+                a = leaf(ctx, ta, (ne0, nr, b, 1), "a")
+                idx = ctx.new_tensor_ne(T.I32, nidx, b, name="idx")
+                return ctx.get_rows(a, idx)
+
+            inits = {"idx": ints(0, nr)}
+            if ta == T.I32:
+                inits["a"] = ints(-1000, 1000)
+            yield OpCase("GET_ROWS", {"type": ta, "ne0": ne0, "nr": nr, "n": nidx, "b": b},
+                         build, 1e-7, inits, exact=ta == T.I32)  # fmt: skip
+    for td in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0):
+        ne0 = 64 if td.is_quantized else 17
+        for nr, nset, b in ((8, 3, 1), (6, 6, 2)):
+
+            def build(ctx, td=td, ne0=ne0, nr=nr, nset=nset, b=b):
+                dst = leaf(ctx, td, (ne0, nr, b, 1), "dst")
+                src = leaf(ctx, T.F32, (ne0, nset, b, 1), "src")
+                idx = ctx.new_tensor_ne(T.I32, nset, b, name="idx")
+                return ctx.set_rows(dst, src, idx)
+
+            yield OpCase("SET_ROWS", {"type": td, "ne0": ne0, "nr": nr, "n": nset, "b": b},
+                         build, _quant_thr(td), {"idx": perm_rows(nr)})  # fmt: skip
+
+
+def _quant_thr(t: GGMLType) -> float:
+    """NMSE of one quantization step on uniform data (×2 margin), else the float threshold."""
+    levels = {T.Q8_0: 127, T.Q4_0: 8}.get(t)
+    if levels is None:
+        return _float_thr(t)
+    return 2.0 / (4.0 * levels * levels)
+
+
+def _copies() -> Iterator[OpCase]:
+    float_types = (T.F32, T.F16, T.BF16)
+    for ts in float_types + (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+        for td in float_types + (T.Q8_0, T.Q4_0):
+            if ts.is_quantized and td != T.F32:
+                continue
+            ne0 = 256 if ts.blck_size == 256 else 64
+            for variant in (None, "perm") if not ts.is_quantized else (None,):
+                if variant and td.is_quantized:
+                    continue
+
+                def build(ctx, ts=ts, td=td, ne0=ne0, variant=variant):
+                    perm = (1, 0, 2, 3) if variant == "perm" else None
+                    ne = (ne0, 3, 2, 1) if perm is None else (3, ne0, 2, 1)
+                    a = leaf(ctx, ts, ne, "a", perm)
+                    b = ctx.new_tensor_ne(td, *ne, name="dst")
+                    return ctx.cpy(a, b)
+
+                thr = max(_quant_thr(td), _float_thr(ts))
+                yield OpCase("CPY", {"src": ts, "dst": td, "ne0": ne0, "v": variant}, build, thr)
+    for ta in float_types + (T.I32,):
+        for perm in ((1, 0, 2, 3), (0, 2, 1, 3), (2, 1, 0, 3)):
+
+            def build_cont(ctx, ta=ta, perm=perm):
+                return ctx.cont(leaf(ctx, ta, (10, 7, 3, 2), "a", perm))
+
+            yield OpCase("CONT", {"type": ta, "perm": perm}, build_cont, 1e-7,
+                         {"a": ints(-99, 99)} if ta == T.I32 else {},
+                         exact=ta == T.I32)  # fmt: skip
+
+        def build_dup(ctx, ta=ta):
+            return ctx.dup(leaf(ctx, ta, (10, 7, 3, 2), "a"))
+
+        yield OpCase("DUP", {"type": ta}, build_dup, 1e-7,
+                     {"a": ints(-99, 99)} if ta == T.I32 else {}, exact=ta == T.I32)  # fmt: skip
+
+
+def _concat() -> Iterator[OpCase]:
+    for ta in (T.F32, T.F16, T.I32):
+        for dim in range(4):
+            for perm in (None, (0, 2, 1, 3)):
+
+                def build(ctx, ta=ta, dim=dim, perm=perm):
+                    ne_a = [11, 5, 4, 3]
+                    ne_b = list(ne_a)
+                    ne_b[dim] = 2
+                    return ctx.concat(leaf(ctx, ta, ne_a, "a", perm), leaf(ctx, ta, ne_b, "b"), dim)
+
+                inits = {"a": ints(-50, 50), "b": ints(-50, 50)} if ta == T.I32 else {}
+                yield OpCase("CONCAT", {"type": ta, "dim": dim, "perm": perm}, build, 1e-7,
+                             inits, exact=ta == T.I32)  # fmt: skip
+
+
+def _reductions() -> Iterator[OpCase]:
+    for name in ("SUM", "SUM_ROWS", "MEAN"):
+        for ta in (T.F32, T.F16):
+            for ne in ((10, 5, 4, 3), (33, 1, 1, 1), (4099, 3, 1, 1)):
+                for perm in (None, (0, 2, 1, 3)):
+
+                    def build(ctx, name=name, ta=ta, ne=ne, perm=perm):
+                        a = leaf(ctx, ta, ne, "a", perm)
+                        return {"SUM": ctx.sum, "SUM_ROWS": ctx.sum_rows, "MEAN": ctx.mean}[name](a)
+
+                    yield OpCase(name, {"type": ta, "ne": ne, "perm": perm}, build, 1e-7)
+    for ne in ((32, 10, 1, 1), (1025, 3, 1, 1), (5, 1, 1, 1)):
+
+        def build_am(ctx, ne=ne):
+            return ctx.argmax(leaf(ctx, T.F32, ne, "a"))
+
+        yield OpCase("ARGMAX", {"ne": ne}, build_am, exact=True)
+    for order in SortOrder:
+        for ne in ((16, 10, 1, 1), (60, 3, 2, 1), (1, 4, 1, 1), (1023, 2, 1, 1)):
+
+            def build_as(ctx, ne=ne, order=order):
+                return ctx.argsort(leaf(ctx, T.F32, ne, "a"), order)
+
+            yield OpCase("ARGSORT", {"ne": ne, "order": order.name}, build_as, exact=True)
+
+
+def _im2col() -> Iterator[OpCase]:
+    for dst in (T.F32, T.F16):
+        # 2-D: kernel [OC, IC, KH, KW], input [N, IC, H, W]
+        for (ic, kh, kw, h, w, n), (s0, s1, p0, p1, d0, d1) in (
+            ((3, 3, 3, 10, 9, 2), (1, 1, 1, 1, 1, 1)),
+            ((2, 2, 3, 7, 8, 1), (2, 1, 0, 2, 1, 2)),
+        ):
+
+            def build(ctx, dst=dst, ic=ic, kh=kh, kw=kw, h=h, w=w, n=n, s=(s0, s1, p0, p1, d0, d1)):
+                k = leaf(ctx, T.F16, (kw, kh, ic, 4), "kernel")
+                x = leaf(ctx, T.F32, (w, h, ic, n), "x")
+                return ctx.im2col(k, x, *s, is_2d=True, dst_type=dst)
+
+            yield OpCase("IM2COL", {"dst": dst, "ic": ic, "k": (kh, kw), "in": (h, w), "n": n,
+                                    "s": (s0, s1), "p": (p0, p1), "d": (d0, d1)}, build,
+                         _float_thr(dst))  # fmt: skip
+        for (ic, kw, w, n), (s0, p0, d0) in (((3, 3, 17, 2), (1, 1, 1)), ((2, 5, 40, 1), (3, 2, 2))):
+
+            def build1(ctx, dst=dst, ic=ic, kw=kw, w=w, n=n, s=(s0, p0, d0)):
+                k = leaf(ctx, T.F16, (kw, ic, 4), "kernel")
+                x = leaf(ctx, T.F32, (w, ic, n), "x")
+                return ctx.im2col(k, x, s[0], 1, s[1], 0, s[2], 1, is_2d=False, dst_type=dst)
+
+            yield OpCase("IM2COL", {"dst": dst, "1d": True, "ic": ic, "k": kw, "in": w, "n": n,
+                                    "s": s0, "p": p0, "d": d0}, build1,
+                         _float_thr(dst))  # fmt: skip
+
+
+def _col2im() -> Iterator[OpCase]:
+    for k, oc, t_in, b, s0, p0 in ((3, 4, 10, 1, 1, 0), (4, 2, 7, 2, 2, 1), (5, 3, 9, 1, 3, 2)):
+
+        def build(ctx, k=k, oc=oc, t_in=t_in, b=b, s0=s0, p0=p0):
+            return ctx.col2im_1d(leaf(ctx, T.F32, (k * oc, t_in, b), "a"), s0, oc, p0)
+
+        yield OpCase("COL2IM_1D", {"k": k, "oc": oc, "t_in": t_in, "b": b, "s0": s0, "p0": p0},
+                     build, 1e-7)  # fmt: skip
+
+
+GENERATORS = (
+    _binary, _unary, _glu, _norms, _soft_max, _rope, _mul_mat, _mul_mat_id, _get_set_rows,
+    _copies, _concat, _reductions, _im2col, _col2im,
+)  # fmt: skip
+
+
+def all_cases() -> list[OpCase]:
+    """Every op case, ids unique."""
+    cases = [c for g in GENERATORS for c in g()]
+    seen: dict[str, OpCase] = {}
+    for c in cases:
+        if c.id in seen:
+            raise AssertionError(f"duplicate conformance case id {c.id}")
+        seen[c.id] = c
+    return cases

@@ -1,0 +1,197 @@
+"""Running one op case on a plugin's device, the way test-backend-ops does, plus more:
+
+* every tensor lives in the plugin's own buffer between guard regions of random bytes that
+  must come back unchanged (catches out-of-bounds writes), and results start as NaN bytes
+  (catches elements never written);
+* inputs must come back unchanged unless the op writes them;
+* the result is compared with the float64 oracle (accelplane.reference): no NaN where the
+  oracle has none, infinities matching in sign, NMSE under the case's threshold, exact
+  equality for integer results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import reference
+from ..backend import Backend, Device
+from ..graph import Context, Graph
+from ..ops import VIEW_OPS, WRITES_VIEW_SRC
+from ..tensor import Tensor
+from ..types import GGMLType
+from .cases import OpCase
+
+NOT_SUPPORTED = "not supported"
+PASSED = "passed"
+FAILED = "failed"
+
+
+@dataclass
+class CaseResult:
+    id: str
+    op: str
+    status: str
+    error: float | None = None
+    threshold: float | None = None
+    message: str = ""
+
+
+def nmse(expected: np.ndarray, got: np.ndarray) -> float:
+    """Σ(got−exp)² / Σexp² (ggml's metric); the plain squared error when exp is all zero."""
+    e = expected.astype(np.float64).ravel()
+    g = got.astype(np.float64).ravel()
+    num = float(np.sum((g - e) ** 2))
+    den = float(np.sum(e * e))
+    return num / den if den > 0 else num
+
+
+def compare(expected: np.ndarray, got: np.ndarray, thr: float, exact: bool) -> tuple[bool, float, str]:
+    """(ok, error, message) for one result against the oracle."""
+    if expected.shape != got.shape:
+        return False, float("inf"), f"shape {got.shape} != expected {expected.shape}"
+    if exact:
+        bad = np.argwhere(expected != got)
+        if bad.size:
+            i = tuple(bad[0])
+            return False, float(len(bad)), (
+                f"{len(bad)} of {expected.size} values differ; first at {i}: "
+                f"got {got[i]}, expected {expected[i]}"
+            )
+        return True, 0.0, ""
+    g = got.astype(np.float64)
+    nan_bad = np.isnan(g) & ~np.isnan(expected)
+    if nan_bad.any():
+        i = tuple(np.argwhere(nan_bad)[0])
+        return False, float("nan"), f"NaN at {i} where the oracle has {expected[i]!r}"
+    inf_e = np.isinf(expected) | (np.abs(expected) >= np.finfo(np.float32).max)
+    inf_g = np.isinf(g) | (np.abs(g) >= np.finfo(np.float32).max)
+    if (inf_e != inf_g).any() or (np.sign(expected[inf_e]) != np.sign(g[inf_e])).any():
+        i = tuple(np.argwhere((inf_e != inf_g) | (inf_e & (np.sign(expected) != np.sign(g))))[0])
+        return False, float("inf"), f"infinity mismatch at {i}: got {g[i]}, expected {expected[i]}"
+    fin = np.isfinite(expected) & ~inf_e
+    err = nmse(expected[fin], g[fin])
+    if not err <= thr:
+        d = np.abs(np.where(fin, g - expected, 0))
+        i = tuple(np.unravel_index(np.argmax(d), d.shape))
+        return False, err, (
+            f"NMSE {err:.3g} > {thr:.3g}; worst at {i}: got {g[i]:.6g}, expected {expected[i]:.6g}"
+        )
+    return True, err, ""
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class GuardedLayout:
+    """All owners of a graph's memory in one buffer of the device, each between guards."""
+
+    def __init__(self, device: Device, graph: Graph, rng: np.random.Generator) -> None:
+        buft = device.buffer_type
+        a = max(buft.alignment, 4)
+        self.guard = _align(1024, a)
+        owners: list[Tensor] = []
+        for t in list(graph.leafs) + list(graph.nodes):
+            if t.view_src is None and t.op not in VIEW_OPS:
+                owners.append(t)
+        offs = []
+        cur = self.guard
+        for t in owners:
+            cur = _align(cur, a)
+            offs.append(cur)
+            cur += max(buft.alloc_size(t), 1)
+            cur = _align(cur, a) + self.guard
+        self.buffer = buft.alloc(cur)
+        guard_ctx = Context("guards")
+        self.guards: list[tuple[Tensor, np.ndarray]] = []
+        prev_end = 0
+        for t, o in zip(owners, offs, strict=True):
+            self._guard(guard_ctx, prev_end, o - prev_end, rng)
+            self.buffer.place(t, o)
+            prev_end = _align(o + max(buft.alloc_size(t), 1), a)
+        self._guard(guard_ctx, prev_end, cur - prev_end, rng)
+        for n in graph.nodes:
+            if n.view_src is not None:
+                self.buffer.init_view(n)
+        self.owners = owners
+
+    def _guard(self, ctx: Context, offs: int, size: int, rng) -> None:
+        n = size // 4
+        if n <= 0:
+            return
+        g = ctx.new_tensor_ne(GGMLType.I32, n, name=f"guard@{offs}")
+        self.buffer.place(g, offs)
+        pattern = rng.integers(0, 256, n * 4, dtype=np.uint8)
+        g.set_bytes(pattern)
+        self.guards.append((g, pattern))
+
+    def check_guards(self) -> str:
+        for g, pattern in self.guards:
+            got = g.get_bytes()
+            if not np.array_equal(got, pattern):
+                bad = int(np.argmax(got != pattern))
+                return (f"bytes written outside every tensor: guard region at buffer offset "
+                        f"{g.offs} changed at byte {bad}")  # fmt: skip
+        return ""
+
+
+def init_leaf(case: OpCase, t: Tensor, rng: np.random.Generator) -> np.ndarray:
+    init = case.inits.get(t.name)
+    if init is None:
+        init = (lambda r, s: r.integers(0, 10, s)) if t.type == GGMLType.I32 else None
+    shape = tuple(reversed(t.ne))
+    vals = init(rng, shape) if init is not None else rng.uniform(-1.0, 1.0, shape)
+    return vals
+
+
+def graph_supported(device: Device, graph: Graph) -> tuple[bool, str]:
+    for n in graph.nodes:
+        if n.op in VIEW_OPS:
+            continue
+        if not device.supports_op(n):
+            return False, f"{n.op.name} {n.type.name} ne={list(n.ne)}"
+    return True, ""
+
+
+def run_op_case(
+    case: OpCase, device: Device, backend: Backend, rng: np.random.Generator
+) -> CaseResult:
+    """Run ``case`` on ``backend`` (a stream of ``device``) and judge it against the oracle."""
+    ctx = Context(case.id)
+    out = case.build(ctx)
+    graph = ctx.graph(out)
+    ok, what = graph_supported(device, graph)
+    if not ok:
+        return CaseResult(case.id, case.op, NOT_SUPPORTED, message=what)
+    layout = GuardedLayout(device, graph, rng)
+    try:
+        written = {id(n.view_src) for n in graph.nodes if n.op in WRITES_VIEW_SRC}
+        values = {}
+        for t in graph.leafs:
+            t.set(init_leaf(case, t, rng).reshape(t.shape))
+            values[t] = t.get().reshape(tuple(reversed(t.ne)))
+        nan = np.full(1, 0xFF, np.uint8)
+        for n in graph.nodes:
+            if n.view_src is None and n.op not in VIEW_OPS:
+                n.set_bytes(np.broadcast_to(nan, (n.nbytes,)).copy())
+        backend.graph_compute(graph)
+        backend.synchronize()
+        got = out.get().reshape(tuple(reversed(out.ne)))
+        expected = reference.evaluate(graph, values)[out]
+        ok, err, msg = compare(expected, got, case.max_nmse, case.exact)
+        if ok:
+            msg = layout.check_guards()
+            ok = not msg
+        if ok:
+            for t in graph.leafs:
+                if id(t) in written:
+                    continue
+                now = t.get().reshape(tuple(reversed(t.ne)))
+                if not np.array_equal(now, values[t], equal_nan=True):
+                    ok, msg = False, f"input {t.name!r} was modified by the computation"
+                    break
+        return CaseResult(case.id, case.op, PASSED if ok else FAILED, err, case.max_nmse, msg)
+    finally:
+        layout.buffer.free()
