@@ -227,7 +227,8 @@ class Buffer:
 
     def memset_tensor(self, t: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
         size = t.nbytes - offset if size is None else size
-        t._check_range(offset, size)
+        if t._check_range(offset, size) is not self:
+            raise DeviceError(f"tensor {t.name or t.uid!r} is not in buffer {self.name!r}")
         f = self._fn.get("buffer_memset_tensor")
         if f:
             f(self, t, value, offset, size)
@@ -484,3 +485,46 @@ def tensor_copy_async(backend_src: Backend, backend_dst: Backend, src: Tensor, d
         backend_dst.synchronize()
     tensor_copy(src, dst)
     return False
+
+
+class Comm:
+    """A plugin communicator over backends of that plugin (the comm extension). The SDK's
+    butterfly/ring fallbacks for plugins without one live in accelplane.comm."""
+
+    def __init__(self, backends: list[Backend], ctx: Any) -> None:
+        self.backends = backends
+        self.ctx = ctx
+        self._fn = backends[0]._fn
+        self.freed = False
+
+    @classmethod
+    def init(cls, backends: list[Backend]) -> Comm | None:
+        """The plugin's communicator, or None when the plugin has none for this set."""
+        if not backends:
+            raise DeviceError("comm_init needs at least one backend")
+        plugin = backends[0].device.plugin
+        if any(b.device.plugin is not plugin for b in backends):
+            return None
+        f = backends[0]._fn.get("comm_init")
+        ctx = f(backends) if f else None
+        return None if ctx is None else cls(list(backends), ctx)
+
+    def allreduce(self, tensors: list[Tensor]) -> bool:
+        """Sum ``tensors`` (one per backend) in place, queued on each backend's stream.
+        False means the plugin asks for the SDK fallback for this call."""
+        if self.freed:
+            raise DeviceError("communicator used after free")
+        if len(tensors) != len(self.backends):
+            raise ShapeError(f"all-reduce over {len(self.backends)} backends got {len(tensors)} tensors")
+        ref = tensors[0]
+        for t in tensors[1:]:
+            if not same_layout(ref, t):
+                raise ShapeError(f"all-reduce tensors differ in layout: {ref} vs {t}")
+        return bool(self._fn["comm_allreduce_tensor"](self, tensors))
+
+    def free(self) -> None:
+        if not self.freed:
+            self.freed = True
+            f = self._fn.get("comm_free")
+            if f:
+                f(self)

@@ -26,6 +26,15 @@ from .types import GGMLType, parse_type
 _graph_ids = itertools.count(1)
 
 
+def _enum(op: Op, cls, value):
+    """``cls(value)``, with a bad value reported as a typed error naming the op."""
+    try:
+        return cls(value)
+    except ValueError:
+        known = ", ".join(f"{m.name}={m.value}" for m in cls)
+        raise ShapeError(f"{op.name}: {value!r} is not a {cls.__name__} ({known})") from None
+
+
 class Context:
     """Builds tensors and op nodes. Leaf tensors created here are listed in ``tensors``
     (allocate them with ``Buffer``/``alloc.alloc_ctx_tensors``)."""
@@ -58,7 +67,7 @@ class Context:
             if s is not None and not isinstance(s, Tensor):
                 raise ShapeError(f"{op.name}: source {s!r} is not a Tensor")
         r = RULES[op](op, src, params)
-        ndim = max((s.ndim for s in src if s is not None), default=1)
+        ndim = r.ndim or max((s.ndim for s in src if s is not None), default=1)
         t = Tensor(
             r.type, r.ne, r.nb, op=op, op_params=params, src=src,
             view_src=r.view_of, view_offs=r.view_offs, name=name, ndim=ndim,
@@ -117,7 +126,7 @@ class Context:
 
     def unary(self, a: Tensor, op: UnaryOp) -> Tensor:
         """The unary op ``op`` (see the named helpers). op_params = (op,)."""
-        return self._op(Op.UNARY, (a,), (UnaryOp(op),))
+        return self._op(Op.UNARY, (a,), (_enum(Op.UNARY, UnaryOp, op),))
 
     def abs(self, a: Tensor) -> Tensor:
         """``np.abs(a)``."""
@@ -159,7 +168,7 @@ class Context:
     def glu(self, a: Tensor, b: Tensor | None, op: GluOp, swapped: bool = False) -> Tensor:
         """With b: ``act(a) * b``. Without b, a's rows are split in halves x|g of ne0/2:
         ``act(x) * g`` (``act(g) * x`` when swapped). op_params = (op, swapped)."""
-        return self._op(Op.GLU, (a, b), (GluOp(op), int(bool(swapped))))
+        return self._op(Op.GLU, (a, b), (_enum(Op.GLU, GluOp, op), int(bool(swapped))))
 
     def swiglu(self, a: Tensor, b: Tensor | None = None, swapped: bool = False) -> Tensor:
         """``silu(a) * b`` (or the split form, see :meth:`glu`)."""
@@ -276,8 +285,9 @@ class Context:
         return self._op(Op.ARGMAX, (a,))
 
     def argsort(self, a: Tensor, order: SortOrder = SortOrder.ASC) -> Tensor:
-        """``np.argsort(a, axis=-1, kind='stable')`` (reversed order for DESC), I32."""
-        return self._op(Op.ARGSORT, (a,), (SortOrder(order),))
+        """ASC: ``np.argsort(a, axis=-1, kind='stable')``; DESC: ``np.argsort(-a, axis=-1,
+        kind='stable')`` (ties keep index order either way). I32."""
+        return self._op(Op.ARGSORT, (a,), (_enum(Op.ARGSORT, SortOrder, order),))
 
     # convolution helpers
     def im2col(

@@ -112,6 +112,7 @@ class Result:
     view_of: object | None = None  # the Tensor whose memory the result is
     view_offs: int = 0
     nb: tuple[int, ...] | None = None
+    ndim: int | None = None  # host rank of the result (default: the largest source rank)
 
 
 def _name(t) -> str:
@@ -182,7 +183,7 @@ def _reduce_rows(op, src, params):
 def _sum(op, src, params):
     (a,) = src
     _need_type(op, a, FLOAT)
-    return Result(T.F32, (1, 1, 1, 1))
+    return Result(T.F32, (1, 1, 1, 1), ndim=1)
 
 
 def _argmax(op, src, params):
@@ -190,7 +191,7 @@ def _argmax(op, src, params):
     _need_type(op, a, {T.F32})
     if a.ne[2] != 1 or a.ne[3] != 1:
         raise _shape_err(op, f"{_name(a)} must be a matrix, ne={list(a.ne)}")
-    return Result(T.I32, (a.ne[1], 1, 1, 1))
+    return Result(T.I32, (a.ne[1], 1, 1, 1), ndim=1)
 
 
 def _argsort(op, src, params):
@@ -301,7 +302,7 @@ def _set_rows(op, src, params):
         raise _shape_err(op, f"rows ne={list(idx.ne)} do not broadcast over src ne={list(b.ne)}")
     if a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3]:
         raise _shape_err(op, f"dst ne={list(a.ne)} and src ne={list(b.ne)} differ in ne2/ne3")
-    return Result(a.type, a.ne, view_of=a, nb=a.nb)
+    return Result(a.type, a.ne, view_of=a, nb=a.nb, ndim=a.ndim)
 
 
 def _cpy(op, src, params):
@@ -315,7 +316,7 @@ def _cpy(op, src, params):
         _need_type(op, b, FLOAT | {T.Q8_0, T.Q4_0})
         if a.type in QUANT and b.type != T.F32:
             raise _fail_type(op, b, {T.F32})
-    return Result(b.type, b.ne, view_of=b, nb=b.nb)
+    return Result(b.type, b.ne, view_of=b, nb=b.nb, ndim=b.ndim)
 
 
 def _cont(op, src, params):
@@ -333,8 +334,10 @@ def _im2col(op, src, params):
     _need_type(op, b, {T.F32})
     if dst_type not in (T.F32, T.F16):
         raise TypeMismatchError(f"IM2COL: dst type {GGMLType(dst_type).name}; allowed F16, F32")
-    if min(s0, s1, d0, d1) < 1 or min(p0, p1) < 0:
+    if min(s0, d0) < 1 or p0 < 0 or (is_2d and (min(s1, d1) < 1 or p1 < 0)):
         raise _shape_err(op, "strides and dilations must be >= 1, paddings >= 0")
+    if not is_2d and p1 != 0:
+        raise _shape_err(op, "1-D im2col takes no vertical padding (p1 must be 0)")
     if is_2d:
         if a.ne[2] != b.ne[2]:
             raise _shape_err(op, f"kernel IC={a.ne[2]} != input channels {b.ne[2]}")
@@ -422,6 +425,9 @@ def rope_yarn_corr_dims(
     n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float
 ) -> tuple[float, float]:
     """YaRN correction range [start, end] of rotary dimensions (ggml_rope_yarn_corr_dims)."""
+
+    if n_ctx_orig <= 0:  # ggml carries on with an empty range
+        return 0.0, -math.inf
 
     def corr_dim(n_rot: float) -> float:
         return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))

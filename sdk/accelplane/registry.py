@@ -9,10 +9,14 @@ Environment:
   ACCELPLANE_PLUGINS          comma list: load only these; a listed plugin that fails or is
                               missing raises PluginLoadError (loud, like JAX_PLATFORMS)
   ACCELPLANE_DISABLE_PLUGINS  comma list: never load these
+  ACCELPLANE_EXTRA_PLUGINS    comma list of name=module: load these modules as plugins too,
+                              without an installed distribution (plugin development, and the
+                              SDK's own test devices such as accelplane.testing.asyncdev)
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import traceback
@@ -101,6 +105,22 @@ class Registry:
                 self._fail(ep.name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
             self.register(module, ep.name, version=_dist_version(ep), _allow=allow)
+        for spec in _parse_list("ACCELPLANE_EXTRA_PLUGINS") or []:
+            name, sep, modname = spec.partition("=")
+            name, modname = name.strip(), modname.strip()
+            if not sep or not name or not modname:
+                raise PluginLoadError(
+                    f"ACCELPLANE_EXTRA_PLUGINS entry {spec!r} is not of the form name=module"
+                )
+            if name in found or name in block or (allow is not None and name not in allow):
+                continue
+            found.add(name)
+            try:
+                module = importlib.import_module(modname)
+            except Exception as e:
+                self._fail(name, "import", f"{type(e).__name__}: {e}", allow)
+                continue
+            self.register(module, name, version="(extra)", _allow=allow)
         if allow is not None:
             missing = [n for n in allow if n not in found]
             if missing:

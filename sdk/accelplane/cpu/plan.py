@@ -28,12 +28,14 @@ from ..types import GGMLType, quantize
 
 F32 = np.float32
 Step = Callable[[], None]
+View = Callable[[Tensor], np.ndarray]
 
 
-def host_view(t: Tensor) -> np.ndarray:
-    """numpy view of a tensor in a host buffer: reversed(ne) elements, or rows of raw bytes
-    [ne3, ne2, ne1, row_bytes] for block types."""
-    base = t.buffer.host_array
+def host_view(t: Tensor, memory: Callable[[object], np.ndarray] | None = None) -> np.ndarray:
+    """numpy view of a tensor whose buffer's bytes ``memory(buffer)`` returns (default: the
+    host buffer's array): reversed(ne) elements, or rows of raw bytes [ne3, ne2, ne1,
+    row_bytes] for block types."""
+    base = t.buffer.host_array if memory is None else memory(t.buffer)
     return strided_view(t, base[t.offs : t.offs + t.nbytes])
 
 
@@ -59,17 +61,17 @@ def _bcast_pair(a: Tensor, b: Tensor, av: np.ndarray, bv: np.ndarray):
 _BINARY = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide}
 
 
-def _binary(t: Tensor) -> Step:
+def _binary(t: Tensor, view: View) -> Step:
     a, b = t.src
     ufunc = _BINARY[t.op]
-    av, bv, dv = host_view(a), host_view(b), host_view(t)
+    av, bv, dv = view(a), view(b), view(t)
     if a.ne == b.ne and a.type == b.type == t.type == GGMLType.F32:
         if a.is_contiguous() and b.is_contiguous() and t.is_contiguous():
             av, bv, dv = av.reshape(-1), bv.reshape(-1), dv.reshape(-1)
         return lambda: ufunc(av, bv, out=dv)
     if a.ne != b.ne and any(b.ne[i] not in (1, a.ne[i]) for i in range(4)):
         av, bv = _bcast_pair(a, b, av, bv)
-        dv = _bcast_pair(t, b, dv, host_view(b))[0]
+        dv = _bcast_pair(t, b, dv, view(b))[0]
     if t.type == GGMLType.F32 and a.type == GGMLType.F32 and b.type == GGMLType.F32:
         return lambda: ufunc(av, bv, out=dv)
     return lambda: dv.__setitem__(Ellipsis, ufunc(_f32(av), _f32(bv)))
@@ -123,10 +125,10 @@ _UNARY = {
 }
 
 
-def _unary(t: Tensor) -> Step:
+def _unary(t: Tensor, view: View) -> Step:
     (a,) = t.src
     f = _unary_fn(t)
-    av, dv = host_view(a), host_view(t)
+    av, dv = view(a), view(t)
     if a.is_contiguous() and t.is_contiguous():
         av, dv = av.reshape(-1), dv.reshape(-1)
     if a.type == t.type == GGMLType.F32:
@@ -134,25 +136,25 @@ def _unary(t: Tensor) -> Step:
     return lambda: dv.__setitem__(Ellipsis, f(_f32(av)))
 
 
-def _glu(t: Tensor) -> Step:
+def _glu(t: Tensor, view: View) -> Step:
     a, b = t.src
     op, swapped = GluOp(t.op_params[0]), bool(t.op_params[1])
     f = _UNARY[UnaryOp.SILU] if op is GluOp.SWIGLU else _gelu
-    av, dv = host_view(a), host_view(t)
+    av, dv = view(a), view(t)
     if b is None:
         h = t.ne[0]
         x, g = av[..., :h], av[..., h : 2 * h]
         if swapped:
             x, g = g, x
     else:
-        x, g = av, host_view(b)
+        x, g = av, view(b)
     return lambda: dv.__setitem__(Ellipsis, f(_f32(x)) * _f32(g))
 
 
-def _norm(t: Tensor) -> Step:
+def _norm(t: Tensor, view: View) -> Step:
     (a,) = t.src
     eps = t.op_params[0]
-    av, dv = host_view(a), host_view(t)
+    av, dv = view(a), view(t)
     op = t.op
 
     def step() -> None:
@@ -179,13 +181,13 @@ def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     return np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1)).astype(F32)
 
 
-def _soft_max(t: Tensor) -> Step:
+def _soft_max(t: Tensor, view: View) -> Step:
     a, mask = t.src
     scale, max_bias = F32(t.op_params[0]), t.op_params[1]
-    av, dv = host_view(a), host_view(t)
+    av, dv = view(a), view(t)
     mv = None
     if mask is not None:
-        m = host_view(mask)[:, :, : a.ne[1], :]
+        m = view(mask)[:, :, : a.ne[1], :]
         # broadcast over ne2/ne3 by repetition
         r3, r2 = a.ne[3] // mask.ne[3], a.ne[2] // mask.ne[2]
         mv = np.tile(m, (r3, r2, 1, 1)) if (r3 > 1 or r2 > 1) and m.shape[:2] != (1, 1) else m
@@ -205,11 +207,11 @@ def _soft_max(t: Tensor) -> Step:
     return step
 
 
-def _rope(t: Tensor) -> Step:
+def _rope(t: Tensor, view: View) -> Step:
     a, pos = t.src
     (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
      beta_fast, beta_slow) = t.op_params  # fmt: skip
-    av, pv, dv = host_view(a), host_view(pos), host_view(t)
+    av, pv, dv = view(a), view(pos), view(t)
     half = n_dims // 2
     i = np.arange(half, dtype=np.float64)
     theta_scale = freq_base ** (-2.0 / n_dims)
@@ -247,9 +249,9 @@ def _rope(t: Tensor) -> Step:
     return step
 
 
-def _mul_mat(t: Tensor) -> Step:
+def _mul_mat(t: Tensor, view: View) -> Step:
     a, b = t.src
-    av, bv, dv = host_view(a), host_view(b), host_view(t)
+    av, bv, dv = view(a), view(b), view(t)
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
     wt = a.type
     jobs = [(av[i3 // r3, i2 // r2], bv[i3, i2], dv[i3, i2])
@@ -267,11 +269,11 @@ def _f32c(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=F32)
 
 
-def _mul_mat_id(t: Tensor) -> Step:
+def _mul_mat_id(t: Tensor, view: View) -> Step:
     from . import kernels
 
     as_, b, ids = t.src
-    av, bv, iv, dv = host_view(as_), host_view(b), host_view(ids), host_view(t)
+    av, bv, iv, dv = view(as_), view(b), view(ids), view(t)
     wt = as_.type
     n_b1 = b.ne[1]
 
@@ -300,11 +302,11 @@ def _dequant_rows(ty: GGMLType, rows: np.ndarray, ne0: int) -> np.ndarray:
     return kernels.dequantize(ty, rows, out)
 
 
-def _get_rows(t: Tensor) -> Step:
+def _get_rows(t: Tensor, view: View) -> Step:
     from . import kernels
 
     a, idx = t.src
-    av, iv, dv = host_view(a), host_view(idx), host_view(t)
+    av, iv, dv = view(a), view(idx), view(t)
     n_rows = a.ne[1]
 
     def step() -> None:
@@ -328,9 +330,9 @@ def _store(dst_type: GGMLType, values: np.ndarray) -> np.ndarray:
     return values
 
 
-def _set_rows(t: Tensor) -> Step:
+def _set_rows(t: Tensor, view: View) -> Step:
     dst, src, idx = t.src
-    dv, sv, iv = host_view(dst), host_view(src), host_view(idx)
+    dv, sv, iv = view(dst), view(src), view(idx)
     n_rows = dst.ne[1]
 
     def step() -> None:
@@ -352,10 +354,10 @@ def _values(t: Tensor, v: np.ndarray) -> np.ndarray:
     return v
 
 
-def _cpy(t: Tensor) -> Step:
+def _cpy(t: Tensor, view: View) -> Step:
     a = t.src[0]
     dst = t.src[1] if t.op is Op.CPY else t
-    av, dv = host_view(a), host_view(dst)
+    av, dv = view(a), view(dst)
     shape = tuple(reversed(dst.ne))
     same = a.ne == dst.ne
 
@@ -368,10 +370,10 @@ def _cpy(t: Tensor) -> Step:
     return step
 
 
-def _concat(t: Tensor) -> Step:
+def _concat(t: Tensor, view: View) -> Step:
     a, b = t.src
     ax = 3 - t.op_params[0]
-    av, bv, dv = host_view(a), host_view(b), host_view(t)
+    av, bv, dv = view(a), view(b), view(t)
     n = av.shape[ax]
     sl_a = tuple(slice(0, n) if i == ax else slice(None) for i in range(4))
     sl_b = tuple(slice(n, None) if i == ax else slice(None) for i in range(4))
@@ -383,9 +385,9 @@ def _concat(t: Tensor) -> Step:
     return step
 
 
-def _reduce(t: Tensor) -> Step:
+def _reduce(t: Tensor, view: View) -> Step:
     (a,) = t.src
-    av, dv = host_view(a), host_view(t)
+    av, dv = view(a), view(t)
     op = t.op
     if op is Op.SUM:
         return lambda: dv.reshape(-1).__setitem__(0, av.sum(dtype=np.float64))
@@ -404,10 +406,10 @@ def _reduce(t: Tensor) -> Step:
     return argsort
 
 
-def _im2col(t: Tensor) -> Step:
+def _im2col(t: Tensor, view: View) -> Step:
     k, x = t.src
     s0, s1, p0, p1, d0, d1, is_2d, _ = t.op_params
-    xv, dv = host_view(x), host_view(t)
+    xv, dv = view(x), view(t)
     if is_2d:
         kh, kw, ic = k.ne[1], k.ne[0], k.ne[2]
         oh, ow = t.ne[2], t.ne[1]
@@ -437,10 +439,10 @@ def _im2col(t: Tensor) -> Step:
     return step
 
 
-def _col2im_1d(t: Tensor) -> Step:
+def _col2im_1d(t: Tensor, view: View) -> Step:
     (a,) = t.src
     s0, oc, p0 = t.op_params
-    av, dv = host_view(a), host_view(t)
+    av, dv = view(a), view(t)
     k = a.ne[0] // oc
     t_in, t_out = a.ne[1], t.ne[0]
 
@@ -456,7 +458,7 @@ def _col2im_1d(t: Tensor) -> Step:
     return step
 
 
-BUILDERS: dict[Op, Callable[[Tensor], Step]] = {
+BUILDERS: dict[Op, Callable[[Tensor, View], Step]] = {
     Op.ADD: _binary, Op.SUB: _binary, Op.MUL: _binary, Op.DIV: _binary,
     Op.SCALE: _unary, Op.SQR: _unary, Op.SQRT: _unary, Op.LOG: _unary, Op.SIN: _unary,
     Op.COS: _unary, Op.CLAMP: _unary, Op.LEAKY_RELU: _unary, Op.UNARY: _unary,
@@ -474,7 +476,12 @@ class Plan:
 
     __slots__ = ("steps", "layout_version", "buffers", "nodes")
 
-    def __init__(self, graph) -> None:
+    def __init__(self, graph, memory: Callable[[object], np.ndarray] | None = None) -> None:
+        """``memory(buffer)``: the uint8 array of a buffer's bytes (default: host_array)."""
+
+        def view(t: Tensor) -> np.ndarray:
+            return host_view(t, memory)
+
         self.layout_version = graph.layout_version
         self.steps: list[Step] = []
         self.nodes: list[Tensor] = []
@@ -488,7 +495,7 @@ class Plan:
                     bufs[id(s.buffer)] = s.buffer
             if n.op in VIEW_OPS:
                 continue
-            self.steps.append(BUILDERS[n.op](n))
+            self.steps.append(BUILDERS[n.op](n, view))
             self.nodes.append(n)
         self.buffers = list(bufs.values())
 
