@@ -1,0 +1,582 @@
+"""ggml/GGUF-compatible tensor types and quantized block layouts.
+
+Type ids are GGUF's on-disk ids. Quantized layouts are byte-exact with ggml-common.h:
+
+=====  =====  =====  ==========================================================
+type   block  bytes  layout
+=====  =====  =====  ==========================================================
+Q4_0   32     18     d:f16, qs[16] (low nibbles = elements 0..15, high = 16..31)
+Q8_0   32     34     d:f16, qs[32] int8
+Q4_K   256    144    d:f16, dmin:f16, scales[12] (6-bit packed), qs[128]
+Q6_K   256    210    ql[128], qh[64], scales[16] int8, d:f16
+=====  =====  =====  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from .errors import ShapeError, TypeMismatchError
+
+QK4_0 = 32
+QK8_0 = 32
+QK_K = 256
+K_SCALE_SIZE = 12
+
+
+class GGMLType(IntEnum):
+    """Tensor element types; the value is the GGUF id."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q8_0 = 8
+    Q4_K = 12
+    Q6_K = 14
+    I32 = 26
+    BF16 = 30
+
+    @property
+    def traits(self) -> TypeTraits:
+        return TRAITS[self]
+
+    @property
+    def blck_size(self) -> int:
+        return TRAITS[self].blck_size
+
+    @property
+    def type_size(self) -> int:
+        return TRAITS[self].type_size
+
+    @property
+    def is_quantized(self) -> bool:
+        return TRAITS[self].is_quantized
+
+    @property
+    def is_float(self) -> bool:
+        return self in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class TypeTraits:
+    """Size facts of one type: ``blck_size`` elements take ``type_size`` bytes."""
+
+    name: str
+    blck_size: int
+    type_size: int
+    is_quantized: bool
+    np_dtype: np.dtype | None  # element dtype of non-block types; None for quant types
+
+
+def _bf16_dtype() -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class _LazyTraits(dict):
+    """TRAITS, built on first use so ``import accelplane`` stays cheap (ml_dtypes is lazy)."""
+
+    def __missing__(self, key):
+        self._build()
+        return dict.__getitem__(self, key)
+
+    def _build(self) -> None:
+        T = GGMLType
+        self.update(
+            {
+                T.F32: TypeTraits("f32", 1, 4, False, np.dtype(np.float32)),
+                T.F16: TypeTraits("f16", 1, 2, False, np.dtype(np.float16)),
+                T.BF16: TypeTraits("bf16", 1, 2, False, _bf16_dtype()),
+                T.I32: TypeTraits("i32", 1, 4, False, np.dtype(np.int32)),
+                T.Q4_0: TypeTraits("q4_0", QK4_0, 18, True, None),
+                T.Q8_0: TypeTraits("q8_0", QK8_0, 34, True, None),
+                T.Q4_K: TypeTraits("q4_K", QK_K, 144, True, None),
+                T.Q6_K: TypeTraits("q6_K", QK_K, 210, True, None),
+            }
+        )
+
+
+TRAITS: dict[GGMLType, TypeTraits] = _LazyTraits()
+
+
+def parse_type(t: GGMLType | str | int) -> GGMLType:
+    """GGMLType from a GGMLType, a name ('q4_0', 'Q4_K', 'f32') or a GGUF id."""
+    if isinstance(t, GGMLType):
+        return t
+    if isinstance(t, str):
+        try:
+            return GGMLType[t.upper()]
+        except KeyError:
+            raise TypeMismatchError(
+                f"unknown tensor type {t!r}; known: {', '.join(x.name for x in GGMLType)}"
+            ) from None
+    try:
+        return GGMLType(int(t))
+    except (ValueError, TypeError):
+        raise TypeMismatchError(f"unknown tensor type id {t!r}") from None
+
+
+def row_size(t: GGMLType, ne0: int) -> int:
+    """Bytes of one row of ``ne0`` elements; ne0 must be a multiple of the block size."""
+    tr = TRAITS[t]
+    if ne0 % tr.blck_size:
+        raise ShapeError(f"row of {ne0} elements is not a multiple of {t.name}'s block size {tr.blck_size}")
+    return ne0 // tr.blck_size * tr.type_size
+
+
+def np_dtype(t: GGMLType) -> np.dtype:
+    """numpy dtype of a non-block type."""
+    dt = TRAITS[t].np_dtype
+    if dt is None:
+        raise TypeMismatchError(f"{t.name} is a block-quantized type with no numpy element dtype")
+    return dt
+
+
+# --- quantization ------------------------------------------------------------------------
+# quantize(t, x) -> uint8 array [..., row_size(t, ne0)]  (rows are the last axis of x)
+# dequantize(t, data, ne0) -> float32 array [..., ne0]
+# F32/F16/BF16 convert (round to nearest even); I32 is not a float type.
+#
+# The quantizers follow ggml's reference quantizers (quantize_row_*_ref in ggml-quants.c) step
+# by step in float32, vectorized over blocks: C's left-to-right float expressions, sequential
+# float sums, ggml's ``nearest_int`` and fp32->fp16 rounding.  On finite input the bytes equal
+# ggml's reference output as built for x86-64 without FMA contraction (ggml-base's default).
+
+_F32 = np.float32
+_GROUP_MAX_EPS = _F32(1e-15)
+_NEAREST_INT_MAGIC = _F32(12582912.0)  # 1.5 * 2**23
+_Q4_K_CHUNK = 256  # blocks per vectorized chunk of the K-quant searches (keeps arrays in cache)
+_Q6_K_CHUNK = 256
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's ``nearest_int``: round half to even via the 1.5*2**23 trick (bit-exact, int32).
+
+    Out of its range (|v| > 4194303, inf, nan) the result is the same garbage ggml computes.
+    """
+    b = (v + _NEAREST_INT_MAGIC).view(np.int32)
+    b &= 0x007FFFFF
+    b -= 0x00400000
+    return b
+
+
+def _nearest_int_f32(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``(float)MAX(lo, MIN(hi, nearest_int(v)))``."""
+    return np.clip(_nearest_int(v), lo, hi).astype(np.float32)
+
+
+def _seqsum(a: np.ndarray, *, from_zero: bool = True) -> np.ndarray:
+    """Sum over axis 0 in index order, in float32: C's ``for (...) s += a[i];``.
+
+    ``from_zero`` starts from ``s = 0`` (else from ``s = a[0]``); only the sign of a zero differs.
+    """
+    acc = a[0] + _F32(0) if from_zero else a[0].copy()
+    for i in range(1, a.shape[0]):
+        acc += a[i]
+    return acc
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C ``roundf``: round half away from zero (exact for float32)."""
+    t = np.trunc(v)
+    return t + np.trunc((v - t) * _F32(2))
+
+
+def _fp16_bits(v: np.ndarray) -> np.ndarray:
+    """ggml's fp32->fp16 (round to nearest even; NaN -> sign|0x7E00) as uint16."""
+    h = v.astype(np.float16).view(np.uint16)
+    nan = np.isnan(v)
+    if nan.any():
+        h = np.where(nan, (np.signbit(v).astype(np.uint16) << 15) | np.uint16(0x7E00), h)
+    return h.astype("<u2")
+
+
+def _bf16_bits(v: np.ndarray) -> np.ndarray:
+    """ggml's fp32->bf16 (round to nearest even via ml_dtypes; NaN -> quiet, ggml's payload)."""
+    h = v.astype(np.dtype(TRAITS[GGMLType.BF16].np_dtype)).view(np.uint16)
+    nan = np.isnan(v)
+    if nan.any():
+        u = v.view(np.uint32)
+        h = np.where(nan, ((u >> 16) | 64).astype(np.uint16), h)
+    return h.astype("<u2")
+
+
+def _f16_to_f32(b: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2] little-endian fp16 -> float32 [...]."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+# ---- Q8_0 / Q4_0 -------------------------------------------------------------------------
+
+
+def _quantize_q8_0(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 32] -> uint8 [n, 34] (quantize_row_q8_0_ref)."""
+    amax = np.abs(xb).max(axis=1)
+    d = amax / _F32(127)
+    inv = np.where(d != 0, _F32(1) / d, _F32(0))
+    q = _roundf(xb * inv[:, None]).astype(np.int8)
+    out = np.empty((xb.shape[0], 34), np.uint8)
+    out[:, :2] = _fp16_bits(d).view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q.view(np.uint8)
+    return out
+
+
+def _quantize_q4_0(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 32] -> uint8 [n, 18] (quantize_row_q4_0_ref)."""
+    n = xb.shape[0]
+    ax = np.abs(xb)
+    first = ax.argmax(axis=1)  # first element of greatest |x|, as ggml's strict '<' scan
+    mx = xb[np.arange(n), first]
+    mx = np.where(ax[np.arange(n), first] > 0, mx, _F32(0))  # ggml's max starts at +0
+    d = mx / _F32(-8)
+    inv = np.where(d != 0, _F32(1) / d, _F32(0))
+    q = np.minimum(np.trunc(xb * inv[:, None] + _F32(8.5)).astype(np.int8), 15).astype(np.uint8)
+    out = np.empty((n, 18), np.uint8)
+    out[:, :2] = _fp16_bits(d).view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
+    return out
+
+
+def _dequantize_q8_0(b: np.ndarray) -> np.ndarray:
+    d = _f16_to_f32(b[:, :2])
+    return b[:, 2:].view(np.int8).astype(np.float32) * d[:, None]
+
+
+def _dequantize_q4_0(b: np.ndarray) -> np.ndarray:
+    d = _f16_to_f32(b[:, :2])
+    qs = b[:, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
+    return d[:, None] * q.astype(np.float32)
+
+
+# ---- Q4_K --------------------------------------------------------------------------------
+
+
+def _make_qkx2_quants(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's make_qkx2_quants (use_mad=false) over the columns of x [n, S] with weights w.
+
+    Returns (scale [S], the_min [S], L [n, S] float32 in 0..nmax).
+    """
+    sum_w = _seqsum(w, from_zero=False)
+    sum_x = _seqsum(w * x, from_zero=False)
+    mx = x.max(axis=0)
+    mn = x.min(axis=0)
+    mn = np.where(mn > 0, _F32(0), mn)
+    degenerate = mx == mn
+    fmax = _F32(nmax)
+
+    iscale = fmax / (mx - mn)
+    scale = _F32(1) / iscale
+    L = _nearest_int_f32(iscale * (x - mn), 0, nmax)
+    diff = scale * L + mn - x
+    best = _seqsum(w * (diff * diff))
+    sums = np.empty((x.shape[0], 3, x.shape[1]), np.float32)
+    for step in range(nstep + 1):
+        iscale = (_F32(rmin) + _F32(rdelta) * _F32(step) + fmax) / (mx - mn)
+        laux = _nearest_int_f32(iscale * (x - mn), 0, nmax)
+        wl = np.multiply(w, laux, out=sums[:, 0])
+        np.multiply(wl, laux, out=sums[:, 1])
+        np.multiply(wl, x, out=sums[:, 2])
+        sum_l, sum_l2, sum_xl = _seqsum(sums)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        pos = this_min > 0
+        this_min = np.where(pos, _F32(0), this_min)
+        this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+        diff = this_scale * laux + this_min - x
+        cur = _seqsum(w * (diff * diff))
+        upd = (D > 0) & (cur < best) & ~degenerate
+        np.copyto(L, laux, where=upd)
+        best = np.where(upd, cur, best)
+        scale = np.where(upd, this_scale, scale)
+        mn = np.where(upd, this_min, mn)
+    L[:, degenerate] = 0
+    scale = np.where(degenerate, _F32(0), scale)
+    return scale, -mn, L
+
+
+def _quantize_q4_k_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 144] (quantize_row_q4_K_ref)."""
+    n = xb.shape[0]
+    s = n * 8
+    x = np.ascontiguousarray(xb.reshape(s, 32).T)  # [32, sub-block]
+    av_x = np.sqrt(_seqsum(x * x) / _F32(32))
+    w = av_x + np.abs(x)
+    scales, mins, L = _make_qkx2_quants(x, w, 15, -1.0, 0.1, 20)
+    scales = scales.reshape(n, 8)
+    mins = mins.reshape(n, 8)
+
+    # ggml scans with `if (v > max) max = v` from 0: NaNs (from overflowing x*x) are skipped
+    max_scale = np.fmax.reduce(scales, axis=1)
+    max_scale = np.where(max_scale > 0, max_scale, _F32(0))
+    max_min = np.fmax.reduce(mins, axis=1)
+    max_min = np.where(max_min > 0, max_min, _F32(0))
+    inv_scale = np.where(max_scale > 0, _F32(63) / max_scale, _F32(0))
+    inv_min = np.where(max_min > 0, _F32(63) / max_min, _F32(0))
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.uint8), 63)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.uint8), 63)
+    d16 = _fp16_bits(max_scale / _F32(63))
+    dmin16 = _fp16_bits(max_min / _F32(63))
+
+    d = (d16.view("<f2").astype(np.float32)[:, None] * ls.astype(np.float32)).reshape(s)
+    dm = (dmin16.view("<f2").astype(np.float32)[:, None] * lm.astype(np.float32)).reshape(s)
+    L2 = _nearest_int_f32((x + dm) / d, 0, 15)
+    np.copyto(L, L2, where=d != 0)  # ggml keeps the search's L where d == 0
+    q = L.astype(np.uint8).T.reshape(n, 4, 2, 32)
+
+    out = np.empty((n, 144), np.uint8)
+    out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
+    out[:, 2:4] = dmin16.view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    out[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    return out
+
+
+def _q4_k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack Q4_K's 12 scale bytes [n, 12] -> (scales [n, 8], mins [n, 8]) uint8."""
+    a, m, hi = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scales = np.concatenate([a & 0x3F, (hi & 0x0F) | ((a >> 2) & 0x30)], axis=1)
+    mins = np.concatenate([m & 0x3F, (hi >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return scales, mins
+
+
+def _dequantize_q4_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = _f16_to_f32(b[:, 0:2])
+    dmin = _f16_to_f32(b[:, 2:4])
+    sc, m = _q4_k_scale_min(b[:, 4:16])
+    qs = b[:, 16:].reshape(n, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)
+    dsc = (d[:, None] * sc.astype(np.float32))[:, :, None]
+    dm = (dmin[:, None] * m.astype(np.float32))[:, :, None]
+    return (dsc * q - dm).reshape(n, QK_K)
+
+
+# ---- Q6_K --------------------------------------------------------------------------------
+
+
+def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_qx_quants(rmse_type=1, qw=NULL) over the columns of x [n, S].
+
+    Returns (scale [S], L [n, S] float32 in 0..2*nmax-1; 0 for all-zero columns).
+    """
+    s = x.shape[1]
+    ax = np.abs(x)
+    first = ax.argmax(axis=0)  # first element of greatest |x|
+    cols = np.arange(s)
+    amax = ax[first, cols]
+    mx = x[first, cols]
+    zero = amax < _GROUP_MAX_EPS
+    w = x * x
+    wx = w * x
+    fmax = _F32(nmax)
+    sums = np.empty((x.shape[0], 2, s), np.float32)
+
+    def sums_for(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        l = _nearest_int_f32(iscale * x, -nmax, nmax - 1)
+        np.multiply(wx, l, out=sums[:, 0])
+        np.multiply(w, l, out=sums[:, 1])
+        sums[:, 1] *= l
+        sumlx, suml2 = _seqsum(sums)
+        return l, sumlx, suml2
+
+    L, sumlx, suml2 = sums_for(-fmax / mx)
+    scale = np.where(suml2 != 0, sumlx / suml2, _F32(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        l, sumlx, suml2 = sums_for(-(fmax + _F32(0.1) * _F32(step)) / mx)
+        upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        np.copyto(L, l, where=upd)
+        scale = np.where(upd, sumlx / suml2, scale)
+        best = np.where(upd, scale * sumlx, best)
+    L += fmax
+    L[:, zero] = 0
+    return np.where(zero, _F32(0), scale), L
+
+
+def _quantize_q6_k_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 210] (quantize_row_q6_K_ref)."""
+    n = xb.shape[0]
+    s = n * 16
+    x = np.ascontiguousarray(xb.reshape(s, 16).T)  # [16, sub-block]
+    scales, L = _make_qx_quants_rmse1(x, 32)
+    scales = scales.reshape(n, 16)
+
+    rows = np.arange(n)
+    abs_scales = np.abs(scales)
+    abs_scales[np.isnan(abs_scales)] = 0  # ggml's strict '>' scan skips NaNs
+    first = abs_scales.argmax(axis=1)
+    max_abs = abs_scales[rows, first]
+    max_scale = scales[rows, first]
+    zero = max_abs < _GROUP_MAX_EPS
+    iscale = _F32(-128) / max_scale
+    d16 = _fp16_bits(_F32(1) / iscale)
+    sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
+    d = (d16.view("<f2").astype(np.float32)[:, None] * sc.astype(np.float32)).reshape(s)
+    L2 = _nearest_int_f32(x / d, -32, 31) + _F32(32)
+    np.copyto(L, L2, where=d != 0)  # ggml keeps the search's L where d == 0
+    q = L.astype(np.uint8).T.reshape(n, 2, 4, 32)
+
+    out = np.empty((n, 210), np.uint8)
+    ql = out[:, 0:128].reshape(n, 2, 2, 32)
+    ql[:, :, 0] = (q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4)
+    ql[:, :, 1] = (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)
+    qh = out[:, 128:192].reshape(n, 2, 32)
+    qh[:] = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2)
+    qh |= ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = d16.view(np.uint8).reshape(n, 2)
+    out[zero] = 0
+    return out
+
+
+def _dequantize_q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 1, 64)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16_to_f32(b[:, 208:210])
+    lo = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, 8, 32)
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (lo | (hi.reshape(n, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+    dsc = (d[:, None] * sc)[:, :, None]
+    return (dsc * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+
+
+# ---- public API --------------------------------------------------------------------------
+
+
+def _chunked(fn: Callable[[np.ndarray], np.ndarray], size: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Apply a block quantizer to ``size`` blocks at a time (bounded temporaries)."""
+
+    def run(xb: np.ndarray) -> np.ndarray:
+        return np.concatenate([fn(xb[i : i + size]) for i in range(0, xb.shape[0], size)])
+
+    return run
+
+
+_QUANTIZERS = {
+    GGMLType.Q8_0: _quantize_q8_0,
+    GGMLType.Q4_0: _quantize_q4_0,
+    GGMLType.Q4_K: _chunked(_quantize_q4_k_chunk, _Q4_K_CHUNK),
+    GGMLType.Q6_K: _chunked(_quantize_q6_k_chunk, _Q6_K_CHUNK),
+}
+
+_DEQUANTIZERS = {
+    GGMLType.Q8_0: _dequantize_q8_0,
+    GGMLType.Q4_0: _dequantize_q4_0,
+    GGMLType.Q4_K: _dequantize_q4_k,
+    GGMLType.Q6_K: _dequantize_q6_k,
+}
+
+
+def _check_convertible(t: GGMLType) -> GGMLType:
+    t = parse_type(t)
+    if t is GGMLType.I32:
+        raise TypeMismatchError("i32 is not a float type; it cannot be (de)quantized")
+    return t
+
+
+def quantize(t: GGMLType, x: np.ndarray) -> np.ndarray:
+    """Encode float rows as type ``t``, byte-exact with ggml's reference quantizers.
+
+    ``x``: float array [..., ne0] (any real dtype; converted to float32 first). Returns uint8
+    [..., row_size(t, ne0)]. F16/BF16 round to nearest even (NaN as ggml). Raises ShapeError if
+    ``x`` is 0-d or ne0 is not a multiple of the block size, TypeMismatchError for I32 or
+    non-real input. Block types: non-finite input does not raise but its bytes are unspecified.
+    """
+    t = _check_convertible(t)
+    arr = np.asarray(x)
+    if arr.dtype.kind in "cOSUMm":
+        raise TypeMismatchError(f"cannot quantize an array of dtype {arr.dtype} (need real floats)")
+    if arr.ndim == 0:
+        raise ShapeError("quantize needs an array with at least one axis (rows on the last axis)")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    ne0 = arr.shape[-1]
+    rs = row_size(t, ne0)
+    lead = arr.shape[:-1]
+    with np.errstate(all="ignore"):
+        if t is GGMLType.F32:
+            out = arr.astype("<f4").view(np.uint8)
+        elif t is GGMLType.F16:
+            out = _fp16_bits(arr).view(np.uint8)
+        elif t is GGMLType.BF16:
+            out = _bf16_bits(arr).view(np.uint8)
+        else:
+            blocks = arr.reshape(-1, t.blck_size)
+            if blocks.shape[0] == 0:
+                out = np.empty((0, t.type_size), np.uint8)
+            else:
+                out = _QUANTIZERS[t](blocks)
+    return np.ascontiguousarray(out).reshape(*lead, rs)
+
+
+def _as_bytes(data: np.ndarray | bytes | bytearray | memoryview) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8:
+            if data.dtype.itemsize != 1 or data.dtype.kind not in "iub":
+                raise TypeMismatchError(f"quantized data must be uint8 bytes, got {data.dtype}")
+            data = data.view(np.uint8)
+        return np.ascontiguousarray(data)
+    try:
+        return np.frombuffer(data, dtype=np.uint8)
+    except TypeError:
+        raise TypeMismatchError(
+            f"quantized data must be a uint8 array or bytes-like, got {type(data).__name__}"
+        ) from None
+
+
+def dequantize(t: GGMLType, data: np.ndarray | bytes | bytearray | memoryview, ne0: int) -> np.ndarray:
+    """Decode rows of type ``t`` to float32, bit-identical to ggml / gguf.quants.dequantize.
+
+    ``data``: uint8 [..., row_size(t, ne0)] -> float32 [..., ne0]. A 1-D array or bytes-like
+    object may hold several whole rows; it decodes to a flat float32 [n_rows * ne0]. Raises
+    ShapeError if ne0 is not a multiple of the block size or the byte length does not fit,
+    TypeMismatchError for I32 or data that is not bytes.
+    """
+    t = _check_convertible(t)
+    ne0 = int(ne0)
+    if ne0 < 0:
+        raise ShapeError(f"ne0 must be >= 0, got {ne0}")
+    rs = row_size(t, ne0)
+    buf = _as_bytes(data)
+    if buf.ndim == 0:
+        raise ShapeError("dequantize needs an array with at least one axis")
+    if buf.ndim == 1:
+        if (rs == 0 and buf.size) or (rs and buf.size % rs):
+            raise ShapeError(
+                f"{buf.size} bytes is not a whole number of {t.name} rows of {ne0} elements ({rs} bytes each)"
+            )
+        out_shape: tuple[int, ...] = ((buf.size // rs if rs else 0) * ne0,)
+    else:
+        if buf.shape[-1] != rs:
+            raise ShapeError(
+                f"last axis has {buf.shape[-1]} bytes but a {t.name} row of {ne0} elements takes {rs} bytes"
+            )
+        out_shape = (*buf.shape[:-1], ne0)
+    if t is GGMLType.F32:
+        return buf.view("<f4").astype(np.float32).reshape(out_shape)
+    if t is GGMLType.F16:
+        return buf.view("<f2").astype(np.float32).reshape(out_shape)
+    if t is GGMLType.BF16:
+        return (buf.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(out_shape)
+    blocks = buf.reshape(-1, t.type_size)
+    if blocks.shape[0] == 0:
+        return np.empty(out_shape, np.float32)
+    with np.errstate(all="ignore"):
+        return _DEQUANTIZERS[t](blocks).reshape(out_shape)

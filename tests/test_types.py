@@ -1,0 +1,332 @@
+"""accelplane.types: (de)quantization against ggml's reference and gguf-py.
+
+Q8_0/Q4_0 are compared byte for byte with gguf.quants (itself bit-exact with ggml); Q4_K/Q6_K
+with digests of ggml's C reference output (quantize_row_q*_ref) on a fixed input, and through
+round-trip error bounds. Dequantizers must be bit-identical to gguf.quants.dequantize.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+from accelplane.errors import ShapeError, TypeMismatchError
+from accelplane.types import GGMLType, dequantize, quantize, row_size
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+T = GGMLType
+QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K]
+FLOAT_TYPES = [T.F32, T.F16, T.BF16]
+GQ = {t: gguf.GGMLQuantizationType(int(t)) for t in [*QUANT_TYPES, *FLOAT_TYPES]}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """float32 array as uint32 bits, so NaNs and signed zeros compare exactly."""
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def gauss(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def edge_rows(seed: int, nrows: int, ne0: int) -> np.ndarray:
+    """Gaussian rows with an all-zero row, zero blocks, large outliers and a tiny-scale row."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((nrows, ne0)).astype(np.float32)
+    x[0] = 0
+    if nrows > 1:
+        x[1, ::13] = 1e4  # outliers
+        x[1, 5] = -3e4
+    if nrows > 2:
+        x[2, :32] = 0
+        x[2] *= np.float32(1e-6)
+    if nrows > 3:
+        x[3] = np.round(x[3] * 4) / 4  # many exact ties
+    if nrows > 4:
+        x[4] = (np.arange(ne0) % 32 - 16) + 0.5  # Q8_0 d = 1 and x*id = k + 0.5: roundf ties
+        x[4, ::32] = 127
+    return x
+
+
+def random_blocks(t: GGMLType, n: int, seed: int) -> np.ndarray:
+    """n random byte-valid blocks of t: finite f16 scales, random quants and scale bytes."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, t.type_size), dtype=np.uint8)
+
+    def f16(k: int) -> np.ndarray:
+        h = rng.integers(0, 1 << 16, (n, k), dtype=np.uint16)
+        h = np.where((h & 0x7C00) == 0x7C00, h & 0xBFFF, h)  # inf/nan -> finite
+        return h.astype("<u2").view(np.uint8)
+
+    if t in (T.Q8_0, T.Q4_0):
+        b[:, 0:2] = f16(1)
+    elif t is T.Q4_K:
+        b[:, 0:4] = f16(2)
+    elif t is T.Q6_K:
+        b[:, 208:210] = f16(1)
+    return b
+
+
+# ---- Q8_0 / Q4_0 vs gguf-py --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("nrows", [1, 3, 7])
+def test_q8_0_q4_0_match_gguf(t: GGMLType, seed: int, nrows: int) -> None:
+    for x in (gauss(seed, (nrows, 96)), edge_rows(seed, nrows, 320)):
+        ours = quantize(t, x)
+        assert ours.dtype == np.uint8 and ours.shape == (nrows, row_size(t, x.shape[1]))
+        np.testing.assert_array_equal(ours, gguf.quants.quantize(x, GQ[t]))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py: f16 overflow of d
+@settings(max_examples=60, deadline=None)
+@given(
+    t=st.sampled_from([T.Q8_0, T.Q4_0]),
+    x=hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 4), st.integers(1, 3).map(lambda k: 32 * k)),
+        elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False),
+    ),
+)
+def test_q8_0_q4_0_match_gguf_hypothesis(t: GGMLType, x: np.ndarray) -> None:
+    x = x + np.float32(0)  # -0.0 -> +0.0: gguf differs from ggml on all(-0.0) Q4_0 blocks
+    np.testing.assert_array_equal(quantize(t, x), gguf.quants.quantize(x, GQ[t]))
+
+
+def test_zero_blocks_match_ggml() -> None:
+    # ggml's Q4_0 scans |x| from max = +0, so d = +0 / -8 = -0 (0x8000), also for -0.0 input
+    for z in (np.zeros((1, 32), np.float32), np.full((1, 32), -0.0, np.float32)):
+        assert quantize(T.Q4_0, z).tobytes() == b"\x00\x80" + bytes([0x88] * 16)
+        assert quantize(T.Q8_0, z).tobytes() == bytes(34)
+        assert quantize(T.Q6_K, np.zeros((1, 256), np.float32)).tobytes() == bytes(210)
+
+
+# ---- Q4_K / Q6_K vs ggml's C reference ----------------------------------------------------
+
+
+def golden_input() -> np.ndarray:
+    """Platform-independent float32 [48, 2048] input (PCG64 raw bits, exact float ops).
+
+    ~Gaussian rows plus rows that reach ggml's corner cases: zero/constant/one-signed blocks,
+    outliers, exact rounding ties, sub-blocks whose 6-bit scale rounds to 0, subnormal and
+    overflowing (x*x = inf) magnitudes.
+    """
+    nrows, ne0 = 48, 2048
+    raw = np.random.PCG64(20240601).random_raw(4 * nrows * ne0)
+    u = (raw >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+    u = u.reshape(4, nrows, ne0)
+    x = ((u[0] + u[1]) + (u[2] + u[3]) - np.float32(2)) * np.float32(1.7)
+    j = np.arange(ne0)
+    x[0, :256] = 0
+    x[1, :32] = 0
+    x[2, 256:512] = 5.0
+    x[3, 17] = 100.0
+    x[4] *= np.float32(1e-4)
+    x[5, 512:768] = -np.abs(x[5, 512:768])
+    x[6] = np.round(x[6] * np.float32(4)) / np.float32(4)
+    x[7, 768:] = np.abs(x[7, 768:]) + np.float32(1)
+    x[8] = (j % 32 - 16).astype(np.float32) + np.float32(0.5)  # Q8_0 d = 1: x*id ties at .5
+    x[8, ::32] = 127
+    x[9] = np.ldexp(x[9], -(raw[: ne0 // 16] % 24).astype(np.int32).repeat(16))  # tiny sub-blocks
+    x[10] *= np.float32(1e-41)
+    x[11] *= np.float32(1e-37)
+    x[12] *= np.float32(1e20)
+    x[13, (raw[ne0 : 2 * ne0] % 8 != 0)] = 0
+    return x
+
+
+GOLDEN_INPUT_SHA256 = "dcf046ccc03e208d59749ad62609adcb686eccbe42997431359c80670c84bff2"
+# sha256 of ggml's quantize_row_<type>_ref output for golden_input() (ggml-base, x86-64, no FMA)
+GOLDEN_SHA256 = {
+    T.Q8_0: "af291ce4a7e2cbb223d34d1433e67b87024218b75b4f7a342c7576c5f6b42746",
+    T.Q4_0: "885011c1e1a6c561a6f5c9c58724dfe4d4da391c87567090b92c4e8b93975283",
+    T.Q4_K: "3ca62f3a6888e345aa0f48734663de943b932d031954ef3d52f4d9b401100f3c",
+    T.Q6_K: "70733d1dbd51e5f91759ab47a4fefb8137df896d47bc6940171e527e334c5824",
+}
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+def test_quantize_matches_ggml_reference_digest(t: GGMLType) -> None:
+    x = golden_input()
+    assert hashlib.sha256(x.tobytes()).hexdigest() == GOLDEN_INPUT_SHA256, "input generator drift"
+    q = quantize(t, x)
+    assert q.shape == (48, row_size(t, 2048))
+    assert hashlib.sha256(q.tobytes()).hexdigest() == GOLDEN_SHA256[t]
+
+
+# rel. RMS error on N(0,1) data: ggml's ref algorithm gets ~0.071 (Q4_K), ~0.0177 (Q6_K),
+# ~0.086 (Q4_0), ~0.0053 (Q8_0)
+REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056}
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_round_trip_error(t: GGMLType, seed: int) -> None:
+    x = gauss(seed, (7, 1024))
+    q = quantize(t, x)
+    y = dequantize(t, q, 1024)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x**2))
+    assert rel < REL_RMS_BOUND[t], f"{t.name}: relative RMS error {rel:.4f}"
+    np.testing.assert_array_equal(bits(y), bits(gguf.quants.dequantize(q, GQ[t])))
+
+
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
+def test_k_quant_edge_rows(t: GGMLType) -> None:
+    x = edge_rows(3, 5, 512)
+    q = quantize(t, x)
+    y = dequantize(t, q, 512)
+    np.testing.assert_array_equal(bits(y), bits(gguf.quants.dequantize(q, GQ[t])))
+    np.testing.assert_array_equal(y[0], 0)  # all-zero row stays zero
+    assert np.all(np.isfinite(y))
+    rel = np.sqrt(np.mean((y[4] - x[4]) ** 2) / np.mean(x[4] ** 2))
+    assert rel < REL_RMS_BOUND[t] * 2
+
+
+def test_chunking_does_not_change_bytes() -> None:
+    x = gauss(5, (600, 256))  # 600 blocks: more than one vectorized chunk
+    for t in (T.Q4_K, T.Q6_K):
+        whole = quantize(t, x)
+        parts = np.concatenate([quantize(t, x[i : i + 7]) for i in range(0, 600, 7)])
+        np.testing.assert_array_equal(whole, parts)
+
+
+# ---- dequantizers vs gguf-py --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dequantize_random_blocks_matches_gguf(t: GGMLType, seed: int) -> None:
+    nb = 24
+    b = random_blocks(t, nb, seed).reshape(3, nb // 3 * t.type_size)
+    ne0 = nb // 3 * t.blck_size
+    y = dequantize(t, b, ne0)
+    assert y.dtype == np.float32 and y.shape == (3, ne0)
+    np.testing.assert_array_equal(bits(y), bits(gguf.quants.dequantize(b, GQ[t])))
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.sampled_from(QUANT_TYPES + FLOAT_TYPES), nb=st.integers(1, 6), data=st.data())
+def test_dequantize_random_bytes_hypothesis(t: GGMLType, nb: int, data: st.DataObject) -> None:
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    if t.is_quantized:
+        b = random_blocks(t, nb, seed).reshape(1, -1)
+    else:  # any bit pattern, NaNs included
+        b = np.random.default_rng(seed).integers(0, 256, (1, nb * 4 * t.type_size), np.uint8)
+    ne0 = b.shape[1] // t.type_size * t.blck_size
+    ref = gguf.quants.dequantize(b, GQ[t]).astype(np.float32, copy=False)
+    np.testing.assert_array_equal(bits(dequantize(t, b, ne0)), bits(ref.reshape(1, ne0)))
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+def test_dequantize_own_output_matches_gguf(t: GGMLType) -> None:
+    q = quantize(t, edge_rows(9, 4, 768))
+    np.testing.assert_array_equal(bits(dequantize(t, q, 768)), bits(gguf.quants.dequantize(q, GQ[t])))
+
+
+# ---- float types ---------------------------------------------------------------------------
+
+
+def test_float_round_trips() -> None:
+    x = gauss(4, (3, 5, 64)) * np.float32(1e3)
+    x[0, 0, :4] = [np.inf, -np.inf, 1e-42, 70000.0]
+    q32 = quantize(T.F32, x)
+    assert q32.shape == (3, 5, 256)
+    np.testing.assert_array_equal(dequantize(T.F32, q32, 64), x)
+    with np.errstate(over="ignore"):
+        x16 = x.astype(np.float16)
+    q16 = quantize(T.F16, x)
+    assert q16.shape == (3, 5, 128)
+    np.testing.assert_array_equal(q16.view("<f2"), x16)
+    np.testing.assert_array_equal(dequantize(T.F16, q16, 64), x16)
+    qb = quantize(T.BF16, x)
+    assert qb.shape == (3, 5, 128)
+    np.testing.assert_array_equal(qb.view("<u2"), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(dequantize(T.BF16, qb, 64), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_float_types_round_to_nearest_even_like_ggml() -> None:
+    u = np.random.default_rng(6).integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+    u[:4] = [0x3F808000, 0x3F818000, 0x7FC12345, 0xFF812345]  # bf16 ties, quiet/signalling NaN
+    x = u.view(np.float32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rne = (u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16
+    want_bf16 = np.where(nan, (u >> 16) | 64, rne).astype(np.uint16)  # ggml_compute_fp32_to_bf16
+    np.testing.assert_array_equal(quantize(T.BF16, x).view("<u2"), want_bf16)
+    np.testing.assert_array_equal(
+        quantize(T.BF16, x).view("<u2"), gguf.quants.quantize(x, GQ[T.BF16]).view(np.uint16)
+    )
+    h = quantize(T.F16, x).view("<u2")
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(h[~nan], x[~nan].astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(h[nan], ((u[nan] >> 16) & 0x8000) | 0x7E00)
+
+
+def test_quantize_accepts_other_float_dtypes() -> None:
+    x64 = np.random.default_rng(7).standard_normal((2, 256))
+    for t in (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q6_K):
+        np.testing.assert_array_equal(quantize(t, x64), quantize(t, x64.astype(np.float32)))
+    x16 = x64.astype(np.float16)
+    np.testing.assert_array_equal(quantize(T.F16, x16).view("<f2"), x16)
+
+
+# ---- shapes and errors ---------------------------------------------------------------------
+
+
+def test_shapes() -> None:
+    x = gauss(8, (2, 3, 256))
+    for t in QUANT_TYPES:
+        q = quantize(t, x)
+        assert q.shape == (2, 3, t.type_size * 256 // t.blck_size)
+        assert dequantize(t, q, 256).shape == (2, 3, 256)
+        flat = dequantize(t, q.tobytes(), 256)  # bytes-like: a flat run of whole rows
+        np.testing.assert_array_equal(flat, dequantize(t, q, 256).reshape(-1))
+        np.testing.assert_array_equal(dequantize(t, q[1, 2], 256), dequantize(t, q, 256)[1, 2])
+        assert quantize(t, np.zeros((0, 256), np.float32)).shape == (0, row_size(t, 256))
+        assert dequantize(t, np.zeros((0, row_size(t, 256)), np.uint8), 256).shape == (0, 256)
+    assert quantize(T.Q4_0, np.zeros((4, 0))).shape == (4, 0)
+    assert dequantize(T.Q4_0, b"", 0).shape == (0,)
+    assert quantize("q8_0", x[0, 0]).shape == (272,)
+
+
+@pytest.mark.parametrize("t", [T.I32, "i32", 26])
+def test_i32_rejected(t: GGMLType | str | int) -> None:
+    with pytest.raises(TypeMismatchError):
+        quantize(t, np.zeros((1, 32), np.float32))
+    with pytest.raises(TypeMismatchError):
+        dequantize(t, np.zeros((1, 128), np.uint8), 32)
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+def test_shape_errors(t: GGMLType) -> None:
+    bs = t.blck_size
+    with pytest.raises(ShapeError, match="block size"):
+        quantize(t, np.zeros((2, bs + 16), np.float32))
+    with pytest.raises(ShapeError, match="block size"):
+        dequantize(t, np.zeros((2, t.type_size), np.uint8), bs + 16)
+    with pytest.raises(ShapeError, match="bytes"):
+        dequantize(t, np.zeros((2, t.type_size + 1), np.uint8), bs)
+    with pytest.raises(ShapeError, match="bytes"):
+        dequantize(t, bytes(t.type_size * 3 - 1), bs)
+    with pytest.raises(ShapeError):
+        quantize(t, np.float32(1.0))
+    with pytest.raises(ShapeError):
+        dequantize(t, np.uint8(1), bs)
+
+
+def test_type_errors() -> None:
+    with pytest.raises(TypeMismatchError):
+        quantize(T.Q8_0, np.zeros((1, 32), np.complex64))
+    with pytest.raises(TypeMismatchError):
+        dequantize(T.Q8_0, np.zeros((1, 17), np.float16), 32)
+    with pytest.raises(TypeMismatchError):
+        dequantize(T.Q8_0, 12345, 32)
+    with pytest.raises(TypeMismatchError):
+        quantize("q5_0", np.zeros((1, 32), np.float32))
