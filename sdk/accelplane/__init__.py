@@ -1,6 +1,6 @@
 """accelplane: compute backends as plugins, in the mould of ggml's backend system.
 
-Import is cheap: plugins are discovered on first use of :func:`registry` (or anything that
+Import is cheap: plugins are discovered on first use of :func:`get_registry` (or anything that
 needs devices), and each plugin imports its runtime only when its devices are opened.
 """
 
@@ -16,22 +16,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccelplaneError", "Context", "Graph", "GGMLType", "GluOp", "Op", "SortOrder", "Tensor",
-    "TensorFlag", "UnaryOp", "registry", "devices", "device", "__version__",
+    "TensorFlag", "UnaryOp", "get_registry", "devices", "device", "__version__",
 ]  # fmt: skip
 
 
-def registry():
+def get_registry():
     """The process-wide plugin registry (discovers plugins on first call)."""
-    from .registry import get_registry
+    from .registry import get_registry as _get
 
-    return get_registry()
+    return _get()
 
 
 def devices():
     """All devices of all loaded plugins (CPU devices last)."""
-    return registry().devices
+    return get_registry().devices
 
 
 def device(name: str):
     """A device by name, e.g. ``accelplane.device("CPU")``."""
-    return registry().device(name)
+    return get_registry().device(name)

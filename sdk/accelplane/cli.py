@@ -19,7 +19,7 @@ def _progress(msg: str) -> None:
 def cmd_devices(args) -> int:
     import accelplane
 
-    info = accelplane.registry().info()
+    info = accelplane.get_registry().info()
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -45,7 +45,7 @@ def support_matrix() -> tuple[list[str], dict[str, dict[str, tuple[int, int]]]]:
     from accelplane.conformance.runner import graph_supported
     from accelplane.graph import Context
 
-    devs = accelplane.registry().devices
+    devs = accelplane.get_registry().devices
     cols = [f"{d.plugin.name}/{d.name}" for d in devs]
     matrix: dict[str, dict[str, tuple[int, int]]] = {}
     for case in all_cases():
@@ -116,7 +116,7 @@ def cmd_bench(args) -> int:
     import accelplane
     from accelplane import bench
 
-    reg = accelplane.registry()
+    reg = accelplane.get_registry()
     if args.what != "ops":
         print(f"unknown benchmark {args.what!r}; available: ops", file=sys.stderr)
         return 2

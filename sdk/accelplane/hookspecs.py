@@ -139,7 +139,9 @@ class Specs:
 
     @hookspec
     def event_synchronize(self, device, event) -> None:
-        """Block the host until ``event`` has completed (an unrecorded event is complete)."""
+        """Block the host until ``event`` has completed (an unrecorded event is complete).
+        Required when event_new is implemented (so is event_record); without events the
+        fallback is that recording synchronizes, so there is nothing left to wait for."""
 
     # --- buffer type (ggml_backend_buffer_type_i) ---------------------------------------------
     @hookspec
@@ -176,7 +178,8 @@ class Specs:
 
     @hookspec
     def buffer_init_tensor(self, buffer, tensor) -> None:
-        """Called when a tensor (or view) is placed in the buffer; may set tensor.extra."""
+        """Called when a tensor (or view) is placed in the buffer; may set tensor.extra.
+        Fallback: nothing."""
 
     @hookspec
     def buffer_memset_tensor(self, buffer, tensor, value: int, offset: int, size: int) -> None:
@@ -239,12 +242,14 @@ class Specs:
 
     @hookspec
     def graph_optimize(self, backend, graph) -> None:
-        """Optional reorder/fusion preparation, called once per scheduler split."""
+        """Optional reorder/fusion preparation, called once per scheduler split.
+        Fallback: nothing (the graph runs as built)."""
 
     @hookspec
     def event_record(self, backend, event) -> None:
         """Record ``event`` at the current end of the stream: it completes when all work
-        queued before it has. Fallback (no events): synchronize."""
+        queued before it has. Required when event_new is implemented. Fallback (no events):
+        synchronize."""
 
     @hookspec
     def event_wait(self, backend, event) -> None:
@@ -265,13 +270,14 @@ class Specs:
 
     @hookspec
     def comm_free(self, comm) -> None:
-        """Release a communicator."""
+        """Release a communicator. Fallback: nothing."""
 
     # --- conformance ------------------------------------------------------------------------------
     @hookspec
     def conformance_expected_failures(self) -> str | None:
         """Text of the plugin's expected-failures file (``test id: reason`` lines, ``#``
-        comments) for the conformance suite, or None."""
+        comments) for the conformance suite, or None. Fallback: None (no expected
+        failures)."""
 
 
 REQUIRED_HOOKS = frozenset(

@@ -70,7 +70,7 @@ class SuiteState:
                 self._skip_reason = "no plugin selected (--accelplane-plugin NAME)"
                 return None
             try:
-                reg = accelplane.registry()
+                reg = accelplane.get_registry()
                 devs = reg.devices_of(self.plugin_name)
                 if self.device_name:
                     devs = [d for d in devs if d.name.lower() == self.device_name.lower()]

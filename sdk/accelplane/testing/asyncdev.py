@@ -10,6 +10,8 @@ Environment:
   ACCELPLANE_TEST_DELAY_US    max random delay before each queued task (default 100);
                               read when a backend is created
   ACCELPLANE_ASYNCDEV_SEED    seed of the delay generator (default: from the clock)
+  ACCELPLANE_ASYNCDEV_MAX_SIZE  max bytes of one buffer (default 32 MiB: larger allocations
+                              through accelplane.alloc become multi-buffers)
 """
 
 from __future__ import annotations
@@ -193,6 +195,12 @@ def buft_alloc(buft, buffer, size):
 @hookimpl
 def buft_alignment(buft):
     return 128
+
+
+@hookimpl
+def buft_max_size(buft):
+    # small on purpose, so multi-buffer paths get exercised
+    return int(os.environ.get("ACCELPLANE_ASYNCDEV_MAX_SIZE", str(32 << 20)))
 
 
 @hookimpl

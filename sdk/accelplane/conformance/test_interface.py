@@ -1,0 +1,413 @@
+"""Interface cases: buffers, set/get, async copies, cpy_tensor_async, events, repeated graphs,
+comm, and typed errors — the contracts of docs/ordering.md, checked on the plugin under test.
+
+Ordering cases repeat (more with --thorough) so that races show up; plugins that honour
+ACCELPLANE_TEST_DELAY_US add random delays to their queues while these run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import accelplane
+from accelplane.alloc import alloc_tensors
+from accelplane.backend import Comm, Event, MultiBuffer, tensor_copy, tensor_copy_async
+from accelplane.errors import AccelplaneError, BufferFreedError, DeviceError, OutOfRangeError
+from accelplane.graph import Context
+from accelplane.types import GGMLType
+
+T = GGMLType
+pytestmark = pytest.mark.conformance
+
+
+@pytest.fixture(autouse=True)
+def _kind(record_property):
+    record_property("accelplane_kind", "interface")
+
+
+def repeats(suite, n: int = 12) -> int:
+    return n * 10 if suite.thorough else n
+
+
+def affine(ctx: Context, x, s: float = 2.0, b: float = 1.0):
+    return ctx.scale(x, s, b)
+
+
+def _alloc(dev, *tensors):
+    buf = alloc_tensors(tensors, dev.buffer_type, accelplane.backend.BufferUsage.ANY)
+    return buf
+
+
+def _graph_xy(dev, n=4096, s=2.0, b=1.0):
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (n,), "x").set_input()
+    y = affine(ctx, x, s, b)
+    g = ctx.graph(y)
+    buf = _alloc(dev, x, y)
+    return x, y, g, buf
+
+
+# --- buffers ---------------------------------------------------------------------------------------
+def test_buffer_type_facts(ap_device):
+    buft = ap_device.buffer_type
+    a = buft.alignment
+    assert a >= 1 and a & (a - 1) == 0, f"alignment {a} is not a power of two"
+    assert buft.max_size > 0
+    t = Context().new_tensor(T.F32, (100,))
+    assert buft.alloc_size(t) >= t.nbytes
+
+
+@pytest.mark.parametrize("type_", [T.F32, T.F16, T.BF16, T.I32, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K],
+                         ids=str)  # fmt: skip
+def test_set_get_roundtrip(ap_device, ap_rng, type_):
+    ctx = Context()
+    t = ctx.new_tensor_ne(type_, 512, 3, 2)
+    buf = _alloc(ap_device, t)
+    try:
+        data = ap_rng.integers(0, 256, t.nbytes, dtype=np.uint8)
+        if type_.is_quantized:  # keep block scales finite
+            data = data.reshape(t.nrows, -1, type_.type_size)
+            data[..., :2] = np.array([0.01], np.float16).view(np.uint8)[None, None, :]
+            data = data.reshape(-1)
+        t.set_bytes(data)
+        assert np.array_equal(t.get_bytes(), data)
+        # partial ranges at the edges
+        t.set_bytes(np.array([7], np.uint8), t.nbytes - 1)
+        assert t.get_bytes(t.nbytes - 1, 1)[0] == 7
+        assert t.get_bytes(0, 0).size == 0
+        mid = t.nbytes // 3
+        assert np.array_equal(t.get_bytes(mid, 5), data[mid : mid + 5])
+    finally:
+        buf.free()
+
+
+def test_set_get_out_of_range_raises(ap_device):
+    t = Context().new_tensor(T.F32, (16,))
+    buf = _alloc(ap_device, t)
+    try:
+        for off, size in ((64, 1), (60, 8), (-1, 1)):
+            with pytest.raises(OutOfRangeError):
+                t.set_bytes(np.zeros(size, np.uint8), off)
+            with pytest.raises(OutOfRangeError):
+                t.get_bytes(off, size)
+    finally:
+        buf.free()
+
+
+def test_memset_and_clear(ap_device):
+    t = Context().new_tensor(T.I32, (64,))
+    buf = _alloc(ap_device, t)
+    try:
+        buf.clear(0)
+        buf.memset_tensor(t, 0x11, 8, 16)
+        got = t.get_bytes()
+        assert np.all(got[8:24] == 0x11) and np.all(got[:8] == 0) and np.all(got[24:] == 0)
+    finally:
+        buf.free()
+
+
+def test_freed_buffer_raises(ap_device):
+    t = Context().new_tensor(T.F32, (8,))
+    buf = _alloc(ap_device, t)
+    buf.free()
+    with pytest.raises(BufferFreedError):
+        t.set(np.zeros(8, np.float32))
+    with pytest.raises(BufferFreedError):
+        t.get()
+
+
+def test_views_share_memory(ap_device, ap_rng):
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (6, 8), "a")
+    v = ctx.view(a, (8, 2), a.nb, 2 * a.nb[1])  # rows 2..3
+    tr = ctx.transpose(a)
+    buf = _alloc(ap_device, a)
+    try:
+        buf.init_view(v)
+        buf.init_view(tr)
+        assert v.buffer is a.buffer and tr.buffer is a.buffer, "a view's buffer is its source's"
+        vals = ap_rng.standard_normal((6, 8)).astype(np.float32)
+        a.set(vals)
+        assert np.array_equal(v.get(), vals[2:4])
+        assert np.array_equal(tr.get(), vals.T)
+        v.set(np.ones((2, 8), np.float32))
+        assert np.array_equal(a.get()[2:4], np.ones((2, 8)))
+    finally:
+        buf.free()
+
+
+def test_multibuffer(ap_device):
+    buft = ap_device.buffer_type
+    if buft.max_size > 64 << 20:
+        pytest.skip(f"max buffer size {buft.max_size} too large to split in a quick test")
+    n = max(1, buft.max_size // 4 // 3)
+    ctx = Context()
+    ts = [ctx.new_tensor(T.F32, (n,), f"t{i}") for i in range(5)]
+    buf = alloc_tensors(ts, buft)
+    try:
+        assert isinstance(buf, MultiBuffer)
+        for t in ts:
+            assert t.buffer in buf.parts, "tensors must point at a real part, not the multi-buffer"
+            t.set(np.full(n, float(ts.index(t)), np.float32))
+        for i, t in enumerate(ts):
+            assert np.all(t.get() == i)
+    finally:
+        buf.free()
+
+
+# --- compute and async ordering ---------------------------------------------------------------------
+def test_graph_compute_twice_and_realloc(ap_device, ap_backend, ap_rng):
+    x, y, g, buf = _graph_xy(ap_device)
+    try:
+        for _ in range(3):
+            v = ap_rng.standard_normal(4096).astype(np.float32)
+            x.set(v)
+            ap_backend.compute(g)
+            np.testing.assert_allclose(y.get(), v * 2 + 1, rtol=1e-6)
+        # move every tensor to a new buffer: the backend must not replay a stale plan
+        ctx = Context()
+        x2 = ctx.new_tensor(T.F32, (4096,), "x2")
+        buf3 = _alloc(ap_device, x2)
+        x.buffer, x.offs = x2.buffer, x2.offs
+        g.layout_version += 1
+        v = ap_rng.standard_normal(4096).astype(np.float32)
+        x.set(v)
+        ap_backend.compute(g)
+        np.testing.assert_allclose(y.get(), v * 2 + 1, rtol=1e-6)
+        buf3.free()
+    finally:
+        buf.free()
+
+
+def test_async_set_compute_get_ordering(ap_suite, ap_device, ap_backend, ap_rng):
+    x, y, g, buf = _graph_xy(ap_device)
+    try:
+        for i in range(repeats(ap_suite)):
+            v = ap_rng.standard_normal(4096).astype(np.float32)
+            out = np.empty(y.nbytes, np.uint8)
+            ap_backend.set_tensor_async(x, v.view(np.uint8))
+            ap_backend.graph_compute(g)
+            ap_backend.get_tensor_async(y, out)
+            ap_backend.synchronize()
+            np.testing.assert_allclose(out.view(np.float32), v * 2 + 1, rtol=1e-6,
+                                       err_msg=f"repeat {i}")  # fmt: skip
+    finally:
+        buf.free()
+
+
+def _two_stage(dev_a, dev_b):
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (2048,), "x")
+    y = affine(ctx, x, 2.0, 1.0)
+    z = ctx.new_tensor(T.F32, (2048,), "z")
+    w = affine(ctx, z, 3.0, 0.0)
+    ga, gb = ctx.graph(y), ctx.graph(w)
+    bufs = [_alloc(dev_a, x, y), _alloc(dev_b, z, w)]
+    return x, y, z, w, ga, gb, bufs
+
+
+def _check_copy_chain(suite, dev_a, dev_b, rng):
+    ba, bb = dev_a.new_backend(), dev_b.new_backend()
+    x, y, z, w, ga, gb, bufs = _two_stage(dev_a, dev_b)
+    try:
+        for i in range(repeats(suite)):
+            v = rng.standard_normal(2048).astype(np.float32)
+            ba.set_tensor_async(x, v.view(np.uint8))
+            ba.graph_compute(ga)
+            tensor_copy_async(ba, bb, y, z)  # after ga on ba, before gb on bb
+            bb.graph_compute(gb)
+            bb.synchronize()
+            np.testing.assert_allclose(w.get(), (v * 2 + 1) * 3, rtol=1e-6,
+                                       err_msg=f"cpy_tensor_async ordering, repeat {i}")  # fmt: skip
+            ba.synchronize()
+    finally:
+        ba.free()
+        bb.free()
+        for b in bufs:
+            b.free()
+
+
+def test_cpy_tensor_async_two_streams(ap_suite, ap_device, ap_rng):
+    _check_copy_chain(ap_suite, ap_device, ap_device, ap_rng)
+
+
+def test_cpy_tensor_async_two_devices(ap_suite, ap_devices, ap_rng):
+    if len(ap_devices) < 2:
+        pytest.skip("plugin has one device")
+    _check_copy_chain(ap_suite, ap_devices[0], ap_devices[1], ap_rng)
+
+
+def test_cpy_from_host_buffer(ap_suite, ap_device, ap_backend, ap_rng):
+    """A CPU split's output (host buffer) copied to the device (llama.cpp #17795's path)."""
+    host = next((d for d in accelplane.devices() if d.buffer_type.is_host), None)
+    if host is None:
+        pytest.skip("no host-memory device registered")
+    hb = host.new_backend()
+    ctx = Context()
+    src = ctx.new_tensor(T.F32, (2048,), "src")
+    dst = ctx.new_tensor(T.F32, (2048,), "dst")
+    w = affine(ctx, dst, 3.0, 0.0)
+    g = ctx.graph(w)
+    bufs = [_alloc(host, src), _alloc(ap_device, dst, w)]
+    try:
+        for i in range(repeats(ap_suite)):
+            v = ap_rng.standard_normal(2048).astype(np.float32)
+            src.set(v)
+            tensor_copy_async(hb, ap_backend, src, dst)
+            ap_backend.graph_compute(g)
+            ap_backend.synchronize()
+            np.testing.assert_allclose(w.get(), v * 3, rtol=1e-6, err_msg=f"repeat {i}")
+    finally:
+        hb.free()
+        for b in bufs:
+            b.free()
+
+
+def test_blocking_tensor_copy(ap_device, ap_rng):
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (300,))
+    b = ctx.new_tensor(T.F32, (300,))
+    bufs = [_alloc(ap_device, a), _alloc(ap_device, b)]
+    try:
+        v = ap_rng.standard_normal(300).astype(np.float32)
+        a.set(v)
+        tensor_copy(a, b)
+        assert np.array_equal(b.get(), v)
+    finally:
+        for x in bufs:
+            x.free()
+
+
+# --- events ---------------------------------------------------------------------------------------
+def test_event_record_wait_two_streams(ap_suite, ap_device, ap_rng):
+    """b1 computes y; event recorded on b1; b2 waits for it, then computes from y."""
+    b1, b2 = ap_device.new_backend(), ap_device.new_backend()
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (2048,), "x")
+    y = affine(ctx, x, 2.0, 1.0)
+    z = affine(ctx, y, 3.0, 0.0)
+    g1 = ctx.graph(y)
+    g2 = accelplane.Graph.from_nodes([z], [y])
+    buf = _alloc(ap_device, x, y, z)
+    ev = ap_device.new_event()
+    try:
+        for i in range(repeats(ap_suite)):
+            v = ap_rng.standard_normal(2048).astype(np.float32)
+            b1.set_tensor_async(x, v.view(np.uint8))
+            b1.graph_compute(g1)
+            ev.record(b1)
+            ev.wait(b2)
+            b2.graph_compute(g2)
+            b2.synchronize()
+            np.testing.assert_allclose(z.get(), (v * 2 + 1) * 3, rtol=1e-6,
+                                       err_msg=f"event_wait did not order, repeat {i}")  # fmt: skip
+            b1.synchronize()
+    finally:
+        ev.free()
+        b1.free()
+        b2.free()
+        buf.free()
+
+
+def test_event_synchronize_blocks_host(ap_suite, ap_device, ap_backend, ap_rng):
+    x, y, g, buf = _graph_xy(ap_device, n=1 << 16)
+    ev = ap_device.new_event()
+    try:
+        for i in range(repeats(ap_suite, 6)):
+            v = ap_rng.standard_normal(1 << 16).astype(np.float32)
+            out = np.empty(y.nbytes, np.uint8)
+            ap_backend.set_tensor_async(x, v.view(np.uint8))
+            ap_backend.graph_compute(g)
+            ap_backend.get_tensor_async(y, out)
+            ev.record(ap_backend)
+            ev.synchronize()
+            np.testing.assert_allclose(out.view(np.float32), v * 2 + 1, rtol=1e-6,
+                                       err_msg=f"event_synchronize returned early, repeat {i}")  # fmt: skip
+    finally:
+        ap_backend.synchronize()
+        ev.free()
+        buf.free()
+
+
+def test_event_across_devices(ap_suite, ap_devices, ap_rng):
+    """After synchronize(b1), work that b1 waited for (an event of device 0) is complete."""
+    if len(ap_devices) < 2:
+        pytest.skip("plugin has one device")
+    d0, d1 = ap_devices[:2]
+    b0, b1 = d0.new_backend(), d1.new_backend()
+    x, y, g, buf = _graph_xy(d0)
+    ev = d0.new_event()
+    try:
+        for i in range(repeats(ap_suite)):
+            v = ap_rng.standard_normal(4096).astype(np.float32)
+            x.set(v)
+            b0.graph_compute(g)
+            ev.record(b0)
+            ev.wait(b1)
+            b1.synchronize()
+            np.testing.assert_allclose(y.get(), v * 2 + 1, rtol=1e-6, err_msg=f"repeat {i}")
+    finally:
+        b0.synchronize()
+        ev.free()
+        b0.free()
+        b1.free()
+        buf.free()
+
+
+def test_event_of_other_device_raises(ap_device, ap_backend):
+    others = [d for d in accelplane.devices() if d is not ap_device]
+    if not others:
+        pytest.skip("only one device registered")
+    ev = Event(others[0])
+    with pytest.raises(DeviceError):
+        ev.record(ap_backend)
+    ev.free()
+
+
+# --- comm ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_comm_allreduce(ap_device, ap_devices, ap_rng, n):
+    devs = [ap_devices[i % len(ap_devices)] for i in range(n)]
+    backends = [d.new_backend() for d in devs]
+    comm = Comm.init(backends)
+    try:
+        if comm is None:
+            pytest.skip("comm_init returned None: the SDK fallback serves this plugin")
+        ctx = Context()
+        ts = [ctx.new_tensor(T.F32, (1000, 3), f"p{i}") for i in range(n)]
+        bufs = [_alloc(d, t) for d, t in zip(devs, ts, strict=True)]
+        vals = [ap_rng.standard_normal((1000, 3)).astype(np.float32) for _ in range(n)]
+        for t, v in zip(ts, vals, strict=True):
+            t.set(v)
+        if not comm.allreduce(ts):
+            pytest.skip("comm_allreduce_tensor asked for the fallback")
+        for b in backends:
+            b.synchronize()
+        want = np.sum(np.stack(vals).astype(np.float64), axis=0)
+        for i, t in enumerate(ts):
+            np.testing.assert_allclose(t.get(), want, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"all-reduce result on device {i} of {n}")  # fmt: skip
+        comm.free()
+        for b in bufs:
+            b.free()
+    finally:
+        for b in backends:
+            b.free()
+
+
+# --- errors ----------------------------------------------------------------------------------------
+def test_compute_unallocated_graph_raises(ap_device, ap_backend):
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (16,))
+    g = ctx.graph(ctx.scale(x, 2.0))
+    with pytest.raises(AccelplaneError):
+        ap_backend.compute(g)
+
+
+def test_compute_after_free_raises(ap_device, ap_backend):
+    x, y, g, buf = _graph_xy(ap_device)
+    ap_backend.compute(g)
+    buf.free()
+    with pytest.raises(BufferFreedError):
+        ap_backend.compute(g)
