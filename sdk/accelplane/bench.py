@@ -173,3 +173,28 @@ def format_table(results: list[PerfResult]) -> str:
 
 def to_json(results: list[PerfResult]) -> str:
     return json.dumps({"machine": machine(), "results": [asdict(r) for r in results]}, indent=1)
+
+
+def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
+    """Cost of one hook call three ways (µs): through pluggy's pm.hook (what the hot path
+    avoids), through a handle's dispatch table (what the SDK does), and a direct call."""
+    from .registry import get_registry
+
+    reg = get_registry()
+    dev = reg.device("CPU")
+    ctx = Context()
+    t = ctx.scale(ctx.new_tensor_ne(T.F32, 4), 2.0)
+    fn = dev._fn["supports_op"]
+    hook = reg.pm.hook.supports_op
+
+    def timeit(f: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    return [
+        ("pm.hook.supports_op (all plugins, pluggy)", timeit(lambda: hook(device=dev, op=t))),
+        ("Device.supports_op (dispatch table)", timeit(lambda: dev.supports_op(t))),
+        ("plugin function called directly", timeit(lambda: fn(dev, t))),
+    ]

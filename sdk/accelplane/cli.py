@@ -117,9 +117,10 @@ def cmd_bench(args) -> int:
     from accelplane import bench
 
     reg = accelplane.get_registry()
-    if args.what != "ops":
-        print(f"unknown benchmark {args.what!r}; available: ops", file=sys.stderr)
-        return 2
+    if args.what == "dispatch":
+        for label, us in bench.bench_dispatch():
+            print(f"{label:<45} {us:8.3f} us/call")
+        return 0
     devs = [reg.device(n) for n in args.device] if args.device else reg.devices
     results = bench.bench_ops(devs, args.set, args.pattern, args.time, _progress)
     if sys.stderr.isatty():
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--thorough", action="store_true")
     c.add_argument("--xfails", action="append", help="extra expected-failures file")
     b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops"])
+    b.add_argument("what", choices=["ops", "dispatch"])
     b.add_argument("--set", default="default", help="case set: default, matmul, small, overhead")
     b.add_argument("-p", "--pattern", help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
