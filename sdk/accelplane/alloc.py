@@ -59,8 +59,9 @@ def alloc_tensors(
 
 
 def alloc_ctx_tensors(ctx, buft: BufferType, usage: BufferUsage = BufferUsage.WEIGHTS):
-    """All leaf tensors of a Context (see :func:`alloc_tensors`)."""
-    return alloc_tensors(ctx.tensors, buft, usage)
+    """All leaf tensors of a Context (see :func:`alloc_tensors`); its views of them are bound
+    too, as ggml binds every view in the context."""
+    return alloc_tensors(list(ctx.tensors) + list(ctx.views), buft, usage)
 
 
 def _bind_views(tensors: Iterable[Tensor]) -> None:

@@ -275,6 +275,10 @@ class MultiBuffer(Buffer):
     def place(self, t: Tensor, offs: int) -> None:
         raise DeviceError("tensors are placed in a multi-buffer's parts, not in the multi-buffer")
 
+    @property
+    def host_array(self) -> np.ndarray:
+        raise DeviceError(f"{self.name}: a multi-buffer has no single host array; use its parts")
+
     def set_tensor(self, t, data, offset, size):  # pragma: no cover - tensors use their part
         raise DeviceError("multi-buffer: use the tensor's own buffer")
 

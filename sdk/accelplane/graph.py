@@ -42,7 +42,7 @@ class Context:
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.tensors: list[Tensor] = []
-
+        self.views: list[Tensor] = []  # view nodes, bound by alloc_ctx_tensors like ggml
     # --- leaves -----------------------------------------------------------------------------
     def new_tensor(
         self, type_: GGMLType | str | int, shape: Sequence[int], name: str = ""
@@ -72,6 +72,8 @@ class Context:
             r.type, r.ne, r.nb, op=op, op_params=params, src=src,
             view_src=r.view_of, view_offs=r.view_offs, name=name, ndim=ndim,
         )  # fmt: skip
+        if t.view_src is not None:
+            self.views.append(t)
         return t
 
     # binary (b broadcasts to a by repetition, ggml_can_repeat)

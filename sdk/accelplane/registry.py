@@ -40,7 +40,11 @@ from .hookspecs import (
 )
 
 GROUP = "accelplane.plugins"
-EVENT_HOOKS = frozenset({"event_new", "event_record", "event_synchronize"})
+# hooks that come as a group: the first one of each group implies the others
+HOOK_GROUPS = {
+    "event_new": frozenset({"event_new", "event_record", "event_synchronize"}),
+    "comm_init": frozenset({"comm_init", "comm_allreduce_tensor"}),
+}
 
 
 @dataclass
@@ -171,12 +175,10 @@ class Registry:
                 missing = sorted(REQUIRED_HOOKS - fn.keys())
                 if missing:
                     raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
-                if "event_new" in fn:  # events come as a group: Event calls these directly
-                    missing = sorted(EVENT_HOOKS - fn.keys())
+                for lead, group in HOOK_GROUPS.items():
+                    missing = sorted(group - fn.keys()) if lead in fn else []
                     if missing:
-                        raise PluginLoadError(
-                            f"event_new is implemented but not {', '.join(missing)}"
-                        )
+                        raise PluginLoadError(f"{lead} is implemented but not {', '.join(missing)}")
             except Exception as e:
                 if self.pm.is_registered(module):
                     self.pm.unregister(module)

@@ -1,0 +1,474 @@
+"""Plugin discovery and failure isolation, through real entry points.
+
+A fake installed distribution (``*.dist-info`` with METADATA and entry_points.txt) and its
+plugin modules are written to a temporary directory that is put on PYTHONPATH of a fresh
+interpreter, so the process-wide registry and sys.modules start clean in every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import types
+from pathlib import Path
+
+import accelplane
+import numpy as np
+import pluggy
+import pytest
+from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
+from accelplane.backend import Device
+from accelplane.cpu import plugin as cpu_plugin
+from accelplane.errors import AccelplaneError
+from accelplane.hookspecs import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
+from accelplane.registry import Registry
+
+HEAVY = ("cffi", "accelplane.cpu._kernels", "accelplane.cpu.plan", "gguf", "ml_dtypes")
+
+# --- the fixture plugins -------------------------------------------------------------------------
+_REEXPORT = "from accelplane.cpu.plugin import *  # noqa: F401,F403  (every cpu hookimpl)\n"
+_IMPORTS = "from accelplane.hookspecs import DeviceSpec, DeviceType, hookimpl\n"
+
+
+def plugin_src(body: str) -> str:
+    """A plugin module: every cpu hookimpl re-exported, then ``body`` (overrides)."""
+    return _REEXPORT + _IMPORTS + textwrap.dedent(body)
+
+
+GOOD = plugin_src(
+    """
+    from pathlib import Path
+
+    @hookimpl
+    def get_devices():
+        Path(__file__).with_name("hostdev_get_devices_called").write_text("yes")
+        return [DeviceSpec("HOSTDEV", "test host-memory device", DeviceType.ACCEL)]
+    """
+)
+
+# name -> (module source, expected failure stage, substrings the reason must contain)
+BROKEN: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "bad_import": (
+        "raise ImportError('libfakevendor.so.1: cannot open shared object file')\n",
+        "import",
+        ("ImportError", "libfakevendor.so.1"),
+    ),
+    "bad_major": (
+        plugin_src(
+            """
+            from pathlib import Path
+
+            @hookimpl
+            def api_version():
+                return (2, 0)
+
+            @hookimpl
+            def get_devices():
+                Path(__file__).with_name("bad_major_get_devices_called").write_text("oops")
+                return [DeviceSpec("MAJOR2", "must never be listed", DeviceType.GPU)]
+            """
+        ),
+        "api_version",
+        ("bad_major", "2.0", "1.0"),
+    ),
+    "bad_argname": (
+        plugin_src(
+            """
+            @hookimpl
+            def get_devices():
+                return [DeviceSpec("ARGNAME", "must never be listed", DeviceType.GPU)]
+
+            @hookimpl
+            def supports_op(device, tensor):
+                return True
+            """
+        ),
+        "validate",
+        ("supports_op", "tensor"),
+    ),
+    "bad_devices": (
+        plugin_src(
+            """
+            @hookimpl
+            def get_devices():
+                raise RuntimeError("driver exploded: fakeGetDeviceCount returned 999")
+            """
+        ),
+        "devices",
+        ("RuntimeError", "driver exploded"),
+    ),
+    "no_devices": (
+        plugin_src(
+            """
+            @hookimpl
+            def get_devices():
+                return []
+            """
+        ),
+        "devices",
+        ("no devices",),
+    ),
+    "missing_required": (
+        plugin_src(
+            """
+            del graph_compute  # noqa: F821
+
+            @hookimpl
+            def get_devices():
+                return [DeviceSpec("NOCOMPUTE", "must never be listed", DeviceType.GPU)]
+            """
+        ),
+        "validate",
+        ("required", "graph_compute"),
+    ),
+    "unknown_hook": (
+        plugin_src(
+            """
+            @hookimpl
+            def get_devices():
+                return [DeviceSpec("TYPO", "must never be listed", DeviceType.GPU)]
+
+            @hookimpl
+            def graph_computee(backend, graph):
+                pass
+            """
+        ),
+        "validate",
+        ("unknown hook", "graph_computee"),
+    ),
+    "partial_events": (
+        plugin_src(
+            """
+            @hookimpl
+            def get_devices():
+                return [DeviceSpec("HALFEVENTS", "must never be listed", DeviceType.GPU)]
+
+            @hookimpl
+            def event_new(device):
+                return object()
+            """
+        ),
+        "validate",
+        ("event_record", "event_synchronize"),
+    ),
+}
+
+# a plugin that loads but whose device_memory raises: `devices` must still be listable
+FLAKY_MEMORY = plugin_src(
+    """
+    @hookimpl
+    def get_devices():
+        return [DeviceSpec("FLAKYMEM", "device_memory raises", DeviceType.ACCEL)]
+
+    @hookimpl
+    def device_memory(device):
+        raise RuntimeError("sysfs went away")
+    """
+)
+
+
+def _dist(site: Path, name: str, version: str, entries: dict[str, str]) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = "".join(f"{ep} = {mod}\n" for ep, mod in entries.items())
+    (info / "entry_points.txt").write_text(f"[accelplane.plugins]\n{lines}")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """A directory holding two fake installed distributions and their plugin modules."""
+    site = tmp_path_factory.mktemp("site")
+    entries = {}
+    for name, (src, _, _) in BROKEN.items():
+        (site / f"fakeplug_{name}.py").write_text(src)
+        entries[name] = f"fakeplug_{name}"
+    (site / "fakeplug_flaky_memory.py").write_text(FLAKY_MEMORY)
+    entries["flaky_memory"] = "fakeplug_flaky_memory"
+    _dist(site, "accelplane-brokenplugins", "0.1", entries)
+    (site / "fakeplug_hostdev.py").write_text(GOOD)
+    _dist(site, "accelplane-hostdev", "0.3", {"hostdev": "fakeplug_hostdev"})
+    return site
+
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys, time
+    t0 = time.perf_counter()
+    import accelplane
+    from accelplane.errors import AccelplaneError, PluginLoadError
+    try:
+        reg = accelplane.get_registry()
+    except AccelplaneError as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e),
+                          "is_plugin_load_error": isinstance(e, PluginLoadError)}))
+        raise SystemExit(0)
+    elapsed = time.perf_counter() - t0
+    info = reg.info()
+    info["elapsed_s"] = elapsed
+    info["heavy"] = sorted(m for m in %r if m in sys.modules)
+    info["pm_plugins"] = sorted(reg.pm.get_name(p) for p in reg.pm.get_plugins())
+    info["api_version_impls"] = len(reg.pm.hook.api_version.get_hookimpls())
+    info["devices"] = [d.name for d in reg.devices]
+    info["cpu_plugin_imported"] = "accelplane.cpu.plugin" in sys.modules
+    reg.pm.check_pending()  # what failed left nothing behind in the plugin manager
+    print(json.dumps(info))
+    """
+) % (HEAVY,)
+
+
+def probe(site: Path | None = None, **env: str) -> dict:
+    """Run discovery in a fresh interpreter; returns info() plus extras, or the error."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPLANE_")}
+    if site is not None:
+        e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), e.get("PYTHONPATH")]))
+    e.update(env)
+    cwd = site if site is not None else tempfile.gettempdir()
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE], env=e, cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, f"probe crashed:\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def full(site) -> dict:
+    for marker in site.glob("*_called"):
+        marker.unlink()
+    return probe(site)
+
+
+def _failure(info: dict, name: str) -> dict:
+    got = [f for f in info["failures"] if f["name"] == name]
+    assert len(got) == 1, f"{name} not reported once in failures: {info['failures']}"
+    return got[0]
+
+
+# --- discovery with every broken plugin installed -----------------------------------------------
+def test_host_keeps_working(full):
+    assert "error" not in full, full
+    names = [p["name"] for p in full["plugins"]]
+    assert sorted(names) == ["cpu", "flaky_memory", "hostdev"]
+    assert full["devices"][-1] == "CPU", "CPU devices come last"
+    assert set(full["devices"]) == {"CPU", "HOSTDEV", "FLAKYMEM"}
+    # the plugin manager holds exactly the loaded plugins, no leftover hookimpls
+    assert full["pm_plugins"] == sorted(names)
+    assert full["api_version_impls"] == len(names)
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_plugin_is_isolated(full, name):
+    f = _failure(full, name)
+    _, stage, needles = BROKEN[name]
+    assert f["stage"] == stage, f
+    for n in needles:
+        assert n in f["reason"], f"{n!r} not in reason {f['reason']!r}"
+    assert name not in [p["name"] for p in full["plugins"]]
+
+
+def test_wrong_major_never_runs_device_code(site, full):
+    assert not (site / "bad_major_get_devices_called").exists(), (
+        "get_devices of a plugin with API major 2 was called"
+    )
+    # positive control: the marker mechanism works (the good plugin's marker was written)
+    assert (site / "hostdev_get_devices_called").exists()
+
+
+def test_good_plugin_listed_with_its_version(full):
+    (p,) = [p for p in full["plugins"] if p["name"] == "hostdev"]
+    assert p["version"] == "0.3"
+    assert p["api_version"] == list(accelplane.hookspecs.API_VERSION)
+    (d,) = p["devices"]
+    assert d["name"] == "HOSTDEV" and d["type"] == "ACCEL"
+    assert d["description"] == "test host-memory device"
+
+
+def test_failing_device_memory_does_not_break_info(full):
+    (p,) = [p for p in full["plugins"] if p["name"] == "flaky_memory"]
+    assert p["devices"][0]["memory_free"] == 0 and p["devices"][0]["memory_total"] == 0
+
+
+def test_discovery_imports_nothing_heavy(full):
+    print(f"\nimport accelplane + discovery of {len(full['plugins'])} plugins "
+          f"(+{len(full['failures'])} broken): {full['elapsed_s'] * 1e3:.1f} ms")  # fmt: skip
+    assert full["heavy"] == []
+
+
+def test_default_install_imports_nothing_heavy():
+    info = probe()
+    print(f"\nimport accelplane + discovery (default install): {info['elapsed_s'] * 1e3:.1f} ms")
+    assert "error" not in info, info
+    assert "cpu" in [p["name"] for p in info["plugins"]]
+    assert info["heavy"] == []
+
+
+# --- allow and block lists -----------------------------------------------------------------------
+def test_disable_hides_cpu(site):
+    info = probe(site, ACCELPLANE_DISABLE_PLUGINS="cpu")
+    assert "CPU" not in info["devices"]
+    assert "cpu" not in [p["name"] for p in info["plugins"]]
+    assert "cpu" not in [f["name"] for f in info["failures"]], "disabled is not a failure"
+    assert "HOSTDEV" in info["devices"]
+
+
+def test_disabled_plugin_is_never_imported():
+    info = probe(ACCELPLANE_DISABLE_PLUGINS=" cpu , something_else ")
+    assert info["plugins"] == [] and info["devices"] == []
+    assert not info["cpu_plugin_imported"]
+
+
+def test_allow_list_loads_only_those(site):
+    info = probe(site, ACCELPLANE_PLUGINS="cpu")
+    assert [p["name"] for p in info["plugins"]] == ["cpu"]
+    assert info["devices"] == ["CPU"]
+    assert info["failures"] == [], "broken plugins outside the allow list are not even loaded"
+    info = probe(site, ACCELPLANE_PLUGINS="hostdev,cpu")
+    assert sorted(p["name"] for p in info["plugins"]) == ["cpu", "hostdev"]
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_allow_listed_broken_plugin_is_loud(site, name):
+    info = probe(site, ACCELPLANE_PLUGINS=f"cpu,{name}")
+    assert info.get("is_plugin_load_error"), info
+    assert name in info["message"]
+    assert BROKEN[name][1] in info["message"], "the message names the failing stage"
+
+
+def test_allow_listed_missing_plugin_raises(site):
+    info = probe(site, ACCELPLANE_PLUGINS="cpu,nosuchplugin")
+    assert info.get("is_plugin_load_error"), info
+    assert "nosuchplugin" in info["message"]
+
+
+def test_allow_and_block_both_name_a_plugin(site):
+    # blocked wins; the block list is not "missing"
+    info = probe(site, ACCELPLANE_PLUGINS="cpu,hostdev", ACCELPLANE_DISABLE_PLUGINS="hostdev")
+    assert "error" not in info, info
+    assert info["devices"] == ["CPU"]
+
+
+# --- in-process registration (fresh Registry objects) ------------------------------------------
+def host_plugin(device_name: str, **hooks) -> types.ModuleType:
+    """A plugin object with every cpu hookimpl, its own device name, ``hooks`` overridden."""
+    m = types.ModuleType(f"test_plugin_{device_name.lower()}")
+    for h in HOOK_NAMES:
+        if hasattr(cpu_plugin, h):
+            setattr(m, h, getattr(cpu_plugin, h))
+
+    def get_devices():
+        return [DeviceSpec(device_name, "test device", DeviceType.CPU)]
+
+    m.get_devices = hookimpl(get_devices)
+    for h, f in hooks.items():
+        if f is None:
+            delattr(m, h)
+        else:
+            setattr(m, h, hookimpl(f))
+    return m
+
+
+def _compute_add(dev: Device) -> None:
+    ctx = accelplane.Context()
+    a = ctx.new_tensor("f32", (3, 5))
+    b = ctx.new_tensor("f32", (3, 5))
+    out = ctx.add(a, b)
+    g = ctx.graph(out)
+    buf = alloc_ctx_tensors(ctx, dev.buffer_type)
+    GraphAllocator(dev.buffer_type).alloc_graph(g)
+    x = np.arange(15, dtype=np.float32).reshape(3, 5)
+    a.set(x)
+    b.set(2 * x)
+    dev.new_backend().compute(g)
+    np.testing.assert_array_equal(out.get(), 3 * x)
+    buf.free()
+
+
+def test_hot_path_does_not_go_through_pluggy(monkeypatch):
+    reg = Registry()
+    assert reg.register(cpu_plugin, "cpu") is not None
+    dev = reg.device("cpu")
+
+    ours = {id(getattr(reg.pm.hook, h)) for h in HOOK_NAMES}
+    call = pluggy.HookCaller.__call__
+
+    def no_pluggy(self, *a, **kw):  # pytest runs on pluggy too: trap only this registry's
+        if id(self) in ours:
+            raise AssertionError(f"pm.hook.{self.name} called on the hot path")
+        return call(self, *a, **kw)
+
+    monkeypatch.setattr(pluggy.HookCaller, "__call__", no_pluggy)
+    with pytest.raises(AssertionError):  # the trap works
+        reg.pm.hook.graph_compute(backend=None, graph=None)
+    _compute_add(dev)  # buffer type, alloc, set/get, init_backend, graph_compute: all direct
+
+
+def test_dispatch_table_is_the_plugins_functions():
+    reg = Registry()
+    p = reg.register(cpu_plugin, "cpu")
+    for h, f in p.fn.items():
+        assert f is getattr(cpu_plugin, h), h
+    be = reg.device("cpu").new_backend()
+    assert be._graph_compute is cpu_plugin.graph_compute
+
+
+def test_hookimpl_with_subset_or_reordered_args():
+    """pluggy passes arguments by name, so an impl may take a subset of the spec's arguments
+    in any order; the direct dispatch must honour that too."""
+    seen = {}
+
+    def supports_op(op, device):  # reordered
+        seen["op"], seen["device"] = op, device
+        return True
+
+    def init_backend(device):  # subset
+        seen["init_device"] = device
+        return "ctx"
+
+    reg = Registry()
+    assert reg.register(host_plugin("ODD", supports_op=supports_op,
+                                    init_backend=init_backend), "odd")  # fmt: skip
+    dev = reg.device("ODD")
+    ctx = accelplane.Context()
+    t = ctx.sqr(ctx.new_tensor("f32", (4,)))
+    assert dev.supports_op(t)
+    assert seen["op"] is t and seen["device"] is dev
+    assert dev.new_backend().ctx == "ctx" and seen["init_device"] is dev
+
+
+def test_duplicate_names_rejected():
+    reg = Registry()
+    assert reg.register(host_plugin("DUP"), "one")
+    assert reg.register(host_plugin("dup"), "two") is None  # device names clash (any case)
+    assert reg.register(host_plugin("OTHER"), "one") is None  # plugin name taken
+    assert [f.stage for f in reg.failures] == ["devices", "validate"]
+    assert "DUP" in reg.failures[0].reason.upper() and "'one'" in reg.failures[1].reason
+    assert [d.name for d in reg.devices] == ["DUP"]
+    assert len(reg.pm.get_plugins()) == 1
+
+
+def test_two_devices_of_one_plugin_with_one_name_rejected():
+    def get_devices():
+        return [DeviceSpec("TWIN", "a", DeviceType.GPU), DeviceSpec("TWIN", "b", DeviceType.GPU)]
+
+    reg = Registry()
+    m = host_plugin("X")
+    m.get_devices = hookimpl(get_devices)
+    assert reg.register(m, "twins") is None
+    assert "TWIN" in reg.failures[0].reason
+    assert reg.devices == []
+
+
+def test_unregister_and_lookup_errors():
+    reg = Registry()
+    reg.register(host_plugin("GONE"), "gone")
+    reg.unregister("gone")
+    assert reg.devices == [] and reg.pm.get_plugins() == set()
+    with pytest.raises(AccelplaneError, match="GONE"):
+        reg.device("GONE")
+    reg.register(host_plugin("X", get_devices=lambda: []), "empty")
+    with pytest.raises(AccelplaneError, match="no devices"):
+        reg.devices_of("empty")  # names why it is not loaded
