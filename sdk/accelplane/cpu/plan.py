@@ -472,9 +472,9 @@ BUILDERS: dict[Op, Callable[[Tensor, View], Step]] = {
 
 class Plan:
     """A graph bound to memory: ``steps`` replay it. Valid while the graph's layout version
-    and the buffers it touches are unchanged."""
+    is unchanged (accelplane.plancache.PlanCache rebuilds it otherwise)."""
 
-    __slots__ = ("steps", "layout_version", "buffers", "nodes")
+    __slots__ = ("steps", "buffers", "nodes")
 
     def __init__(self, graph, memory: Callable[[object], np.ndarray] | None = None) -> None:
         """``memory(buffer)``: the uint8 array of a buffer's bytes (default: host_array)."""
@@ -482,7 +482,6 @@ class Plan:
         def view(t: Tensor) -> np.ndarray:
             return host_view(t, memory)
 
-        self.layout_version = graph.layout_version
         self.steps: list[Step] = []
         self.nodes: list[Tensor] = []
         bufs = {}
@@ -499,15 +498,13 @@ class Plan:
             self.nodes.append(n)
         self.buffers = list(bufs.values())
 
-    def valid_for(self, graph) -> bool:
-        if graph.layout_version != self.layout_version:
-            return False
+    def check_buffers(self) -> None:
         for b in self.buffers:
             if b.freed:
-                raise BufferFreedError(f"graph #{graph.uid} uses freed buffer {b.name!r}")
-        return True
+                raise BufferFreedError(f"a graph computed here uses freed buffer {b.name!r}")
 
     def run(self, callback=None) -> None:
+        self.check_buffers()
         if callback is None:
             for s in self.steps:
                 s()

@@ -9,13 +9,13 @@ events are left to the SDK's fallbacks (docs/ordering.md).
 from __future__ import annotations
 
 import os
-import weakref
 
 import numpy as np
 
 from ..errors import AllocationError
 from ..hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from ..ops import RULES, Op
+from ..plancache import PlanCache
 
 ALIGNMENT = 64
 _SUPPORTED = frozenset(RULES) - {Op.NONE}
@@ -62,16 +62,15 @@ def device_memory(device):
     return _mem()
 
 
-class _BackendCtx:
-    __slots__ = ("plans",)
+def _plan(graph):
+    from .plan import Plan
 
-    def __init__(self) -> None:
-        self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    return Plan(graph)
 
 
 @hookimpl
 def init_backend(device, backend, params):
-    return _BackendCtx()
+    return PlanCache(_plan)
 
 
 @hookimpl
@@ -145,11 +144,4 @@ def buffer_clear(buffer, value):
 
 @hookimpl
 def graph_compute(backend, graph):
-    from .plan import Plan
-
-    plans = backend.ctx.plans
-    plan = plans.get(graph)
-    if plan is None or not plan.valid_for(graph):
-        plan = Plan(graph)
-        plans[graph] = plan
-    plan.run()
+    backend.ctx.get(graph).run()

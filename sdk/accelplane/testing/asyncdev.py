@@ -21,13 +21,13 @@ import queue
 import random
 import threading
 import time
-import weakref
 
 import numpy as np
 
 from ..errors import AllocationError, ComputeError
 from ..hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from ..ops import RULES, Op
+from ..plancache import PlanCache
 
 POISON = 0xCD
 TOTAL_MEMORY = 4 << 30
@@ -116,10 +116,16 @@ class EventState:
                 raise ComputeError("asyncdev: event wait timed out (was the event ever recorded?)")
 
 
+def _plan(graph):
+    from ..cpu.plan import Plan
+
+    return Plan(graph, _memory)
+
+
 class BackendState:
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
-        self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.plans = PlanCache(_plan)
 
 
 def _memory(buffer) -> np.ndarray:
@@ -284,13 +290,8 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
 
 @hookimpl
 def graph_compute(backend, graph):
-    from ..cpu.plan import Plan
-
-    plans = backend.ctx.plans
-    plan = plans.get(graph)
-    if plan is None or not plan.valid_for(graph):
-        plan = Plan(graph, _memory)
-        plans[graph] = plan
+    plan = backend.ctx.plans.get(graph)
+    plan.check_buffers()  # on the host, so the caller gets the error
     backend.ctx.stream.submit(plan.run, f"graph#{graph.uid}")
 
 
