@@ -134,12 +134,16 @@ class GraphAllocator:
         self._mine: set[int] = set()  # uids of every buffer this allocator made
         self.n_inplace = 0  # nodes computed in place in the last planned graph
 
+    def owns(self, buffer: Buffer) -> bool:
+        """Whether this allocator made ``buffer``."""
+        return buffer.uid in self._mine
+
     def free(self) -> None:
         for b in self.buffers:
             b.free()
         self.buffers = []
 
-    def _plan(self, graph: Graph) -> tuple[list[tuple[Tensor, _Block]], list[int]]:
+    def _plan(self, graph: Graph, pinned: frozenset[int]) -> tuple[list[tuple[Tensor, _Block]], list[int]]:
         fl = _FreeList(self.buft.alignment, self.buft.max_size)
         owned: dict[int, _Block] = {}  # id(tensor) -> block, for tensors this plan places
         consumers: dict[int, int] = {}
@@ -183,6 +187,7 @@ class GraphAllocator:
                     n.op in INPLACE_OPS
                     and s0 is not None
                     and id(s0) in owned
+                    and id(s0) not in pinned
                     and s0.view_src is None
                     and not (s0.flags & keep)
                     and consumers.get(id(s0), 0) == 1
@@ -202,7 +207,8 @@ class GraphAllocator:
                 if s is None:
                     continue
                 consumers[id(s)] = consumers.get(id(s), 0) - 1
-                self._release(s, consumers, views, owned, fl, keep)
+                if id(s) not in pinned and id(s.view_src) not in pinned:
+                    self._release(s, consumers, views, owned, fl, keep)
         return plan, fl.high
 
     @staticmethod
@@ -218,14 +224,16 @@ class GraphAllocator:
         ):
             fl.release(owned.pop(id(owner)))
 
-    def alloc_graph(self, graph: Graph) -> None:
-        """Place every unallocated tensor of ``graph`` and bind its views. Re-planning happens
-        only for a graph not seen since the buffers last changed; graph.layout_version is
-        bumped only when placements actually change."""
+    def alloc_graph(self, graph: Graph, keep: frozenset[int] = frozenset()) -> None:
+        """Place every unallocated tensor of ``graph`` and bind its views. Tensors whose id()
+        is in ``keep`` are never freed nor computed over in place (e.g. the scheduler's
+        sources of cross-backend copies). Re-planning happens only for a graph not seen since
+        the buffers last changed; graph.layout_version is bumped only when placements
+        actually change."""
         seen = self._placed.get(graph.uid)
         if seen is not None and seen[0] == self._generation:
             return
-        plan, high = self._plan(graph)
+        plan, high = self._plan(graph, keep)
         # grow buffers where the plan needs more (keeps earlier graphs' layouts valid
         # only if nothing grew; otherwise they are re-placed on their next alloc)
         grew = False

@@ -472,11 +472,14 @@ def tensor_copy(src: Tensor, dst: Tensor) -> None:
             dbuf.set_tensor(dst, tmp, 0, dst.nbytes)
 
 
-def tensor_copy_async(backend_src: Backend, backend_dst: Backend, src: Tensor, dst: Tensor) -> bool:
+def tensor_copy_async(
+    backend_src: Backend, backend_dst: Backend, src: Tensor, dst: Tensor, sync=None
+) -> bool:
     """Copy src → dst ordered after prior work on backend_src and before later work on
     backend_dst. Tries the destination plugin's cpy_tensor_async; when it is missing or
-    returns False, synchronizes both backends and copies blocking (ggml's fallback).
-    Returns True when the plugin did it asynchronously."""
+    returns False, synchronizes both backends (through ``sync(backend)`` if given, e.g. a
+    counting wrapper) and copies blocking (ggml's fallback). Returns True when the plugin
+    did it asynchronously."""
     if not same_layout(src, dst):
         raise ShapeError(f"async copy {src.name} → {dst.name}: layouts differ")
     if src is dst:
@@ -484,9 +487,10 @@ def tensor_copy_async(backend_src: Backend, backend_dst: Backend, src: Tensor, d
     f = backend_dst._cpy_async
     if f is not None and f(backend_src, backend_dst, src, dst):
         return True
-    backend_src.synchronize()
+    sync = sync or Backend.synchronize
+    sync(backend_src)
     if backend_dst is not backend_src:
-        backend_dst.synchronize()
+        sync(backend_dst)
     tensor_copy(src, dst)
     return False
 

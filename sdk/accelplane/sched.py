@@ -1,0 +1,720 @@
+"""The scheduler: one graph over several backends (ggml_backend_sched).
+
+Assignment follows ggml's five passes (pre-allocated tensors and weights, expansion to
+neighbours, upgrades and best fit, leftovers, splits with input copies); user pins and
+op offload are honoured. A graph's plan (assignment, splits, input copies, per-split graphs)
+is cached by graph identity and the buffer types of its leaves, so repeating a graph costs no
+re-planning. Execution follows docs/ordering.md with a pluggable synchronization policy:
+
+* ``strict`` (ggml today): before each input copy, wait for the split's backend (event or
+  synchronize); user inputs are copied blocking;
+* ``relaxed`` (llama.cpp #20793): one synchronize before and one after the input copies of a
+  split, asynchronous copies in between (user inputs too, and host→device copies from a CPU
+  split). A device whose caps say ``relaxed_sync=False`` gets ``strict`` for its splits.
+
+Host synchronizations that really wait (on asynchronous devices) are counted in ``stats``.
+
+Environment: ACCELPLANE_SCHED_DEBUG=1 prints the splits, 2 also each node's assignment and
+why; ACCELPLANE_CHECK_RESULTS=1 compares every node with the float64 oracle as it runs and
+stops at the first one over its threshold; ACCELPLANE_SCHED_PREFETCH_EXPERTS=N sets how many
+MUL_MAT_ID expert uploads are prefetched on a second stream.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .alloc import GraphAllocator
+from .backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
+from .errors import CheckResultsError, DeviceError, UnsupportedOpError
+from .graph import Graph
+from .hookspecs import DeviceType
+from .ops import VIEW_OPS, Op, op_desc
+from .tensor import Tensor, TensorFlag
+
+MAX_COPIES = 4
+EvalCallback = Callable[[Tensor, bool], bool]
+
+
+@dataclass
+class SplitInput:
+    src: Tensor  # the tensor as produced (on another backend)
+    src_backend: int
+    copies: list[Tensor]  # one per copy slot, on the split's backend
+    user_input: bool
+    moe_ids: Tensor | None = None  # host expert weights of a MUL_MAT_ID: copy the used ones
+
+
+@dataclass
+class Split:
+    backend: int
+    nodes: list[Tensor] = field(default_factory=list)
+    inputs: list[SplitInput] = field(default_factory=list)
+    graphs: list[Graph] = field(default_factory=list)  # one per copy slot
+
+
+@dataclass
+class Stats:
+    splits: int = 0
+    copies: int = 0
+    host_syncs: int = 0  # waits on asynchronous devices issued by the last graph_compute
+    computes: int = 0
+    plans: int = 0  # plans built (a repeated graph builds none)
+    expert_bytes: int = 0  # host expert weights uploaded in the last compute
+    expert_bytes_total: int = 0  # what uploading every expert would have cost
+    prefetched: int = 0  # expert inputs prefetched on a second stream in the last compute
+
+
+class _Plan:
+    def __init__(self) -> None:
+        self.assign: dict[int, int] = {}  # id(tensor) -> backend index
+        self.cause: dict[int, str] = {}
+        self.splits: list[Split] = []
+        self.alloc_graphs: list[Graph] = []  # per backend
+        self.keep: list[frozenset[int]] = []
+        self.clones: list[Tensor] = []
+        self.node_graphs: dict[tuple, Graph] = {}
+        self.layout: tuple[int, ...] = ()  # alloc graphs' layout versions at the last alloc
+
+    def graphs(self):
+        for sp in self.splits:
+            yield from sp.graphs
+        yield from self.node_graphs.values()
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class Scheduler:
+    """Schedules graphs over ``backends`` (priority order; the last must be a CPU device).
+
+    ``bufts``: buffer type per backend (default: each device's); ``n_copies`` > 1 enables
+    pipeline parallelism (input copies per slot, events per backend and slot);
+    ``op_offload``: devices may take big ops whose weights live in host memory;
+    ``policy``: 'strict' or 'relaxed' (see the module docstring);
+    ``prefetch_experts``: how many upcoming host-expert uploads to start early on a second
+    stream of the device (default: ACCELPLANE_SCHED_PREFETCH_EXPERTS, else 0).
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        bufts: Sequence[BufferType] | None = None,
+        n_copies: int = 1,
+        op_offload: bool = True,
+        policy: str = "strict",
+        prefetch_experts: int | None = None,
+    ) -> None:
+        if not backends:
+            raise DeviceError("a scheduler needs at least one backend")
+        if backends[-1].device.type != DeviceType.CPU:
+            raise DeviceError(
+                f"the last backend of a scheduler must be a CPU device, got {backends[-1].device.name}"
+            )
+        if not 1 <= n_copies <= MAX_COPIES:
+            raise DeviceError(f"n_copies must be in 1..{MAX_COPIES}, got {n_copies}")
+        if policy not in ("strict", "relaxed"):
+            raise DeviceError(f"unknown sync policy {policy!r} (strict or relaxed)")
+        self.backends = list(backends)
+        self.bufts = list(bufts) if bufts is not None else [b.device.buffer_type for b in backends]
+        for b, bt in zip(self.backends, self.bufts, strict=True):
+            if not b.device.supports_buft(bt):
+                raise DeviceError(f"{b.device.name} cannot use buffer type {bt.name}")
+        self.n_copies = n_copies
+        self.op_offload = op_offload
+        self.policy = policy
+        self.events: list[list[Event | None]] = [
+            [b.device.new_event() if n_copies > 1 and b.device.has_events else None
+             for _ in range(n_copies)]
+            for b in self.backends
+        ]  # fmt: skip
+        self.galloc = [GraphAllocator(bt) for bt in self.bufts]
+        self.pins: dict[int, int] = {}
+        self.eval_callback: EvalCallback | None = None
+        self.stats = Stats()
+        self.cur_copy = 0
+        self.next_copy = 0
+        self._plans: dict[tuple, _Plan] = {}
+        self._allocated: _Plan | None = None
+        self.prefetch_experts = (_env_int("ACCELPLANE_SCHED_PREFETCH_EXPERTS", 0)
+                                 if prefetch_experts is None else prefetch_experts)  # fmt: skip
+        self._pf_backends: dict[int, Backend] = {}
+        self._pf_events: dict[int, Event] = {}
+        self._debug = _env_int("ACCELPLANE_SCHED_DEBUG", 0)
+        self._check = os.environ.get("ACCELPLANE_CHECK_RESULTS", "") not in ("", "0")
+
+    # --- configuration -----------------------------------------------------------------------
+    def set_tensor_backend(self, t: Tensor, backend: Backend) -> None:
+        """Pin ``t`` to ``backend`` (never overridden by the assignment passes)."""
+        self.pins[id(t)] = self._index(backend)
+
+    def get_tensor_backend(self, t: Tensor) -> Backend | None:
+        p = self._allocated
+        i = p.assign.get(id(t)) if p else self.pins.get(id(t))
+        return None if i is None else self.backends[i]
+
+    def set_eval_callback(self, cb: EvalCallback | None) -> None:
+        """``cb(t, True)`` asks whether the caller wants node t; if so the scheduler computes
+        up to t, synchronizes and calls ``cb(t, False)``; returning False stops the compute."""
+        self.eval_callback = cb
+
+    def _index(self, backend: Backend) -> int:
+        for i, b in enumerate(self.backends):
+            if b is backend:
+                return i
+        raise DeviceError(f"{backend} is not one of this scheduler's backends")
+
+    # --- assignment (ggml's passes) --------------------------------------------------------------
+    def _supports(self, i: int, t: Tensor) -> bool:
+        return t.op is None or t.op in VIEW_OPS or self.backends[i].device.supports_op(t)
+
+    def _backend_from_buffer(self, t: Tensor, check_op: bool) -> int | None:
+        buf = t.buffer if t.buffer is not None else (t.view_src.buffer if t.view_src else None)
+        if buf is None:
+            return None
+        for i, b in enumerate(self.backends):
+            if b.device.supports_buft(buf.buft) and (not check_op or self._supports(i, t)):
+                return i
+        return -2  # allocated where no backend can run it
+
+    def _from_cur(self, t: Tensor) -> tuple[int | None, str]:
+        i = self._backend_from_buffer(t, t.op is not None)
+        if i == -2:
+            raise UnsupportedOpError(
+                f"{op_desc(t)} {t.name or t.uid}: its data lives in buffer "
+                f"{(t.buffer or t.view_src.buffer).name}, which no scheduled backend can run it on"
+            )
+        if i is not None:
+            return i, "buffer"
+        if t.flags & TensorFlag.INPUT:
+            return len(self.backends) - 1, "input"
+        if t.op is Op.ROPE:
+            return None, ""
+        for s in t.src:
+            if s is None:
+                continue
+            owner = s.view_src or s
+            buf = owner.buffer
+            if buf is not None and buf.usage == BufferUsage.WEIGHTS:
+                w = self._backend_from_buffer(s, False)
+                if w is None or w < 0:
+                    continue
+                if (self.op_offload and w == len(self.backends) - 1 and buf.is_host):
+                    for j in range(w):
+                        d = self.backends[j].device
+                        if d.supports_op(t) and d.offload_op(t):
+                            return j, "offload"
+                return w, "weight"
+        return None, ""
+
+    def _assign(self, graph: Graph, plan: _Plan) -> None:
+        a, cause = plan.assign, plan.cause
+        n_be = len(self.backends)
+        cpu = n_be - 1
+        for t in list(graph.leafs) + list(graph.nodes):
+            if id(t) in self.pins:
+                a[id(t)] = self.pins[id(t)]
+                cause[id(t)] = "pinned"
+                if not self._supports(a[id(t)], t):
+                    raise UnsupportedOpError(
+                        f"{op_desc(t)} {t.name or t.uid} is pinned to "
+                        f"{self.backends[a[id(t)]].device.name}, which does not support it"
+                    )
+                continue
+            i, why = self._from_cur(t)
+            if i is not None:
+                a[id(t)], cause[id(t)] = i, why
+        nodes = [n for n in graph.nodes if n.op not in VIEW_OPS]
+
+        def sweep(seq, include_cpu: bool, tag: str) -> None:
+            cur = None
+            for n in seq:
+                i = a.get(id(n))
+                if i is not None:
+                    cur = None if (i == cpu and not include_cpu) else i
+                elif cur is not None and self._supports(cur, n):
+                    a[id(n)], cause[id(n)] = cur, tag
+        sweep(nodes, False, "expand gpu down")
+        sweep(reversed(nodes), False, "expand gpu up")
+        sweep(nodes, True, "expand rest down")
+        sweep(reversed(nodes), True, "expand rest up")
+        # pass 3: best fit for unassigned; upgrade to a higher-priority backend of the same buft
+        for n in nodes:
+            i = a.get(id(n))
+            if i is None:
+                best, best_n = None, -1
+                for j in range(n_be):
+                    if not self._supports(j, n):
+                        continue
+                    k = sum(1 for s in n.src if s is not None and self._src_ok(j, s))
+                    if k > best_n:
+                        best, best_n = j, k
+                if best is not None:
+                    a[id(n)], cause[id(n)] = best, "best fit"
+            elif cause.get(id(n)) != "pinned":
+                for j in range(i):
+                    if self.bufts[j] is self.bufts[i] and self._supports(j, n) and all(
+                        s is None or self._src_ok(j, s) for s in n.src
+                    ):
+                        a[id(n)], cause[id(n)] = j, "upgrade"
+                        break
+        # pass 4: leftovers
+        for n in graph.nodes:
+            if n.view_src is not None and id(n) not in a and n.op in VIEW_OPS:
+                owner = n.view_src
+                if id(owner) in a:
+                    a[id(n)], cause[id(n)] = a[id(owner)], "view"
+            if id(n) not in a:
+                for j in range(n_be):
+                    if self._supports(j, n):
+                        a[id(n)], cause[id(n)] = j, "first supporting"
+                        break
+                else:
+                    raise UnsupportedOpError(
+                        f"node {n.name or n.uid} ({op_desc(n)}, {n.type.name}, ne={list(n.ne)}) is "
+                        f"supported by none of {', '.join(b.device.name for b in self.backends)}"
+                    )
+            for s in n.src:
+                if s is not None and id(s) not in a:
+                    owner = s.view_src
+                    a[id(s)] = a[id(owner)] if owner is not None and id(owner) in a else a[id(n)]
+                    cause[id(s)] = "src of consumer"
+        for t in graph.leafs:
+            a.setdefault(id(t), cpu)
+
+    def _src_ok(self, j: int, s: Tensor) -> bool:
+        """Backend j can read s where it lives (or will live)."""
+        owner = s.view_src or s
+        if owner.buffer is not None:
+            return self.backends[j].device.supports_buft(owner.buffer.buft)
+        return False
+
+    def _tensor_buft(self, plan: _Plan, t: Tensor) -> BufferType:
+        owner = t.view_src or t
+        if owner.buffer is not None:
+            return owner.buffer.buft
+        return self.bufts[plan.assign[id(owner)] if id(owner) in plan.assign else plan.assign[id(t)]]
+
+    # --- splits and copies ------------------------------------------------------------------------
+    def _split(self, graph: Graph, plan: _Plan) -> None:
+        a = plan.assign
+        splits: list[Split] = []
+        cur: Split | None = None
+        copies: dict[tuple[int, int], SplitInput] = {}
+        for n in graph.nodes:
+            b = a[id(n)]
+            if n.op in VIEW_OPS:
+                if cur is not None and b == cur.backend:
+                    cur.nodes.append(n)
+                continue
+            if cur is None or b != cur.backend or self._moe_cut(plan, n, cur):
+                cur = Split(b)
+                splits.append(cur)
+            cur.nodes.append(n)
+            dev = self.backends[b].device
+            for s in n.src:
+                if s is None:
+                    continue
+                sb = a.get(id(s), a.get(id(s.view_src), b) if s.view_src is not None else b)
+                if sb == b or dev.supports_buft(self._tensor_buft(plan, s)):
+                    continue
+                key = (id(s), b)
+                inp = copies.get(key)
+                if inp is None:
+                    user = bool(s.flags & TensorFlag.INPUT)
+                    cps = []
+                    for c in range(self.n_copies):
+                        cp = Tensor(s.type, s.ne, s.nb, name=f"{dev.name}#{s.name or s.uid}#{c}",
+                                    ndim=s.ndim)  # fmt: skip
+                        if self.n_copies > 1:
+                            cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT
+                        a[id(cp)] = b
+                        cps.append(cp)
+                    inp = copies[key] = SplitInput(s, sb, cps, user, self._moe_ids(n, s))
+                if inp not in cur.inputs:
+                    cur.inputs.append(inp)
+        plan.splits = splits
+        # per-slot split graphs: nodes whose sources were copied get a clone that reads the
+        # copy and writes the original's memory (the clone is a view of the original)
+        for sp in splits:
+            remap_inputs = {id(i.src): i for i in sp.inputs}
+            for c in range(self.n_copies):
+                remap: dict[int, Tensor] = {k: v.copies[c] for k, v in remap_inputs.items()}
+                nodes = []
+                for n in sp.nodes:
+                    if any(s is not None and id(s) in remap for s in n.src):
+                        cl = Tensor(n.type, n.ne, n.nb, op=n.op, op_params=n.op_params,
+                                    src=tuple(remap.get(id(s), s) if s is not None else None
+                                              for s in n.src),
+                                    view_src=n.view_src or n, view_offs=n.view_offs if n.view_src
+                                    else 0, name=n.name, ndim=n.ndim)  # fmt: skip
+                        remap[id(n)] = cl
+                        plan.clones.append(cl)
+                        nodes.append(cl)
+                    else:
+                        nodes.append(n)
+                sp.graphs.append(Graph.from_nodes(nodes))
+        # allocation: one graph per backend with its nodes in graph order (views included, so
+        # they get bound) and the input copies of its splits as leafs (allocated first)
+        keep_ids = frozenset(id(i.src) for sp in splits for i in sp.inputs)
+        for k in range(len(self.backends)):
+            leafs = [t for t in graph.leafs if a.get(id(t)) == k]
+            for sp in splits:
+                if sp.backend == k:
+                    for i in sp.inputs:
+                        leafs.extend(i.copies)
+            nodes = [n for n in graph.nodes if a[id(n)] == k]
+            plan.alloc_graphs.append(Graph.from_nodes(nodes, leafs))
+            plan.keep.append(keep_ids)
+
+    @staticmethod
+    def _moe_ids(n: Tensor, s: Tensor) -> Tensor | None:
+        """The ids of a MUL_MAT_ID whose expert weights ``s`` live in a host weights buffer."""
+        owner = s.view_src or s
+        buf = owner.buffer
+        if (n.op is Op.MUL_MAT_ID and n.src[0] is s and buf is not None and buf.is_host
+                and buf.usage == BufferUsage.WEIGHTS and s.is_contiguous()):  # fmt: skip
+            return n.src[2]
+        return None
+
+    def _moe_cut(self, plan: _Plan, n: Tensor, cur: Split) -> bool:
+        """Start a new split at a MUL_MAT_ID that uploads host experts when its ids are computed
+        in the current split: the ids must be known when the split's inputs are copied."""
+        if n.op is not Op.MUL_MAT_ID or not cur.nodes:
+            return False
+        s = n.src[0]
+        dev = self.backends[cur.backend].device
+        if self._moe_ids(n, s) is None or dev.supports_buft(self._tensor_buft(plan, s)):
+            return False
+        ids = n.src[2]
+        produced = {id(x) for x in cur.nodes}
+        return id(ids) in produced or (ids.view_src is not None and id(ids.view_src) in produced)
+
+    # --- public lifecycle -------------------------------------------------------------------------
+    def _plan_for(self, graph: Graph) -> _Plan:
+        key = self._key(graph)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _Plan()
+            self._assign(graph, plan)
+            self._split(graph, plan)
+            # a changed buffer-type fingerprint for the same graph replaces its old plan
+            for k in [k for k in self._plans if k[0] == graph.uid]:
+                del self._plans[k]
+            self._plans[key] = plan
+            self.stats.plans += 1
+            if self._debug:
+                self._print(graph, plan)
+        return plan
+
+    def reserve(self, graph: Graph) -> None:
+        """Plan and allocate ``graph`` (ggml_backend_sched_reserve)."""
+        self.alloc_graph(graph)
+
+    def alloc_graph(self, graph: Graph) -> None:
+        """Assign, split and allocate; advances the pipeline copy slot."""
+        plan = self._plan_for(graph)
+        self.cur_copy = self.next_copy
+        self.next_copy = (self.next_copy + 1) % self.n_copies
+        for k, g in enumerate(plan.alloc_graphs):
+            self.galloc[k].alloc_graph(g, plan.keep[k])
+        for cl in plan.clones:
+            cl.view_src.buffer.init_view(cl)
+        layout = tuple(g.layout_version for g in plan.alloc_graphs)
+        if layout != plan.layout:
+            # tensors moved: plugins must re-plan the split graphs they cached
+            plan.layout = layout
+            for g in plan.graphs():
+                g.layout_version += 1
+        self._allocated = plan
+        self.stats.splits = len(plan.splits)
+        self.stats.copies = sum(len(sp.inputs) for sp in plan.splits)
+
+    def graph_compute(self, graph: Graph) -> None:
+        """Allocate (if this graph is not the allocated one) and queue every split."""
+        plan = self._plans.get(self._key(graph))
+        if plan is None or plan is not self._allocated:
+            self.alloc_graph(graph)
+            plan = self._allocated
+        self.stats.computes += 1
+        self.stats.host_syncs = 0
+        self._compute_splits(plan)
+        self._allocated = None  # the next compute allocates again (advancing the copy slot)
+
+    def compute(self, graph: Graph) -> None:
+        """graph_compute + synchronize."""
+        self.graph_compute(graph)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Block until every backend is done (the caller's wait; not counted in stats)."""
+        for b in self.backends:
+            b.synchronize()
+        if self._allocated is None:
+            self.next_copy = 0  # token generation keeps reusing slot 0 (stable device graphs)
+
+    def free(self) -> None:
+        for row in self.events:
+            for e in row:
+                if e is not None:
+                    e.free()
+        for e in self._pf_events.values():
+            e.free()
+        for pb in self._pf_backends.values():
+            pb.free()
+        for g in self.galloc:
+            g.free()
+
+    def _key(self, graph: Graph) -> tuple:
+        # re-plan when a leaf placed outside the scheduler moved (e.g. weights went to another
+        # buffer type: re-reservation); leaves the scheduler placed itself don't count
+        def placed_outside(t: Tensor) -> bool:
+            return t.buffer is not None and not any(g.owns(t.buffer) for g in self.galloc)
+
+        return (graph.uid, tuple((id(t.buffer), t.offs) if placed_outside(t) else None
+                                 for t in graph.leafs))  # fmt: skip
+
+    # --- execution ---------------------------------------------------------------------------------
+    def _sync(self, b: Backend) -> None:
+        if b.device.caps.async_:
+            self.stats.host_syncs += 1
+        b.synchronize()
+
+    def _event_sync(self, ev: Event) -> None:
+        if ev.device.caps.async_:
+            self.stats.host_syncs += 1
+        ev.synchronize()
+
+    def _wait_slot(self, bi: int, b: Backend) -> None:
+        ev = self.events[bi][self.cur_copy]
+        if ev is not None:
+            ev.wait(b)
+        else:
+            self._sync(b)
+
+    @staticmethod
+    def _copy_async(src_b: Backend, dst_b: Backend, src: Tensor, dst: Tensor, relaxed: bool) -> bool:
+        """An asynchronous copy where one exists: the destination plugin's cpy_tensor_async,
+        or (relaxed only: its closing synchronize covers the source stream) a get_tensor_async
+        into a host destination queued on the source stream. False: nothing was done."""
+        f = dst_b._cpy_async
+        if f is not None and f(src_b, dst_b, src, dst):
+            return True
+        if relaxed and dst.buffer.is_host and src_b._get_async is not None:
+            arr = dst.buffer.host_array[dst.offs : dst.offs + dst.nbytes]
+            if src_b._get_async(src_b, src, arr, 0, src.nbytes):
+                return True
+        return False
+
+    def _compute_splits(self, plan: _Plan) -> None:
+        c = self.cur_copy
+        prev: int | None = None
+        self.stats.expert_bytes = self.stats.expert_bytes_total = self.stats.prefetched = 0
+        self._pending: dict[int, Event] = {}
+        for k, sp in enumerate(plan.splits):
+            bi = sp.backend
+            b = self.backends[bi]
+            relaxed = self.policy == "relaxed" and b.device.caps.relaxed_sync
+            if not sp.inputs and prev is not None and prev != bi:
+                # llama.cpp #26040: a split without inputs must not overtake the previous
+                # split's use of memory the allocator may hand it
+                pev = self.events[prev][c]
+                if pev is not None:
+                    pev.wait(b)
+                else:
+                    self._sync(self.backends[prev])
+            if relaxed:
+                self._copy_inputs_relaxed(plan, sp, bi, b, c)
+            else:
+                self._copy_inputs_strict(plan, sp, bi, b, c)
+            if self.prefetch_experts > 0:
+                self._prefetch(plan, k, c)
+            g = sp.graphs[c]
+            if self._check:
+                self._compute_checked(plan, sp, bi, b, c)
+            elif self.eval_callback is not None:
+                if not self._compute_with_callback(plan, sp, bi, b, c):
+                    return
+            else:
+                b.graph_compute(g)
+            ev = self.events[bi][c]
+            if ev is not None:
+                ev.record(b)
+            prev = bi
+
+    def _copy_inputs_strict(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> None:
+        for inp in sp.inputs:
+            src_b = self.backends[inp.src_backend]
+            dst = inp.copies[c]
+            if inp.moe_ids is not None and self._experts(plan, inp, bi, b, c):
+                continue
+            if inp.user_input:
+                ev = self.events[bi][c]
+                if ev is not None:
+                    self._event_sync(ev)
+                else:
+                    self._sync(b)
+                tensor_copy(inp.src, dst)
+                continue
+            self._wait_slot(bi, b)
+            tensor_copy_async(src_b, b, inp.src, dst, sync=self._sync)
+
+    def _copy_inputs_relaxed(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> None:
+        if not sp.inputs:
+            return
+        self._sync(b)
+        touched: dict[int, Backend] = {bi: b}
+        for inp in sp.inputs:
+            src_b = self.backends[inp.src_backend]
+            dst = inp.copies[c]
+            if inp.moe_ids is not None and self._experts(plan, inp, bi, b, c):
+                continue
+            if self._copy_async(src_b, b, inp.src, dst, True):
+                touched[inp.src_backend] = src_b
+            else:
+                self._sync(src_b)
+                tensor_copy(inp.src, dst)
+        for tb in touched.values():
+            self._sync(tb)
+
+    # --- MoE: upload the experts the ids select; prefetch on a second stream ----------------------
+    def _experts(self, plan: _Plan, inp: SplitInput, bi: int, b: Backend, c: int) -> bool:
+        """Queue the upload of a MUL_MAT_ID's host expert weights on ``b``: the prefetched
+        copy (joined device-side), or only the experts the ids select, in runs of consecutive
+        experts. False: do a plain copy instead."""
+        src, dst = inp.src, inp.copies[c]
+        self.stats.expert_bytes_total += src.nbytes
+        ev = self._pending.pop(id(inp), None)
+        if ev is not None:
+            ev.wait(b)
+            self.stats.expert_bytes += src.nbytes
+            return True
+        ids_t = inp.moe_ids
+        owner = ids_t.view_src or ids_t
+        self._sync(self.backends[plan.assign.get(id(owner), plan.assign.get(id(ids_t), bi))])
+        ids = ids_t.get().reshape(-1)
+        n_exp = src.ne[2]
+        used = np.zeros(n_exp + 1, bool)
+        used[ids[(ids >= 0) & (ids < n_exp)]] = True
+        host = src.buffer.host_array
+        nb2 = src.nb[2]
+        self._wait_slot(bi, b)
+        e = 0
+        while e < n_exp:
+            if not used[e]:
+                e += 1
+                continue
+            e1 = e
+            while used[e1]:
+                e1 += 1
+            start = src.offs + e * nb2
+            b.set_tensor_async(dst, host[start : src.offs + e1 * nb2], e * nb2, (e1 - e) * nb2)
+            self.stats.expert_bytes += (e1 - e) * nb2
+            e = e1
+        return True
+
+    def _prefetch(self, plan: _Plan, k: int, c: int) -> None:
+        """Start, on a second stream of each device, the expert uploads of the next
+        ``prefetch_experts`` host-expert inputs after split k, so they overlap split k."""
+        budget = self.prefetch_experts - len(self._pending)
+        for sp in plan.splits[k + 1 :]:
+            if budget <= 0:
+                return
+            dev = self.backends[sp.backend].device
+            if not dev.has_events:
+                continue
+            for inp in sp.inputs:
+                if inp.moe_ids is None or id(inp) in self._pending or budget <= 0:
+                    continue
+                pf = self._pf_backends.get(sp.backend)
+                if pf is None:
+                    pf = self._pf_backends[sp.backend] = dev.new_backend()
+                slot = self.events[sp.backend][c]
+                if slot is not None:  # the split's stream is done with this slot's last use
+                    slot.wait(pf)
+                tensor_copy_async(self.backends[inp.src_backend], pf, inp.src, inp.copies[c],
+                                  sync=self._sync)  # fmt: skip
+                ev = self._pf_events.get(id(inp))
+                if ev is None:
+                    ev = self._pf_events[id(inp)] = dev.new_event()
+                ev.record(pf)
+                self._pending[id(inp)] = ev
+                self.stats.prefetched += 1
+                budget -= 1
+
+    def _node_graph(self, plan: _Plan, key: tuple, nodes: list[Tensor]) -> Graph:
+        g = plan.node_graphs.get(key)
+        if g is None:
+            g = plan.node_graphs[key] = Graph.from_nodes(nodes)
+        return g
+
+    def _compute_with_callback(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> bool:
+        cb = self.eval_callback
+        nodes = sp.graphs[c].nodes
+        start = 0
+        for i, n in enumerate(nodes):
+            want = n.op not in VIEW_OPS and bool(cb(n, True))
+            if not want and i < len(nodes) - 1:
+                continue
+            b.graph_compute(self._node_graph(plan, (id(sp), c, start, i), nodes[start : i + 1]))
+            start = i + 1
+            if want:
+                self._sync(b)
+                if cb(n, False) is False:
+                    return False
+        return True
+
+    def _compute_checked(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> None:
+        from . import reference
+        from .conformance.runner import compare
+
+        for i, n in enumerate(sp.graphs[c].nodes):
+            if n.op in VIEW_OPS:
+                continue
+            values = {}
+            for s in n.src:
+                if s is not None:
+                    values[s] = s.get().reshape(tuple(reversed(s.ne)))
+            b.graph_compute(self._node_graph(plan, (id(sp), c, "node", i), [n]))
+            self._sync(b)
+            got = n.get().reshape(tuple(reversed(n.ne)))
+            want = reference.compute_node(n, values)
+            thr = _check_threshold(n)
+            exact = n.type.name == "I32"
+            ok, err, msg = compare(np.asarray(want), got, thr, exact)
+            if not ok:
+                raise CheckResultsError(
+                    f"check-results: node {n.name or n.uid} ({op_desc(n)}) on "
+                    f"{b.device.name} is over its threshold: {msg}"
+                )
+
+    # --- debug ---------------------------------------------------------------------------------------
+    def _print(self, graph: Graph, plan: _Plan) -> None:
+        out = sys.stderr
+        print(f"sched: graph #{graph.uid}: {len(plan.splits)} splits", file=out)
+        for k, sp in enumerate(plan.splits):
+            ins = ", ".join(f"{i.src.name or i.src.uid}<-{self.backends[i.src_backend].device.name}"
+                            for i in sp.inputs)  # fmt: skip
+            print(f"  split {k}: {self.backends[sp.backend].device.name}, {len(sp.nodes)} nodes,"
+                  f" inputs [{ins}]", file=out)  # fmt: skip
+            if self._debug >= 2:
+                for n in sp.nodes:
+                    why = plan.cause.get(id(n), "")
+                    print(f"    {op_desc(n):<12} {n.name or n.uid!s:<20} ({why})", file=out)
+
+
+def _check_threshold(n: Tensor) -> float:
+    if n.op in (Op.MUL_MAT, Op.MUL_MAT_ID):
+        return 5e-4
+    if n.type.is_quantized:
+        return 1e-2
+    return {"F16": 1e-6, "BF16": 5e-5}.get(n.type.name, 1e-6)

@@ -1,0 +1,236 @@
+"""The scheduler over the CPU plugin and the asynchronous test device: assignment, splits,
+copies, both sync policies, pipeline copies, MoE expert uploads and prefetch, eval callback,
+check-results mode and planning errors — every result against the float64 oracle."""
+
+from __future__ import annotations
+
+import os
+
+import accelplane.cpu.plugin as cpu_plugin
+import accelplane.testing.asyncdev as asyncdev
+import numpy as np
+import pytest
+from accelplane import reference
+from accelplane.alloc import alloc_tensors
+from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
+from accelplane.graph import Context
+from accelplane.registry import Registry
+from accelplane.sched import Scheduler
+from accelplane.testing.graphs import llama_layer, moe_layers
+from accelplane.types import GGMLType
+
+SCHEDULES = int(os.environ.get("ACCELPLANE_TEST_SCHEDULES", "1000"))
+
+
+@pytest.fixture(scope="module")
+def reg():
+    os.environ.setdefault("ACCELPLANE_TEST_DELAY_US", "30")
+    os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = "2"
+    r = Registry()
+    assert r.register(cpu_plugin, "cpu") is not None
+    assert r.register(asyncdev, "asynctest") is not None
+    return r
+
+
+def _layer_setup(reg, devices, n_layers=1, seed=0):
+    """A llama layer with its weights spread over ``devices`` round-robin."""
+    lg = llama_layer(n_layers=n_layers)
+    g = lg.ctx.graph(lg.out)
+    rng = np.random.default_rng(seed)
+    bufs = []
+    for k, dev in enumerate(devices):
+        ws = [w for i, w in enumerate(lg.weights) if i % len(devices) == k]
+        bufs.append(alloc_tensors(ws, dev.buffer_type))
+    wv = lg.weight_values(rng)
+    for t, v in wv.items():
+        t.set(v)
+    return lg, g, wv, rng, bufs
+
+
+def _run_and_check(s, lg, g, wv, rng, n, tol=1e-4):
+    wrong = 0
+    for _ in range(n):
+        s.alloc_graph(g)
+        iv = lg.inputs(rng)
+        for t, v in iv.items():
+            t.set(v)
+        s.compute(g)
+        want = reference.evaluate(g, {**wv, **iv})[lg.out].reshape(lg.out.shape)
+        wrong += not np.allclose(lg.out.get(), want, atol=tol, rtol=tol)
+    return wrong
+
+
+@pytest.mark.parametrize("policy", ["strict", "relaxed"])
+@pytest.mark.parametrize("n_copies", [1, 4])
+def test_cpu_and_async_device_randomized(reg, policy, n_copies):
+    """Zero wrong results over many randomized delay schedules (SCHEDULES in total)."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    lg, g, wv, rng, _ = _layer_setup(reg, [dev, cpu], n_layers=2)
+    s = Scheduler([dev.new_backend(), cpu.new_backend()], n_copies=n_copies, policy=policy)
+    n = max(10, SCHEDULES // 8)
+    assert _run_and_check(s, lg, g, wv, rng, n) == 0
+    assert s.stats.splits > 1 and s.stats.copies > 0
+    assert s.stats.plans == 1, "a repeated graph must not be planned again"
+
+
+@pytest.mark.parametrize("policy", ["strict", "relaxed"])
+def test_two_async_devices(reg, policy):
+    d0, d1, cpu = reg.device("ASYNC0"), reg.device("ASYNC1"), reg.device("CPU")
+    lg, g, wv, rng, _ = _layer_setup(reg, [d0, d1], n_layers=2, seed=1)
+    s = Scheduler([d0.new_backend(), d1.new_backend(), cpu.new_backend()], policy=policy,
+                  n_copies=2)  # fmt: skip
+    assert _run_and_check(s, lg, g, wv, rng, max(10, SCHEDULES // 8)) == 0
+    used = {sp.backend for sp in s._plans[next(iter(s._plans))].splits}
+    assert {0, 1} <= used
+
+
+def test_relaxed_syncs_fewer(reg):
+    """Weights on the device, inputs on the CPU: relaxed does at most 2 host syncs per split
+    with inputs, and fewer than strict."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    counts = {}
+    for policy in ("strict", "relaxed"):
+        lg, g, wv, rng, _ = _layer_setup(reg, [dev], seed=2)
+        s = Scheduler([dev.new_backend(), cpu.new_backend()], policy=policy)
+        assert _run_and_check(s, lg, g, wv, rng, 3) == 0
+        plan = s._plans[next(iter(s._plans))]
+        with_inputs = sum(1 for sp in plan.splits if sp.inputs)
+        counts[policy] = s.stats.host_syncs
+        if policy == "relaxed":
+            assert s.stats.host_syncs <= 2 * with_inputs
+    assert counts["relaxed"] < counts["strict"], counts
+
+
+def test_plan_cache_and_rereservation(reg):
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    lg, g, wv, rng, bufs = _layer_setup(reg, [dev])
+    s = Scheduler([dev.new_backend(), cpu.new_backend()])
+    _run_and_check(s, lg, g, wv, rng, 3)
+    assert s.stats.plans == 1
+    # weights move to the CPU: the graph is planned again and now runs on the CPU
+    for b in bufs:
+        b.free()
+    for w in lg.weights:
+        w.buffer = None
+    alloc_tensors(lg.weights, cpu.buffer_type)
+    for t, v in wv.items():
+        t.set(v)
+    assert _run_and_check(s, lg, g, wv, rng, 2) == 0
+    assert s.stats.plans == 2
+
+
+def test_unsupported_node_fails_at_planning(reg, monkeypatch):
+    cpu = reg.device("CPU")
+    ctx = Context()
+    x = ctx.new_tensor(GGMLType.F32, (4, 8), "x").set_input()
+    y = ctx.sin(x)
+    g = ctx.graph(y)
+    monkeypatch.setitem(cpu._fn, "supports_op", lambda device, op: op.op.name != "SIN")
+    s = Scheduler([cpu.new_backend()])
+    with pytest.raises(UnsupportedOpError, match="SIN"):
+        s.alloc_graph(g)
+
+
+def test_pinned_backend_that_cannot_run_fails(reg, monkeypatch):
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    ctx = Context()
+    x = ctx.new_tensor(GGMLType.F32, (4, 8), "x").set_input()
+    y = ctx.cos(x)
+    g = ctx.graph(y)
+    bd = dev.new_backend()
+    monkeypatch.setitem(dev._fn, "supports_op", lambda device, op: op.op.name != "COS")
+    s = Scheduler([bd, cpu.new_backend()])
+    s.set_tensor_backend(y, bd)
+    with pytest.raises(UnsupportedOpError, match="pinned"):
+        s.alloc_graph(g)
+
+
+def test_last_backend_must_be_cpu(reg):
+    with pytest.raises(DeviceError):
+        Scheduler([reg.device("ASYNC0").new_backend()])
+
+
+def test_eval_callback(reg):
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    lg, g, wv, rng, _ = _layer_setup(reg, [dev])
+    s = Scheduler([dev.new_backend(), cpu.new_backend()])
+    seen = []
+
+    def cb(t, ask):
+        if ask:
+            return t.op is not None and t.op.name == "RMS_NORM"
+        seen.append(t.get().copy())
+        return True
+
+    s.set_eval_callback(cb)
+    assert _run_and_check(s, lg, g, wv, rng, 1) == 0
+    assert len(seen) == 2  # attention and FFN norms, observed with their values
+    rms = np.sqrt(np.mean(seen[0].astype(np.float64) ** 2, axis=-1))
+    np.testing.assert_allclose(rms, 1.0, rtol=1e-3)
+    # returning False stops the compute
+    s.set_eval_callback(lambda t, ask: bool(ask))
+    s.compute(g)
+
+
+def test_check_results_mode(reg, monkeypatch):
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    monkeypatch.setenv("ACCELPLANE_CHECK_RESULTS", "1")
+    lg, g, wv, rng, _ = _layer_setup(reg, [dev])
+    s = Scheduler([dev.new_backend(), cpu.new_backend()])
+    assert _run_and_check(s, lg, g, wv, rng, 1) == 0
+    # a device whose SOFT_MAX is wrong: check-results names the node, op and backend
+    from accelplane.cpu import plan as cpu_plan
+
+    real = cpu_plan.BUILDERS[cpu_plan.Op.SOFT_MAX]
+
+    def bad_softmax(t, view):
+        step = real(t, view)
+        out = view(t)
+        return lambda: (step(), out.__setitem__((Ellipsis, 0), out[..., 0] + 0.5))
+
+    monkeypatch.setitem(cpu_plan.BUILDERS, cpu_plan.Op.SOFT_MAX, bad_softmax)
+    lg, g, wv, rng, _ = _layer_setup(reg, [dev], seed=5)
+    s = Scheduler([dev.new_backend(), cpu.new_backend()])
+    s.alloc_graph(g)
+    for t, v in lg.inputs(rng).items():
+        t.set(v)
+    with pytest.raises(CheckResultsError, match=r"SOFT_MAX.*ASYNC0"):
+        s.compute(g)
+
+
+def _moe_setup(reg, seed=0, n_layers=3):
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    m = moe_layers(n_expert=16, n_used=2, n_tokens=3, n_layers=n_layers)
+    g = m.ctx.graph(m.out)
+    rng = np.random.default_rng(seed)
+    routers = [t for t in m.ctx.tensors if t.name.endswith("router")]
+    alloc_tensors(routers, dev.buffer_type)
+    alloc_tensors(m.experts, cpu.buffer_type)  # experts stay in host memory
+    vals = {}
+    for t in routers + m.experts:
+        v = (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
+        t.set(v)
+        vals[t] = v
+    return m, g, vals, rng, cpu, dev
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("policy", ["strict", "relaxed"])
+def test_moe_expert_upload(reg, prefetch, policy):
+    m, g, vals, rng, cpu, dev = _moe_setup(reg)
+    bd = dev.new_backend()
+    s = Scheduler([bd, cpu.new_backend()], prefetch_experts=prefetch, policy=policy)
+    for n in m.mul_mat_ids:
+        s.set_tensor_backend(n, bd)
+    for _ in range(max(5, SCHEDULES // 40)):
+        s.alloc_graph(g)
+        xv = rng.standard_normal(m.x.shape).astype(np.float32)
+        m.x.set(xv)
+        s.compute(g)
+        want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
+        np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
+    if prefetch:
+        assert s.stats.prefetched > 0
+    else:
+        # only the selected experts travel: 3 tokens × 2 of 16 experts
+        assert 0 < s.stats.expert_bytes <= s.stats.expert_bytes_total * 6 / 16
