@@ -198,3 +198,147 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
         ("Device.supports_op (dispatch table)", timeit(lambda: dev.supports_op(t))),
         ("plugin function called directly", timeit(lambda: fn(dev, t))),
     ]
+
+
+def _test_registry():
+    """A private registry with the CPU plugin and the asynchronous test device."""
+    import os
+
+    os.environ.setdefault("ACCELPLANE_TEST_DELAY_US", "0")
+    from .cpu import plugin as cpu_plugin
+    from .registry import Registry
+    from .testing import asyncdev
+
+    reg = Registry()
+    reg.register(cpu_plugin, "cpu")
+    reg.register(asyncdev, "asynctest")
+    return reg
+
+
+def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: str | None = None,
+                progress: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
+    """Both sync policies on a llama-like layer graph split CPU/device (even layers' weights on
+    the device, odd layers' on the CPU; user inputs on the CPU): host syncs per compute and
+    wall time."""
+    from .alloc import alloc_tensors
+    from .sched import Scheduler
+    from .testing.graphs import llama_layer
+
+    reg = _test_registry() if device is None else None
+    if reg is None:
+        from .registry import get_registry
+
+        reg = get_registry()
+    dev = reg.device(device or "ASYNC0")
+    cpu = reg.device("CPU")
+    out = []
+    for policy in ("strict", "relaxed"):
+        lg = llama_layer(d_model=256, n_head=8, n_kv_head=4, d_ff=512, n_tokens=n_tokens,
+                         n_layers=n_layers)  # fmt: skip
+        g = lg.ctx.graph(lg.out)
+        rng = np.random.default_rng(0)
+        on_dev = [w for w in lg.weights if int(w.name[1:].split(".")[0]) % 2 == 0]
+        on_cpu = [w for w in lg.weights if w not in on_dev]
+        wbufs = [alloc_tensors(on_dev, dev.buffer_type), alloc_tensors(on_cpu, cpu.buffer_type)]
+        for t, v in lg.weight_values(rng).items():
+            t.set(v)
+        bd, bc = dev.new_backend(), cpu.new_backend()
+        s = Scheduler([bd, bc], policy=policy)
+        inputs = lg.inputs(rng)
+        times, syncs = [], []
+        for i in range(runs + 2):
+            if progress:
+                progress(f"sched {policy}: run {i + 1}/{runs + 2}")
+            t0 = time.perf_counter()
+            s.alloc_graph(g)
+            for t, v in inputs.items():
+                t.set(v)
+            s.graph_compute(g)
+            s.synchronize()
+            if i >= 2:  # warm-up: planning, kernel plans
+                times.append(time.perf_counter() - t0)
+                syncs.append(s.stats.host_syncs)
+        out.append({"policy": policy, "device": dev.name, "splits": s.stats.splits,
+                    "copies": s.stats.copies, "syncs_per_compute": float(np.mean(syncs)),
+                    "ms_per_compute": float(np.median(times) * 1e3)})  # fmt: skip
+        s.free()
+        bd.free()
+        bc.free()
+        for b in wbufs:
+            if b is not None:
+                b.free()
+    return out
+
+
+def _overlap(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]]) -> float:
+    """Seconds during which some interval of ``a`` and some interval of ``b`` both run."""
+    tot = 0.0
+    for _, s0, e0 in a:
+        for _, s1, e1 in b:
+            tot += max(0.0, min(e0, e1) - max(s0, s1))
+    return tot
+
+
+def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, prefetch: int = 2,
+                       progress: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
+    """MoE layers with experts in host memory computed on the asynchronous test device,
+    with and without expert prefetch on a second stream: wall time per compute, and from the
+    devices' recorded timelines the time copies and compute overlapped."""
+    from .alloc import alloc_tensors
+    from .sched import Scheduler
+    from .testing.graphs import moe_layers
+
+    reg = _test_registry()
+    dev, cpu = reg.device("ASYNC0"), reg.device("CPU")
+    out = []
+    for pf in (0, prefetch):
+        m = moe_layers(d_model=512, d_ff=1024, n_expert=16, n_used=4, n_tokens=n_tokens,
+                       n_layers=n_layers)  # fmt: skip
+        g = m.ctx.graph(m.out)
+        rng = np.random.default_rng(0)
+        routers = [t for t in m.ctx.tensors if t.name.endswith("router")]
+        b1 = alloc_tensors(routers, dev.buffer_type)
+        b2 = alloc_tensors(m.experts, cpu.buffer_type)
+        for t in routers + m.experts:
+            t.set((rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32))
+        bd, bc = dev.new_backend(), cpu.new_backend()
+        s = Scheduler([bd, bc], prefetch_experts=pf)
+        for n in m.mul_mat_ids:
+            s.set_tensor_backend(n, bd)
+        x = rng.standard_normal(m.x.shape).astype(np.float32)
+        times = []
+        overlap = copy_s = 0.0
+        for i in range(runs + 1):
+            if progress:
+                progress(f"moe prefetch={pf}: run {i + 1}/{runs + 1}")
+            streams = [bd.ctx.stream] + [p.ctx.stream for p in s._pf_backends.values()]
+            for st in streams:
+                st.timeline.clear()
+                st.record_timeline = True
+            t0 = time.perf_counter()
+            s.alloc_graph(g)
+            m.x.set(x)
+            s.graph_compute(g)
+            s.synchronize()
+            el = time.perf_counter() - t0
+            if i == 0:
+                continue  # warm-up
+            times.append(el)
+            comp = [iv for iv in bd.ctx.stream.timeline if iv[0].startswith("graph")]
+            copies = [iv for iv in bd.ctx.stream.timeline if iv[0] in ("set", "h2d")]
+            for p in s._pf_backends.values():
+                copies += [iv for iv in p.ctx.stream.timeline if iv[0] in ("set", "h2d")]
+            overlap += _overlap(copies, comp)
+            copy_s += sum(e - b for _, b, e in copies)
+        out.append({"prefetch": pf, "ms_per_compute": float(np.median(times) * 1e3),
+                    "copy_ms": copy_s / runs * 1e3, "overlap_ms": overlap / runs * 1e3,
+                    "expert_MiB": s.stats.expert_bytes / 2**20,
+                    "expert_MiB_all": s.stats.expert_bytes_total / 2**20})  # fmt: skip
+        for st in [bd.ctx.stream] + [p.ctx.stream for p in s._pf_backends.values()]:
+            st.record_timeline = False
+        s.free()
+        bd.free()
+        bc.free()
+        b1.free()
+        b2.free()
+    return out

@@ -121,6 +121,18 @@ def cmd_bench(args) -> int:
         for label, us in bench.bench_dispatch():
             print(f"{label:<45} {us:8.3f} us/call")
         return 0
+    if args.what in ("sched", "moe"):
+        rows = (bench.bench_sched(progress=_progress) if args.what == "sched"
+                else bench.bench_moe_prefetch(progress=_progress))  # fmt: skip
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+        keys = list(rows[0])
+        print("  ".join(f"{k:>17}" for k in keys))
+        for r in rows:
+            print("  ".join(f"{v:>17.2f}" if isinstance(v, float) else f"{v!s:>17}" for v in r.values()))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": bench.machine(), "results": rows}, indent=1))
+        return 0
     devs = [reg.device(n) for n in args.device] if args.device else reg.devices
     results = bench.bench_ops(devs, args.set, args.pattern, args.time, _progress)
     if sys.stderr.isatty():
@@ -149,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--thorough", action="store_true")
     c.add_argument("--xfails", action="append", help="extra expected-failures file")
     b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops", "dispatch"])
+    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe"],
+                   help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
+                        "moe: expert prefetch")  # fmt: skip
     b.add_argument("--set", default="default", help="case set: default, matmul, small, overhead")
     b.add_argument("-p", "--pattern", help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
