@@ -96,6 +96,7 @@ def state(config: pytest.Config) -> SuiteState:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATE_KEY] = SuiteState(config)
+    _RESULTS.clear()  # a second pytest.main in one process (accelplane.cli.main) starts afresh
     config.addinivalue_line("markers", "conformance: a case of the accelplane conformance suite")
 
 

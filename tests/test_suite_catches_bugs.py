@@ -1,0 +1,209 @@
+"""The conformance suite catches bugs, and fails exactly where it should.
+
+Each faulty plugin in tests/faulty/ is a reference plugin (the CPU plugin or the asynchronous
+test device) with one behaviour broken. For each, the suite runs in a subprocess
+(``python -m accelplane.cli conformance NAME --json FILE``, the plugin loaded through
+ACCELPLANE_EXTRA_PLUGINS) and the JSON report must show failures on exactly the cases the
+fault touches: every one of them fails, and nothing else does. The reference plugins
+themselves pass the whole suite, and an expected-failures file turns failures into xfails
+(and warns about an id that names no test).
+
+The ordering faults (event_wait, cpy_tensor_async) are races: their runs raise the
+asynchronous device's random queue delays (ACCELPLANE_TEST_DELAY_US) so that the dependent
+work runs too early in practically every one of the suite's 12 repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from accelplane.conformance.cases import all_cases
+from accelplane.graph import Context
+
+TESTS = Path(__file__).resolve().parent
+ASYNCTEST = "asynctest=accelplane.testing.asyncdev"
+ORDERING_DELAY_US = 2000  # max random delay per queued task for the ordering-fault runs
+TIMEOUT_S = 300
+
+
+def _op_cases() -> dict[str, tuple]:
+    """report id → (case, ne of its output node)."""
+    out = {}
+    for c in all_cases():
+        ctx = Context(c.id)
+        out[f"test_op[{c.id}]"] = (c, tuple(c.build(ctx).ne))
+    return out
+
+
+OP_CASES = _op_cases()
+
+
+@dataclass
+class Run:
+    rc: int
+    output: str
+    report: dict
+
+    @property
+    def status(self) -> dict[str, str]:
+        return {c["id"]: c["status"] for c in self.report["cases"]}
+
+    def with_status(self, status: str) -> set[str]:
+        return {i for i, s in self.status.items() if s == status}
+
+    @property
+    def failed(self) -> set[str]:
+        return self.with_status("failed")
+
+
+_RUNS: dict[tuple, Run] = {}
+
+
+def run_suite(plugin: str, module: str | None, tmp: Path, *, k: str | None = None,
+              xfails: str | None = None, delay_us: int | None = None) -> Run:  # fmt: skip
+    """The conformance suite on ``plugin`` (loaded from ``module``, a ``name=module.path``
+    entry, when it is not an installed distribution), in a subprocess; cached per arguments."""
+    key = (plugin, module, k, xfails, delay_us)
+    if key in _RUNS:
+        return _RUNS[key]
+    tag = f"{plugin}-{len(_RUNS)}"
+    report = tmp / f"{tag}.json"
+    env = {n: v for n, v in os.environ.items() if not n.startswith("ACCELPLANE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [env.get("PYTHONPATH")])])
+    if module:
+        env["ACCELPLANE_EXTRA_PLUGINS"] = module
+    if delay_us is not None:
+        env["ACCELPLANE_TEST_DELAY_US"] = str(delay_us)
+    cmd = [sys.executable, "-m", "accelplane.cli", "conformance", plugin, "--json", str(report)]
+    if k:
+        cmd += ["-k", k]
+    if xfails is not None:
+        path = tmp / f"{tag}.xfails"
+        path.write_text(xfails)
+        cmd += ["--xfails", str(path)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=TESTS)
+    output = p.stdout + p.stderr
+    assert report.exists(), f"no JSON report from {' '.join(cmd)} (rc {p.returncode}):\n{output[-4000:]}"
+    run = Run(p.returncode, output, json.loads(report.read_text()))
+    assert run.report["plugin"] == plugin and run.report["device"], run.report
+    _RUNS[key] = run
+    return run
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("suite_runs")
+
+
+def _show(ids) -> str:
+    return "\n  ".join(sorted(ids)[:20]) + ("\n  …" if len(ids) > 20 else "")
+
+
+def assert_fails_exactly(run: Run, expected: set[str], full: bool = True) -> None:
+    """Every id in ``expected`` failed and nothing else did; with ``full``, the report
+    covers every op case (the run was not cut short)."""
+    assert expected, "the fault touches no case: the expectation is wrong"
+    if full:
+        missing = set(OP_CASES) - set(run.status)
+        assert not missing, f"op cases absent from the report:\n  {_show(missing)}"
+    uncaught = expected - run.failed
+    assert not uncaught, f"the suite did not catch the fault in:\n  {_show(uncaught)}"
+    extra = run.failed - expected
+    assert not extra, f"cases failed that the fault does not touch:\n  {_show(extra)}"
+    assert run.rc == 1, f"pytest exit status {run.rc} (expected 1: tests failed)"
+
+
+def op_ids(pred) -> set[str]:
+    return {i for i, (c, ne) in OP_CASES.items() if pred(c, ne)}
+
+
+# --- the reference plugins pass --------------------------------------------------------------------
+def test_cpu_plugin_passes_whole_suite(tmp):
+    run = run_suite("cpu", None, tmp)
+    assert run.rc == 0 and not run.failed, f"failed:\n  {_show(run.failed)}\n{run.output[-3000:]}"
+    assert set(OP_CASES) <= run.with_status("passed"), "the CPU plugin supports and passes every op case"
+    assert set(run.status) == run.with_status("passed") | run.with_status("skipped")
+
+
+def test_asyncdev_passes_whole_suite(tmp):
+    run = run_suite("asynctest", ASYNCTEST, tmp)
+    assert run.rc == 0 and not run.failed, f"failed:\n  {_show(run.failed)}\n{run.output[-3000:]}"
+    assert set(run.status) == run.with_status("passed"), "asynctest runs every case (two devices, comm)"
+    assert set(OP_CASES) <= set(run.status)
+
+
+# --- op faults (CPU plugin based) --------------------------------------------------------------------
+def test_faulty_tail_fails_exactly_the_add_cases(tmp):
+    run = run_suite("faulty_tail", "faulty_tail=faulty.tail", tmp)
+    expected = op_ids(lambda c, ne: c.op == "ADD" and ne[0] > 1)
+    assert len(expected) == 36
+    assert_fails_exactly(run, expected)
+    # rows of one element have no tail: those ADD cases pass
+    assert op_ids(lambda c, ne: c.op == "ADD" and ne[0] == 1) <= run.with_status("passed")
+
+
+def test_faulty_oob_fails_exactly_the_mul_cases(tmp):
+    """One element written past the output: caught by the guard bytes for every MUL case,
+    including outputs whose size is not a multiple of the buffer alignment."""
+    run = run_suite("faulty_oob", "faulty_oob=faulty.oob", tmp)
+    assert_fails_exactly(run, op_ids(lambda c, ne: c.op == "MUL"))
+    assert "bytes written outside every tensor" in run.output
+
+
+def _wrong_desc(c, ne) -> bool:
+    return c.op == "ARGSORT" and c.params["order"] == "DESC" and ne[0] > 1
+
+
+def test_faulty_supports_fails_exactly_the_wrong_argsorts(tmp):
+    run = run_suite("faulty_supports", "faulty_supports=faulty.supports", tmp)
+    assert_fails_exactly(run, op_ids(_wrong_desc))
+
+
+def test_honest_supports_reports_not_supported_never_failed(tmp):
+    """The same wrong kernel behind a supports_op that says no: "not supported", no failure."""
+    run = run_suite("honest_supports", "honest_supports=faulty.honest_supports", tmp, k="test_op and ARGSORT")
+    declined = op_ids(lambda c, ne: c.op == "ARGSORT" and c.params["order"] == "DESC")
+    assert run.rc == 0 and not run.failed, run.output[-3000:]
+    assert run.with_status("not supported") == declined
+    assert run.with_status("passed") == op_ids(lambda c, ne: c.op == "ARGSORT") - declined
+
+
+# --- interface faults (asynchronous test device based) -------------------------------------------------
+def test_faulty_event_fails_exactly_the_event_wait_cases(tmp):
+    run = run_suite("faulty_event", "faulty_event=faulty.event", tmp, delay_us=ORDERING_DELAY_US)
+    assert_fails_exactly(run, {"test_event_record_wait_two_streams", "test_event_across_devices"})
+
+
+def test_faulty_cpy_fails_exactly_the_cpy_tensor_async_cases(tmp):
+    run = run_suite("faulty_cpy", "faulty_cpy=faulty.cpy", tmp, delay_us=ORDERING_DELAY_US)
+    expected = {"test_cpy_tensor_async_two_streams", "test_cpy_tensor_async_two_devices",
+                "test_cpy_from_host_buffer"}  # fmt: skip
+    assert_fails_exactly(run, expected)
+
+
+def test_faulty_comm_fails_exactly_the_allreduce_cases(tmp):
+    run = run_suite("faulty_comm", "faulty_comm=faulty.comm", tmp)
+    assert_fails_exactly(run, {f"test_comm_allreduce[{n}]" for n in (2, 3, 4)})
+
+
+# --- expected failures ----------------------------------------------------------------------------------
+def test_xfails_file_turns_failures_into_xfails_and_warns_on_stale_ids(tmp):
+    expected = op_ids(lambda c, ne: c.op == "ADD" and ne[0] > 1)
+    stale = "test_op[NO_SUCH_OP(type=f32)]"
+    text = "# faulty_tail's known bugs\n\n" + "".join(f"{i}: row tail off by one\n" for i in sorted(expected))
+    text += f"{stale}: an op that was removed\n"
+    run = run_suite("faulty_tail", "faulty_tail=faulty.tail", tmp, k="test_op and ADD", xfails=text)
+    assert run.rc == 0, f"exit status {run.rc}:\n{run.output[-3000:]}"
+    assert not run.failed
+    assert run.with_status("xfailed") == expected
+    assert run.with_status("passed") == op_ids(lambda c, ne: c.op == "ADD" and ne[0] == 1)
+    assert run.report["totals"].get("xfailed") == len(expected)
+    assert f"stale expected failure (no such test): {stale}" in run.output
+    # the real ids in the file are not reported stale
+    assert "stale expected failure (no such test): test_op[ADD" not in run.output
