@@ -1,0 +1,1 @@
+"""The accelplane CUDA plugin (entry point ``cuda = accelplane_cuda.plugin``)."""

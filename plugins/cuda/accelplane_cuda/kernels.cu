@@ -1,0 +1,707 @@
+// accelplane CUDA plugin kernels (compiled at run time by NVRTC through CuPy).
+//
+// Every kernel takes `const i64* P`: a small device array of parameters built once per graph
+// node at plan time (shapes, byte strides, op parameters; floats are stored as the bits of a
+// double). Tensors are `char*` base pointers with byte strides, so views of any layout work.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef long long i64;
+typedef unsigned char u8;
+#define AP_INF __int_as_float(0x7f800000)  // NVRTC has no math.h INFINITY
+
+__device__ __forceinline__ double pf(const i64* P, int i) { return __longlong_as_double(P[i]); }
+
+// ---- element load/store -------------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ float ld(const char* p);
+template <> __device__ __forceinline__ float ld<float>(const char* p) { return *(const float*)p; }
+template <> __device__ __forceinline__ float ld<__half>(const char* p) { return __half2float(*(const __half*)p); }
+template <> __device__ __forceinline__ float ld<__nv_bfloat16>(const char* p) {
+    return __bfloat162float(*(const __nv_bfloat16*)p);
+}
+template <typename T> __device__ __forceinline__ void st(char* p, float v);
+template <> __device__ __forceinline__ void st<float>(char* p, float v) { *(float*)p = v; }
+template <> __device__ __forceinline__ void st<__half>(char* p, float v) { *(__half*)p = __float2half_rn(v); }
+template <> __device__ __forceinline__ void st<__nv_bfloat16>(char* p, float v) {
+    *(__nv_bfloat16*)p = __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float f16at(const u8* p) { return __half2float(*(const __half*)p); }
+
+// ---- fast division by a run-time constant (magic number, shift) ------------------------------------
+struct fastdiv_t { unsigned int mul, shift, d; };
+__device__ __forceinline__ unsigned int fdiv(unsigned int n, fastdiv_t f) {
+    return (__umulhi(n, f.mul) + n) >> f.shift;
+}
+__device__ __forceinline__ fastdiv_t fdv(const i64* P, int i) {
+    fastdiv_t f; f.mul = (unsigned int)P[i]; f.shift = (unsigned int)P[i + 1]; f.d = (unsigned int)P[i + 2];
+    return f;
+}
+
+// ---- dequantize one 32-element chunk of a row ------------------------------------------------------
+// chunk c covers elements [32c, 32c+32) of the row.
+template <int TYPE> __device__ __forceinline__ void deq32(const u8* row, int c, float* y);
+
+// Q4_0: 18-byte blocks: f16 d, 16 bytes; element l<16 = low nibble of qs[l], l>=16 = high nibble
+template <> __device__ __forceinline__ void deq32<2>(const u8* row, int c, float* y) {
+    const u8* b = row + (i64)c * 18;
+    const float d = f16at(b);
+    #pragma unroll
+    for (int l = 0; l < 16; ++l) {
+        const int q = b[2 + l];
+        y[l] = d * (float)((q & 0xF) - 8);
+        y[l + 16] = d * (float)((q >> 4) - 8);
+    }
+}
+// Q8_0: 34-byte blocks: f16 d, 32 int8
+template <> __device__ __forceinline__ void deq32<8>(const u8* row, int c, float* y) {
+    const u8* b = row + (i64)c * 34;
+    const float d = f16at(b);
+    #pragma unroll
+    for (int l = 0; l < 32; ++l) y[l] = d * (float)(signed char)b[2 + l];
+}
+// Q4_K: 144-byte superblocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes qs
+template <> __device__ __forceinline__ void deq32<12>(const u8* row, int c, float* y) {
+    const u8* b = row + (i64)(c >> 3) * 144;
+    const int j = c & 7;
+    const float d = f16at(b), dmin = f16at(b + 2);
+    const u8* s = b + 4;
+    int sc, m;
+    if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
+    else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+    const u8* q = b + 16 + 32 * (j >> 1);
+    const float dl = d * (float)sc, ml = dmin * (float)m;
+    if (j & 1) {
+        #pragma unroll
+        for (int l = 0; l < 32; ++l) y[l] = dl * (float)(q[l] >> 4) - ml;
+    } else {
+        #pragma unroll
+        for (int l = 0; l < 32; ++l) y[l] = dl * (float)(q[l] & 0xF) - ml;
+    }
+}
+// Q6_K: 210-byte superblocks of 256: ql[128], qh[64], int8 scales[16], f16 d
+template <> __device__ __forceinline__ void deq32<14>(const u8* row, int c, float* y) {
+    const u8* b = row + (i64)(c >> 3) * 210;
+    const int j = c & 7, n = j >> 2, quarter = j & 3;
+    const float d = f16at(b + 208);
+    const u8* ql = b + 64 * n;
+    const u8* qh = b + 128 + 32 * n;
+    const signed char* sc = (const signed char*)(b + 192) + 8 * n;
+    #pragma unroll
+    for (int l = 0; l < 32; ++l) {
+        int q;
+        const int h = qh[l];
+        if (quarter == 0) q = (ql[l] & 0xF) | (((h >> 0) & 3) << 4);
+        else if (quarter == 1) q = (ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4);
+        else if (quarter == 2) q = (ql[l] >> 4) | (((h >> 4) & 3) << 4);
+        else q = (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4);
+        y[l] = d * (float)sc[(l >> 4) + 2 * quarter] * (float)(q - 32);
+    }
+}
+// float rows through the same interface
+template <> __device__ __forceinline__ void deq32<0>(const u8* row, int c, float* y) {
+    #pragma unroll
+    for (int l = 0; l < 32; ++l) y[l] = ((const float*)row)[32 * c + l];
+}
+template <> __device__ __forceinline__ void deq32<1>(const u8* row, int c, float* y) {
+    #pragma unroll
+    for (int l = 0; l < 32; ++l) y[l] = __half2float(((const __half*)row)[32 * c + l]);
+}
+template <> __device__ __forceinline__ void deq32<30>(const u8* row, int c, float* y) {
+    #pragma unroll
+    for (int l = 0; l < 32; ++l) y[l] = __bfloat162float(((const __nv_bfloat16*)row)[32 * c + l]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+// block-wide sum for blockDim.x a multiple of 32 (<= 1024); all threads get the result
+__device__ float block_sum(float v) {
+    __shared__ float sh[32];
+    v = warp_sum(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? sh[threadIdx.x] : 0.0f;
+    if (w == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+__device__ float block_max(float v) {
+    __shared__ float sh[32];
+    v = warp_max(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? sh[threadIdx.x] : -AP_INF;
+    if (w == 0) v = warp_max(v);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+
+// linear index -> byte offset for a tensor of ne[4] (P+ne) and nb[4] (P+nb)
+__device__ __forceinline__ i64 offs4(i64 i, const i64* ne, const i64* nb) {
+    const i64 i0 = i % ne[0]; i /= ne[0];
+    const i64 i1 = i % ne[1]; i /= ne[1];
+    const i64 i2 = i % ne[2]; const i64 i3 = i / ne[2];
+    return i0 * nb[0] + i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+}
+
+// ---- unary / scalar ops ---------------------------------------------------------------------------
+// P: [n, ne0..3, nbd0..3, nbs0..3, op, p0, p1]
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu_(float x) {
+    const float c = 0.7978845608028654f;
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+__device__ __forceinline__ float unary_op(int op, float x, float p0, float p1) {
+    switch (op) {
+        case 0: return fabsf(x);
+        case 2: return -x;
+        case 4: return tanhf(x);
+        case 6: return fmaxf(x, 0.0f);
+        case 7: return sigmoidf_(x);
+        case 8: return gelu_(x);
+        case 9: return x * sigmoidf_(1.702f * x);
+        case 10: return x * sigmoidf_(x);
+        case 13: return expf(x);
+        case 100: return x * x;
+        case 101: return sqrtf(x);
+        case 102: return logf(x);
+        case 103: return sinf(x);
+        case 104: return cosf(x);
+        case 105: return x * p0 + p1;
+        case 106: return fmaxf(fminf(x, p1), p0);
+        case 107: return x > 0.0f ? x : x * p0;
+    }
+    return x;
+}
+template <typename T>
+__global__ void k_unary(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 n = P[0];
+    const int op = (int)P[13];
+    const float p0 = (float)pf(P, 14), p1 = (float)pf(P, 15);
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float x = ld<T>(src + offs4(i, P + 1, P + 9));
+        st<T>(dst + offs4(i, P + 1, P + 5), unary_op(op, x, p0, p1));
+    }
+}
+
+// ---- binary ops with b repeated to a's shape ---------------------------------------------------------
+// P: [n, ne0..3, nbd0..3, nba0..3, neb0..3, nbb0..3, op]
+template <typename Ta, typename Tb>
+__global__ void k_binary(const i64* __restrict__ P, char* dst, const char* a, const char* b) {
+    const i64 n = P[0];
+    const int op = (int)P[21];
+    const i64* ne = P + 1;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i;
+        const i64 i0 = r % ne[0]; r /= ne[0];
+        const i64 i1 = r % ne[1]; r /= ne[1];
+        const i64 i2 = r % ne[2]; const i64 i3 = r / ne[2];
+        const float x = ld<Ta>(a + i0 * P[9] + i1 * P[10] + i2 * P[11] + i3 * P[12]);
+        const float y = ld<Tb>(b + (i0 % P[13]) * P[17] + (i1 % P[14]) * P[18] + (i2 % P[15]) * P[19] +
+                               (i3 % P[16]) * P[20]);
+        float z;
+        switch (op) { case 0: z = x + y; break; case 1: z = x - y; break; case 2: z = x * y; break;
+                      default: z = x / y; }
+        st<Ta>(dst + i0 * P[5] + i1 * P[6] + i2 * P[7] + i3 * P[8], z);
+    }
+}
+
+// ---- gated linear units: dst = act(x) * g --------------------------------------------------------------
+// P: [n, ne0..3, nbd0..3, nbx0..3, nbg0..3, op(1 geglu, 2 swiglu)]
+template <typename T>
+__global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const char* g) {
+    const i64 n = P[0];
+    const int op = (int)P[17];
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float xv = ld<T>(x + offs4(i, P + 1, P + 9));
+        const float gv = ld<T>(g + offs4(i, P + 1, P + 13));
+        const float a = op == 2 ? xv * sigmoidf_(xv) : gelu_(xv);
+        st<T>(dst + offs4(i, P + 1, P + 5), a * gv);
+    }
+}
+
+// ---- row norms (F32): one block per row -------------------------------------------------------------
+// P: [ne0..3, nbs0..3, nbd0..3, op(0 norm,1 rms,2 l2), eps]
+__global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 ne0 = P[0];
+    i64 r = blockIdx.x;
+    const i64 i1 = r % P[1]; r /= P[1];
+    const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+    const char* s = src + i1 * P[5] + i2 * P[6] + i3 * P[7];
+    char* d = dst + i1 * P[9] + i2 * P[10] + i3 * P[11];
+    const int op = (int)P[12];
+    const float eps = (float)pf(P, 13);
+    float mean = 0.0f;
+    if (op == 0) {
+        float acc = 0.0f;
+        for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) acc += *(const float*)(s + i * P[4]);
+        mean = block_sum(acc) / (float)ne0;
+    }
+    float acc = 0.0f;
+    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float v = *(const float*)(s + i * P[4]) - mean;
+        acc += v * v;
+    }
+    const float ss = block_sum(acc);
+    float scale;
+    if (op == 2) scale = 1.0f / fmaxf(sqrtf(ss), eps);
+    else scale = rsqrtf(ss / (float)ne0 + eps);
+    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x)
+        *(float*)(d + i * P[8]) = (*(const float*)(s + i * P[4]) - mean) * scale;
+}
+
+// ---- soft_max with scale, optional mask (broadcast over ne2/ne3) and ALiBi slopes -------------------
+// P: [ne0..3, nba0..3, nbd0..3, nem1..3, nbm0..3, has_mask, scale, max_bias, n_head_log2, m0, m1]
+template <typename Tm>
+__global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, const char* mask) {
+    const i64 ne0 = P[0];
+    i64 r = blockIdx.x;
+    const i64 i1 = r % P[1]; r /= P[1];
+    const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+    const char* s = a + i1 * P[5] + i2 * P[6] + i3 * P[7];
+    char* d = dst + i1 * P[9] + i2 * P[10] + i3 * P[11];
+    const bool has_mask = P[19] != 0;
+    const float scale = (float)pf(P, 20), max_bias = (float)pf(P, 21);
+    float slope = 1.0f;
+    if (max_bias > 0.0f) {
+        const int h = (int)i2, nhl = (int)P[22];
+        slope = h < nhl ? powf((float)pf(P, 23), (float)(h + 1)) : powf((float)pf(P, 24), (float)(2 * (h - nhl) + 1));
+    }
+    const char* m = has_mask ? mask + i1 * P[16] + (i2 % P[13]) * P[17] + (i3 % P[14]) * P[18] : nullptr;
+    float mx = -AP_INF;
+    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
+        float v = *(const float*)(s + i * P[4]) * scale;
+        if (has_mask) v += slope * ld<Tm>(m + i * P[15]);
+        mx = fmaxf(mx, v);
+    }
+    mx = block_max(mx);
+    float sum = 0.0f;
+    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
+        float v = *(const float*)(s + i * P[4]) * scale;
+        if (has_mask) v += slope * ld<Tm>(m + i * P[15]);
+        const float e = expf(v - mx);
+        *(float*)(d + i * P[8]) = e;
+        sum += e;
+    }
+    sum = block_sum(sum);
+    const float inv = 1.0f / sum;
+    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) *(float*)(d + i * P[8]) *= inv;
+}
+
+// ---- rope (normal and NEOX) with YaRN --------------------------------------------------------------
+// P: [ne0..3, nba0..3, nbd0..3, n_dims, mode, freq_scale, ext_factor, attn_factor, corr0, corr1, theta_scale]
+template <typename T>
+__global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, const int* pos) {
+    const i64 half = P[0] / 2;
+    const i64 n = half * P[1] * P[2] * P[3];
+    const int n_dims = (int)P[12];
+    const bool neox = P[13] == 2;
+    const float freq_scale = (float)pf(P, 14), ext = (float)pf(P, 15), attn = (float)pf(P, 16);
+    const float c0 = (float)pf(P, 17), c1 = (float)pf(P, 18), theta_scale = (float)pf(P, 19);
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t;
+        const i64 ic = r % half; r /= half;
+        const i64 i1 = r % P[1]; r /= P[1];
+        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+        const char* s = a + i1 * P[5] + i2 * P[6] + i3 * P[7];
+        char* d = dst + i1 * P[9] + i2 * P[10] + i3 * P[11];
+        i64 e0, e1;
+        bool rot;
+        if (neox) {
+            rot = ic < n_dims / 2;
+            if (rot) { e0 = ic; e1 = ic + n_dims / 2; }
+            else { e0 = n_dims + 2 * (ic - n_dims / 2); e1 = e0 + 1; }
+        } else {
+            e0 = 2 * ic; e1 = e0 + 1; rot = e0 < n_dims;
+        }
+        const float x0 = ld<T>(s + e0 * P[4]), x1 = ld<T>(s + e1 * P[4]);
+        if (!rot) { st<T>(d + e0 * P[8], x0); st<T>(d + e1 * P[8], x1); continue; }
+        const float te = (float)pos[i2] * powf(theta_scale, (float)ic);
+        const float ti = freq_scale * te;
+        float theta = ti, mscale = attn;
+        if (ext != 0.0f) {
+            const float y = ((float)ic - c0) / fmaxf(0.001f, c1 - c0);
+            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext;
+            theta = ti * (1.0f - ramp) + te * ramp;
+            mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
+        }
+        const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
+        st<T>(d + e0 * P[8], x0 * cs - x1 * sn);
+        st<T>(d + e1 * P[8], x0 * sn + x1 * cs);
+    }
+}
+
+// ---- get_rows: dst[.., r, :] = a[.., idx[r], :] ------------------------------------------------------
+// P: [ne0..3(dst), nbd0..3, nba0..3, nbi0..2, n_rows_a]; err: flag set on a bad index
+template <typename T>
+__global__ void k_get_rows(const i64* __restrict__ P, char* dst, const char* a, const int* idx, int* err) {
+    const i64 n = P[0] * P[1] * P[2] * P[3];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t;
+        const i64 i0 = r % P[0]; r /= P[0];
+        const i64 i1 = r % P[1]; r /= P[1];
+        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+        const int row = *(const int*)((const char*)idx + i1 * P[12] + i2 * P[13] + i3 * P[14]);
+        if (row < 0 || row >= P[15]) { *err = 1; continue; }
+        const char* s = a + i0 * P[8] + (i64)row * P[9] + i2 * P[10] + i3 * P[11];
+        char* d = dst + i0 * P[4] + i1 * P[5] + i2 * P[6] + i3 * P[7];
+        st<float>(d, ld<T>(s));
+    }
+}
+__global__ void k_get_rows_i32(const i64* __restrict__ P, char* dst, const char* a, const int* idx, int* err) {
+    const i64 n = P[0] * P[1] * P[2] * P[3];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t;
+        const i64 i0 = r % P[0]; r /= P[0];
+        const i64 i1 = r % P[1]; r /= P[1];
+        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+        const int row = *(const int*)((const char*)idx + i1 * P[12] + i2 * P[13] + i3 * P[14]);
+        if (row < 0 || row >= P[15]) { *err = 1; continue; }
+        *(int*)(dst + i0 * P[4] + i1 * P[5] + i2 * P[6] + i3 * P[7]) =
+            *(const int*)(a + i0 * P[8] + (i64)row * P[9] + i2 * P[10] + i3 * P[11]);
+    }
+}
+// quantized rows: one thread per 32-element chunk. Same P (ne0 in elements).
+template <int QT>
+__global__ void k_get_rows_q(const i64* __restrict__ P, char* dst, const char* a, const int* idx, int* err) {
+    const i64 nch = P[0] / 32;
+    const i64 n = nch * P[1] * P[2] * P[3];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t;
+        const int c = (int)(r % nch); r /= nch;
+        const i64 i1 = r % P[1]; r /= P[1];
+        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+        const int row = *(const int*)((const char*)idx + i1 * P[12] + i2 * P[13] + i3 * P[14]);
+        if (row < 0 || row >= P[15]) { *err = 1; continue; }
+        float y[32];
+        deq32<QT>((const u8*)(a + (i64)row * P[9] + i2 * P[10] + i3 * P[11]), c, y);
+        char* d = dst + i1 * P[5] + i2 * P[6] + i3 * P[7];
+        #pragma unroll
+        for (int l = 0; l < 32; ++l) *(float*)(d + (32 * (i64)c + l) * P[4]) = y[l];
+    }
+}
+
+// ---- quantize 32 floats to one Q8_0 / Q4_0 block (ggml's reference rounding) ------------------------
+__device__ void quant32(int qt, const float* x, u8* b) {
+    if (qt == 8) {
+        float amax = 0.0f;
+        for (int l = 0; l < 32; ++l) amax = fmaxf(amax, fabsf(x[l]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        *(__half*)b = __float2half_rn(d);
+        for (int l = 0; l < 32; ++l) ((signed char*)b)[2 + l] = (signed char)roundf(x[l] * id);
+    } else {
+        float amax = 0.0f, mx = 0.0f;
+        for (int l = 0; l < 32; ++l) if (fabsf(x[l]) > amax) { amax = fabsf(x[l]); mx = x[l]; }
+        const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        *(__half*)b = __float2half_rn(d);
+        for (int l = 0; l < 16; ++l) {
+            const int q0 = min(15, (int)(signed char)(x[l] * id + 8.5f));
+            const int q1 = min(15, (int)(signed char)(x[l + 16] * id + 8.5f));
+            b[2 + l] = (u8)(q0 | (q1 << 4));
+        }
+    }
+}
+
+// ---- set_rows: dst[.., idx[r], :] = src[.., r, :] -------------------------------------------------------
+// P: [ne0..3(src), nbs0..3, nbd0..3, nbi0..2, nei1, nei2, n_rows_dst]
+template <typename Td>
+__global__ void k_set_rows(const i64* __restrict__ P, char* dst, const char* src, const int* idx, int* err) {
+    const i64 n = P[0] * P[1] * P[2] * P[3];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t;
+        const i64 i0 = r % P[0]; r /= P[0];
+        const i64 i1 = r % P[1]; r /= P[1];
+        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+        const int row = *(const int*)((const char*)idx + i1 * P[12] + (i2 % P[15]) * P[13] + (i3 % P[16]) * P[14]);
+        if (row < 0 || row >= P[17]) { *err = 1; continue; }
+        st<Td>(dst + i0 * P[8] + (i64)row * P[9] + i2 * P[10] + i3 * P[11],
+               *(const float*)(src + i0 * P[4] + i1 * P[5] + i2 * P[6] + i3 * P[7]));
+    }
+}
+template <int QT>
+__global__ void k_set_rows_q(const i64* __restrict__ P, char* dst, const char* src, const int* idx, int* err) {
+    const i64 nch = P[0] / 32;
+    const i64 n = nch * P[1] * P[2] * P[3];
+    const int bs = QT == 8 ? 34 : 18;
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t;
+        const i64 c = r % nch; r /= nch;
+        const i64 i1 = r % P[1]; r /= P[1];
+        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+        const int row = *(const int*)((const char*)idx + i1 * P[12] + (i2 % P[15]) * P[13] + (i3 % P[16]) * P[14]);
+        if (row < 0 || row >= P[17]) { *err = 1; continue; }
+        float x[32];
+        const char* s = src + i1 * P[5] + i2 * P[6] + i3 * P[7];
+        for (int l = 0; l < 32; ++l) x[l] = *(const float*)(s + (32 * c + l) * P[4]);
+        quant32(QT, x, (u8*)(dst + (i64)row * P[9] + i2 * P[10] + i3 * P[11] + c * bs));
+    }
+}
+
+// ---- cpy: elements in row-major order of src written in row-major order of dst --------------------
+// P: [n, nes0..3, nbs0..3, ned0..3, nbd0..3]
+template <typename Td, typename Ts>
+__global__ void k_cpy(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 n = P[0];
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        st<Td>(dst + offs4(i, P + 9, P + 13), ld<Ts>(src + offs4(i, P + 1, P + 5)));
+}
+__global__ void k_cpy_i32(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 n = P[0];
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        *(int*)(dst + offs4(i, P + 9, P + 13)) = *(const int*)(src + offs4(i, P + 1, P + 5));
+}
+// float -> Q8_0/Q4_0 (dst packed rows, one thread per 32-element block of dst)
+template <int QT, typename Ts>
+__global__ void k_cpy_q(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 nblk = P[0] / 32;
+    const i64 ned0 = P[9];
+    const int bs = QT == 8 ? 34 : 18;
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < nblk; t += (i64)gridDim.x * blockDim.x) {
+        float x[32];
+        for (int l = 0; l < 32; ++l) x[l] = ld<Ts>(src + offs4(32 * t + l, P + 1, P + 5));
+        const i64 e = 32 * t;
+        const i64 i0 = e % ned0;
+        const i64 rowoff = offs4(e - i0, P + 9, P + 13);
+        quant32(QT, x, (u8*)(dst + rowoff + (i0 / 32) * bs));
+    }
+}
+// Q* -> F32 (src packed rows)
+template <int QT>
+__global__ void k_cpy_dq(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 nblk = P[0] / 32;
+    const i64 nes0 = P[1];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < nblk; t += (i64)gridDim.x * blockDim.x) {
+        const i64 e = 32 * t;
+        const i64 i0 = e % nes0;
+        const i64 rowoff = offs4(e - i0, P + 1, P + 5);
+        float y[32];
+        deq32<QT>((const u8*)(src + rowoff), (int)(i0 / 32), y);
+        for (int l = 0; l < 32; ++l) *(float*)(dst + offs4(e + l, P + 9, P + 13)) = y[l];
+    }
+}
+
+// ---- concat along dim -----------------------------------------------------------------------------
+// P: [n, ned0..3, nbd0..3, nea0..3, nba0..3, nbb0..3, dim]
+template <typename T>
+__global__ void k_concat(const i64* __restrict__ P, char* dst, const char* a, const char* b) {
+    const i64 n = P[0];
+    const int dim = (int)P[21];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        i64 r = t, i[4];
+        i[0] = r % P[1]; r /= P[1];
+        i[1] = r % P[2]; r /= P[2];
+        i[2] = r % P[3]; i[3] = r / P[3];
+        char* d = dst + i[0] * P[5] + i[1] * P[6] + i[2] * P[7] + i[3] * P[8];
+        if (i[dim] < P[9 + dim]) {
+            *(T*)d = *(const T*)(a + i[0] * P[13] + i[1] * P[14] + i[2] * P[15] + i[3] * P[16]);
+        } else {
+            i[dim] -= P[9 + dim];
+            *(T*)d = *(const T*)(b + i[0] * P[17] + i[1] * P[18] + i[2] * P[19] + i[3] * P[20]);
+        }
+    }
+}
+
+// ---- reductions -------------------------------------------------------------------------------------------
+// sum_rows / mean: one block per row. P: [ne0..3, nbs0..3, nbd1..3, mean]
+template <typename T>
+__global__ void k_sum_rows(const i64* __restrict__ P, char* dst, const char* src) {
+    i64 r = blockIdx.x;
+    const i64 i1 = r % P[1]; r /= P[1];
+    const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+    const char* s = src + i1 * P[5] + i2 * P[6] + i3 * P[7];
+    float acc = 0.0f;
+    for (i64 i = threadIdx.x; i < P[0]; i += blockDim.x) acc += ld<T>(s + i * P[4]);
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) *(float*)(dst + i1 * P[8] + i2 * P[9] + i3 * P[10]) = P[11] ? acc / (float)P[0] : acc;
+}
+// sum of everything: one block. P: [n, ne0..3, nbs0..3]
+template <typename T>
+__global__ void k_sum(const i64* __restrict__ P, char* dst, const char* src) {
+    float acc = 0.0f;
+    for (i64 i = threadIdx.x; i < P[0]; i += blockDim.x) acc += ld<T>(src + offs4(i, P + 1, P + 5));
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) *(float*)dst = acc;
+}
+// argmax per row (first maximum). P: [ne0, ne1, nbs0, nbs1, nbd0]
+__global__ void k_argmax(const i64* __restrict__ P, char* dst, const char* src) {
+    const char* s = src + blockIdx.x * P[3];
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
+    float best = -AP_INF; int besti = -1;
+    for (i64 i = threadIdx.x; i < P[0]; i += blockDim.x) {
+        const float v = *(const float*)(s + i * P[2]);
+        if (v > best || besti < 0) { best = v; besti = (int)i; }
+    }
+    bv[threadIdx.x] = best; bi[threadIdx.x] = besti;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) {
+            const float v = bv[threadIdx.x + o]; const int j = bi[threadIdx.x + o];
+            if (j >= 0 && (bi[threadIdx.x] < 0 || v > bv[threadIdx.x] || (v == bv[threadIdx.x] && j < bi[threadIdx.x]))) {
+                bv[threadIdx.x] = v; bi[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *(int*)(dst + blockIdx.x * P[4]) = bi[0];
+}
+// argsort per row, stable: the rank of element i is the number of elements ordered before it.
+// P: [ne0..3, nbs0..3, nbd0..3, desc]
+__global__ void k_argsort(const i64* __restrict__ P, char* dst, const char* src) {
+    i64 r = blockIdx.x;
+    const i64 i1 = r % P[1]; r /= P[1];
+    const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
+    const char* s = src + i1 * P[5] + i2 * P[6] + i3 * P[7];
+    char* d = dst + i1 * P[9] + i2 * P[10] + i3 * P[11];
+    const bool desc = P[12] != 0;
+    const i64 n = P[0];
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const float xi = *(const float*)(s + i * P[4]);
+        i64 rank = 0;
+        for (i64 j = 0; j < n; ++j) {
+            const float xj = *(const float*)(s + j * P[4]);
+            const bool before = desc ? (xj > xi) : (xj < xi);
+            rank += before || (xj == xi && j < i);
+        }
+        *(int*)(d + rank * P[8]) = (int)i;
+    }
+}
+
+// ---- im2col: dst[n, oh, ow, (c, kh, kw)] ----------------------------------------------------------------
+// P: [n_dst, ne_dst0..3, nbd0..3, nbx0..3, W, H, KW, KH, s0, s1, p0, p1, d0, d1,
+//     fastdiv(ne0) x3, fastdiv(ne1) x3, fastdiv(ne2) x3, fastdiv(KW) x3, fastdiv(KH) x3] (from 23)
+template <typename Td>
+__global__ void k_im2col(const i64* __restrict__ P, char* dst, const char* x) {
+    const i64 n = P[0];
+    const fastdiv_t f0 = fdv(P, 23), f1 = fdv(P, 26), f2 = fdv(P, 29), fkw = fdv(P, 32), fkh = fdv(P, 35);
+    const int W = (int)P[13], H = (int)P[14];
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        unsigned int r = (unsigned int)t;
+        unsigned int q = fdiv(r, f0); const unsigned int i0 = r - q * f0.d; r = q;
+        q = fdiv(r, f1); const unsigned int ow = r - q * f1.d; r = q;
+        q = fdiv(r, f2); const unsigned int oh = r - q * f2.d; const unsigned int nn = q;
+        unsigned int qq = fdiv(i0, fkw); const int ikw = (int)(i0 - qq * fkw.d);
+        const unsigned int rest = qq; qq = fdiv(rest, fkh);
+        const int ikh = (int)(rest - qq * fkh.d); const int ic = (int)qq;
+        const int iw = (int)ow * (int)P[17] + ikw * (int)P[21] - (int)P[19];
+        const int ih = (int)oh * (int)P[18] + ikh * (int)P[22] - (int)P[20];
+        float v = 0.0f;
+        if (iw >= 0 && iw < W && ih >= 0 && ih < H)
+            v = *(const float*)(x + iw * P[9] + ih * P[10] + ic * P[11] + (i64)nn * P[12]);
+        st<Td>(dst + i0 * P[5] + ow * P[6] + oh * P[7] + nn * P[8], v);
+    }
+}
+
+// ---- col2im_1d: out[b, c, t] = sum over (t_in, k) with t + p0 == t_in*s0 + k of a[b, t_in, c*K + k] ----
+// P: [n, T_out, OC, B, nbd0..2, nba0..2, K, T_in, s0, p0, fastdiv(T_out) x3, fastdiv(OC) x3]
+__global__ void k_col2im_1d(const i64* __restrict__ P, char* dst, const char* a) {
+    const i64 n = P[0];
+    const fastdiv_t ft = fdv(P, 14), fc = fdv(P, 17);
+    const int K = (int)P[10], T_in = (int)P[11], s0 = (int)P[12], p0 = (int)P[13];
+    for (i64 id = blockIdx.x * (i64)blockDim.x + threadIdx.x; id < n; id += (i64)gridDim.x * blockDim.x) {
+        unsigned int r = (unsigned int)id;
+        unsigned int q = fdiv(r, ft); const int t = (int)(r - q * ft.d); r = q;
+        q = fdiv(r, fc); const int c = (int)(r - q * fc.d); const int b = (int)q;
+        const int ta = t + p0;
+        int lo = ta - K + 1; lo = lo <= 0 ? 0 : (lo + s0 - 1) / s0;
+        int hi = ta / s0; if (hi > T_in - 1) hi = T_in - 1;
+        float acc = 0.0f;
+        for (int ti = lo; ti <= hi; ++ti)
+            acc += *(const float*)(a + (i64)(c * K + ta - ti * s0) * P[7] + (i64)ti * P[8] + (i64)b * P[9]);
+        *(float*)(dst + t * P[4] + c * P[5] + (i64)b * P[6]) = acc;
+    }
+}
+
+// ---- mat-vec: one warp per weight row, lanes over 32-element chunks, all N activation rows ----------
+// out[.., n, m] = sum_k W[.., m, k] * x[.., n, k]
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbx1, nbx2, nbx3, nbd1, nbd2, nbd3]
+#define MMV_MAXN 8
+template <int WT>
+__global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* w, const char* x) {
+    const int lane = threadIdx.x & 31;
+    const i64 m = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (m >= P[0]) return;
+    const i64 i2 = blockIdx.y % P[3], i3 = blockIdx.y / P[3];
+    const int nch = (int)(P[1] / 32), N = (int)P[2];
+    const u8* row = (const u8*)(w + m * P[7] + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9]);
+    const char* xb = x + i2 * P[11] + i3 * P[12];
+    float acc[MMV_MAXN];
+    #pragma unroll
+    for (int j = 0; j < MMV_MAXN; ++j) acc[j] = 0.0f;
+    float y[32];
+    for (int c = lane; c < nch; c += 32) {
+        deq32<WT>(row, c, y);
+        #pragma unroll
+        for (int j = 0; j < MMV_MAXN; ++j) {
+            if (j >= N) break;
+            const float4* xv = (const float4*)(xb + j * P[10]) + 8 * c;
+            float s = 0.0f;
+            #pragma unroll
+            for (int l = 0; l < 8; ++l) {
+                const float4 v = xv[l];
+                s += y[4 * l] * v.x + y[4 * l + 1] * v.y + y[4 * l + 2] * v.z + y[4 * l + 3] * v.w;
+            }
+            acc[j] += s;
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < MMV_MAXN; ++j) {
+        if (j >= N) break;
+        const float s = warp_sum(acc[j]);
+        if (lane == 0) *(float*)(dst + m * 4 + j * P[13] + i2 * P[14] + i3 * P[15]) = s;
+    }
+}
+// mul_mat_id: grid.y over (token, slot); one activation row each.
+// P: [M, K, n_used, n_tok, n_exp, nb_b1 (B), nbw1, nbw2, nbx1, nbx2, nbd1, nbd2, nbi0, nbi1]
+template <int WT>
+__global__ void k_mul_mat_id(const i64* __restrict__ P, char* dst, const char* w, const char* x,
+                             const char* ids, int* err) {
+    const int lane = threadIdx.x & 31;
+    const i64 m = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (m >= P[0]) return;
+    const i64 u = blockIdx.y % P[2], t = blockIdx.y / P[2];
+    const int e = *(const int*)(ids + u * P[12] + t * P[13]);
+    if (e < 0 || e >= P[4]) { if (lane == 0) *err = 1; return; }
+    const u8* row = (const u8*)(w + m * P[6] + (i64)e * P[7]);
+    const float4* xv = (const float4*)(x + (u % P[5]) * P[8] + t * P[9]);
+    const int nch = (int)(P[1] / 32);
+    float acc = 0.0f, y[32];
+    for (int c = lane; c < nch; c += 32) {
+        deq32<WT>(row, c, y);
+        #pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            const float4 v = xv[8 * c + l];
+            acc += y[4 * l] * v.x + y[4 * l + 1] * v.y + y[4 * l + 2] * v.z + y[4 * l + 3] * v.w;
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) *(float*)(dst + m * 4 + u * P[10] + t * P[11]) = acc;
+}
+// dequantize rows to a packed F16 matrix (for the cuBLAS path). P: [M, K, nbw1]
+template <int WT>
+__global__ void k_dequant_f16(const i64* __restrict__ P, __half* dst, const char* w) {
+    const i64 nch = P[1] / 32;
+    const i64 n = P[0] * nch;
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+        const i64 m = t / nch, c = t % nch;
+        float y[32];
+        deq32<WT>((const u8*)(w + m * P[2]), (int)c, y);
+        __half* d = dst + m * P[1] + 32 * c;
+        #pragma unroll
+        for (int l = 0; l < 32; l += 2) *(__half2*)(d + l) = __floats2half2_rn(y[l], y[l + 1]);
+    }
+}

@@ -1,0 +1,121 @@
+"""NCCL all-reduce for the CUDA plugin's comm hooks.
+
+A communicator needs two or more backends on distinct CUDA devices (NCCL allows one rank per
+GPU); otherwise, or with ACCELPLANE_CUDA_ALLREDUCE=none, comm_init returns None and the SDK's
+fallback serves. Small F32 tensors are reduced in F32 in place; from a size threshold on (32768
+elements for 2 devices, 131072 for 3, 262144 for 4 or more; ACCELPLANE_CUDA_NCCL_BF16_MIN
+overrides, in elements, 0 = never) they travel as BF16, are summed in BF16 by NCCL and are
+widened back to F32: half the bytes for a bounded loss of precision.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from accelplane.tensor import Tensor
+from accelplane.types import GGMLType
+
+# NCCL stays off NVLink multicast: on shared hosts it can take the GPUs out of service
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+_DTYPE = {GGMLType.F32: 7, GGMLType.F16: 6, GGMLType.BF16: 9}  # ncclFloat32, ncclFloat16, ncclBfloat16
+_SUM = 0
+
+
+class NcclComm:
+    def __init__(self, devices: list[int]) -> None:
+        from cupy.cuda import nccl
+
+        self.nccl = nccl
+        self.devices = devices
+        self.comms = nccl.NcclCommunicator.initAll(devices)
+        default = {2: 32768, 3: 131072}.get(len(devices), 262144)
+        self.bf16_min = int(os.environ.get("ACCELPLANE_CUDA_NCCL_BF16_MIN", default))
+        self._scratch: dict = {}
+
+    def allreduce(self, backends, tensors) -> bool:
+        import cupy as cp
+
+        t0 = tensors[0]
+        if t0.type not in _DTYPE or not all(t.is_contiguous() for t in tensors):
+            return False
+        compress = t0.type == GGMLType.F32 and self.bf16_min > 0 and t0.nelements >= self.bf16_min
+        from .plan import kernels
+
+        nccl = self.nccl
+        count = t0.nelements
+        if compress:
+            bufs = []
+            for b, t in zip(backends, tensors, strict=True):
+                tmp = self._bf16(b.ctx.device, t)
+                self._convert(kernels(b.ctx.device), b, t, tmp, to_bf16=True)
+                bufs.append(tmp)
+        nccl.groupStart()
+        try:
+            for i, (comm, b, t) in enumerate(zip(self.comms, backends, tensors, strict=True)):
+                with cp.cuda.Device(b.ctx.device):
+                    if compress:
+                        ptr = bufs[i][0]
+                        comm.allReduce(ptr, ptr, count, _DTYPE[GGMLType.BF16], _SUM, b.ctx.stream.ptr)
+                    else:
+                        ptr = t.buffer.ctx.ptr + t.offs
+                        comm.allReduce(ptr, ptr, count, _DTYPE[t.type], _SUM, b.ctx.stream.ptr)
+        finally:
+            nccl.groupEnd()
+        if compress:
+            for b, t, tmp in zip(backends, tensors, bufs, strict=True):
+                self._convert(kernels(b.ctx.device), b, t, tmp, to_bf16=False)
+        return True
+
+    def _bf16(self, device: int, t: Tensor):
+        import cupy as cp
+
+        key = (device, t.nelements)
+        if key not in self._scratch:
+            with cp.cuda.Device(device):
+                mem = cp.cuda.Memory(t.nelements * 2)
+            self._scratch[key] = (int(mem.ptr), mem)
+        return self._scratch[key]
+
+    @staticmethod
+    def _convert(fns, b, t: Tensor, tmp, to_bf16: bool) -> None:
+        import cupy as cp
+
+        n = t.nelements
+        packed = Tensor(GGMLType.BF16, t.ne)
+        src, dst = (t, packed) if to_bf16 else (packed, t)
+        P = cp.asarray(np.asarray([n, *src.ne, *src.nb, *dst.ne, *dst.nb], np.int64))
+        tp, bp = t.buffer.ctx.ptr + t.offs, tmp[0]
+        sp, dp = (tp, bp) if to_bf16 else (bp, tp)
+        name = "k_cpy<__nv_bfloat16,float>" if to_bf16 else "k_cpy<float,__nv_bfloat16>"
+        with cp.cuda.Device(b.ctx.device), b.ctx.stream:
+            fns[name]((max(1, min((n + 255) // 256, 65535)),), (256,),
+                      (np.uint64(P.data.ptr), np.uint64(dp), np.uint64(sp)))  # fmt: skip
+            b.ctx.stream.synchronize()  # P is a temporary
+
+    def free(self) -> None:
+        for c in self.comms:
+            c.destroy()
+        self.comms = []
+        self._scratch.clear()
+
+
+def init(backends) -> NcclComm | None:
+    from .plugin import StreamCtx
+
+    if os.environ.get("ACCELPLANE_CUDA_ALLREDUCE", "nccl") == "none":
+        return None
+    if len(backends) < 2 or not all(isinstance(b.ctx, StreamCtx) for b in backends):
+        return None
+    devices = [b.ctx.device for b in backends]
+    if len(set(devices)) != len(devices):
+        return None  # NCCL takes one rank per GPU
+    try:
+        return NcclComm(devices)
+    except Exception as e:  # NCCL missing or failing: the SDK fallback serves, loudly
+        import warnings
+
+        warnings.warn(f"NCCL communicator over CUDA{devices} failed ({e}); using the SDK all-reduce",
+                      stacklevel=2)  # fmt: skip
+        return None

@@ -1,0 +1,485 @@
+"""Graph plans of the CUDA plugin: each node becomes one or a few launches whose arguments
+(a small device array of shapes, strides and op parameters, and the tensors' addresses) are
+built once; ``CudaPlan.run`` replays them on the backend's stream, and from the second run
+of an unchanged graph on replays a captured CUDA graph instead (ACCELPLANE_CUDA_GRAPHS=0
+turns that off), so the per-token host cost does not grow with the node count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from accelplane.errors import BufferFreedError, ComputeError
+from accelplane.ops import (
+    FLOAT,
+    QUANT,
+    ROPE_TYPE_NEOX,
+    VIEW_OPS,
+    GluOp,
+    Op,
+    SortOrder,
+    UnaryOp,
+    rope_yarn_corr_dims,
+)
+from accelplane.types import GGMLType
+
+T = GGMLType
+CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
+THREADS = 256
+MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
+_SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
+           Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
+_BIN = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
+_QT = (2, 8, 12, 14)  # quant type ids the kernels dequantize (Q4_0, Q8_0, Q4_K, Q6_K)
+_WT = (0, 1, 30) + _QT  # weight types of the mat-vec kernels
+
+
+def _names() -> list[str]:
+    f = list(CTYPE.values())
+    n = [f"k_unary<{t}>" for t in f] + [f"k_glu<{t}>" for t in f]
+    n += [f"k_rope<{t}>" for t in ("float", "__half")]
+    n += [f"k_binary<{a},{b}>" for a in f for b in f]
+    n += [f"k_soft_max<{t}>" for t in ("float", "__half")]
+    n += [f"k_get_rows<{t}>" for t in f] + [f"k_get_rows_q<{q}>" for q in _QT]
+    n += [f"k_set_rows<{t}>" for t in f] + [f"k_set_rows_q<{q}>" for q in (2, 8)]
+    n += [f"k_cpy<{a},{b}>" for a in f for b in f]
+    n += [f"k_cpy_q<{q},{t}>" for q in (2, 8) for t in f] + [f"k_cpy_dq<{q}>" for q in _QT]
+    n += [f"k_concat<{t}>" for t in ("float", "short", "int")]
+    n += [f"k_sum_rows<{t}>" for t in f] + [f"k_sum<{t}>" for t in f]
+    n += [f"k_im2col<{t}>" for t in ("float", "__half")]
+    n += [f"k_mul_mat_vec<{w}>" for w in _WT] + [f"k_mul_mat_id<{w}>" for w in _WT]
+    n += [f"k_dequant_f16<{w}>" for w in _WT]
+    # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
+    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
+    return n
+
+
+_MODULES: dict[int, dict | ComputeError] = {}
+
+
+def kernels(device: int) -> dict:
+    """name → kernel function for ``device``, compiled on first use (a failed compile is
+    remembered and raised again, not retried for every graph)."""
+    fns = _MODULES.get(device)
+    if fns is None:
+        try:
+            fns = _MODULES[device] = compile_module(device)
+        except ComputeError as e:
+            _MODULES[device] = e
+            raise
+    if isinstance(fns, ComputeError):
+        raise fns
+    return fns
+
+
+def compile_module(device: int) -> dict:
+    """Compile kernels.cu for ``device`` (NVRTC, for its compute capability; CuPy caches the
+    binaries on disk). A compile error raises ComputeError with the compiler's log."""
+    import cupy as cp
+
+    src = (Path(__file__).parent / "kernels.cu").read_text()
+    with cp.cuda.Device(device):
+        mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=_names())
+        try:
+            mod.compile()
+        except cp.cuda.compiler.CompileException as e:
+            raise ComputeError(f"CUDA kernels failed to compile: {e}") from e
+        fns = {n: mod.get_function(n) for n in _names()}
+    return fns
+
+
+# --- what the plugin supports ------------------------------------------------------------------------
+def _rows_contig(t) -> bool:
+    return t.nb[0] == t.type.type_size
+
+
+def supports(op) -> bool:
+    o = op.op
+    if o is None or o in VIEW_OPS:
+        return True
+    s = op.src
+    if o in _BIN or o in _SCALAR or o is Op.UNARY or o is Op.GLU:
+        return all(x is None or x.type in FLOAT for x in s) and op.type in FLOAT
+    if o in (Op.NORM, Op.RMS_NORM, Op.L2_NORM, Op.SOFT_MAX, Op.ROPE, Op.ARGMAX, Op.ARGSORT,
+             Op.COL2IM_1D, Op.IM2COL, Op.CONCAT, Op.SUM, Op.SUM_ROWS, Op.MEAN):  # fmt: skip
+        if o is Op.CONCAT:
+            return op.type in FLOAT | {T.I32}
+        return True
+    if o in (Op.CPY, Op.CONT, Op.DUP):
+        a = s[0]
+        d = s[1] if o is Op.CPY else op
+        if a.type == T.I32 or d.type == T.I32:
+            return a.type == d.type
+        if a.type in QUANT:
+            return d.type == T.F32 and a.is_contiguous()
+        if d.type in QUANT:
+            return d.type in (T.Q8_0, T.Q4_0) and d.is_contiguous()
+        return True
+    if o is Op.GET_ROWS:
+        return s[0].type in FLOAT | {T.I32} or (s[0].type in QUANT and _rows_contig(s[0]))
+    if o is Op.SET_ROWS:
+        return s[0].type in FLOAT or (s[0].type in (T.Q8_0, T.Q4_0) and _rows_contig(s[0]))
+    if o is Op.MUL_MAT:
+        a, b = s
+        return a.type in FLOAT | QUANT and (a.type not in QUANT or _rows_contig(a))
+    if o is Op.MUL_MAT_ID:
+        a, b, _ = s
+        return a.ne[0] % 32 == 0 and _rows_contig(a) and b.type == T.F32
+    return False
+
+
+# --- fast division magic for the index decompositions ------------------------------------------------
+def fastdiv(d: int) -> list[int]:
+    d = max(1, int(d))
+    shift = max(0, math.ceil(math.log2(d)))
+    mul = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return [mul & 0xFFFFFFFF, shift, d]
+
+
+def _f(x: float) -> int:
+    return int(np.array([x], np.float64).view(np.int64)[0])
+
+
+class CudaPlan:
+    """Launches for every node of a graph on one stream, replayed (as a CUDA graph once
+    warm) by ``run``."""
+
+    def __init__(self, graph, sctx) -> None:
+        import cupy as cp
+
+        self.cp = cp
+        self.sctx = sctx
+        self.steps: list[Callable[[], None]] = []
+        self.keep: list = []  # device parameter arrays and scratch memory the steps use
+        self.buffers = {}
+        self.uses_index = False
+        self.cublas_ok = True
+        self.runs = 0
+        self.cuda_graph = None
+        self.graph_failed = os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0"
+        with cp.cuda.Device(sctx.device):
+            self.fns = kernels(sctx.device)
+            for n in graph.nodes:
+                for t in (n, *n.src):
+                    if t is not None:
+                        if t.buffer is None:
+                            raise ComputeError(f"{n.op.name} {n.name or n.uid}: tensor {t.name or t.uid} "
+                                               "is not allocated")  # fmt: skip
+                        self.buffers[id(t.buffer)] = t.buffer
+                if n.op in VIEW_OPS:
+                    continue
+                self._node(n)
+            # parameter uploads went through the legacy stream: finish them before any replay
+            cp.cuda.runtime.deviceSynchronize()
+        sctx.check_err = sctx.check_err or self.uses_index
+
+    # --- helpers -----------------------------------------------------------------------------------
+    def _P(self, vals: list[int]):
+        arr = self.cp.asarray(np.asarray(vals, np.int64))
+        self.keep.append(arr)
+        return np.uint64(arr.data.ptr)
+
+    @staticmethod
+    def _ptr(t) -> np.uint64:
+        return np.uint64(t.buffer.ctx.ptr + t.offs)
+
+    def _scratch(self, nbytes: int) -> int:
+        m = self.cp.cuda.Memory(max(nbytes, 1))
+        self.keep.append(m)
+        return int(m.ptr)
+
+    def _launch(self, name: str, n: int, args: tuple, block: int = THREADS, grid=None) -> None:
+        fn = self.fns[name]
+        if grid is None:
+            grid = (max(1, min((n + block - 1) // block, 65535)),)
+        blk = (block,)
+        self.steps.append(lambda: fn(grid, blk, args))
+
+    def _elementwise_copy(self, src, dst, sp=None, dp=None) -> None:
+        """dst (any layout) ← src (any layout), element order row-major (CPY semantics)."""
+        n = src.nelements
+        P = self._P([n, *src.ne, *src.nb, *dst.ne, *dst.nb])
+        sp = self._ptr(src) if sp is None else sp
+        dp = self._ptr(dst) if dp is None else dp
+        if src.type == T.I32:
+            self._launch("k_cpy_i32", n, (P, dp, sp))
+        elif dst.type in QUANT:
+            self._launch(f"k_cpy_q<{int(dst.type)},{CTYPE[src.type]}>", n // 32, (P, dp, sp))
+        elif src.type in QUANT:
+            self._launch(f"k_cpy_dq<{int(src.type)}>", n // 32, (P, dp, sp))
+        else:
+            self._launch(f"k_cpy<{CTYPE[dst.type]},{CTYPE[src.type]}>", n, (P, dp, sp))
+
+    def _contig_copy(self, t, ty: GGMLType) -> tuple[int, list[int]]:
+        """A packed copy of t converted to ``ty`` in scratch memory: (address, nb)."""
+        from accelplane.tensor import Tensor
+
+        tmp = Tensor(ty, t.ne)
+        ptr = self._scratch(tmp.nbytes)
+        self._elementwise_copy(t, tmp, dp=np.uint64(ptr))
+        return ptr, list(tmp.nb)
+
+    # --- nodes ----------------------------------------------------------------------------------------
+    def _node(self, n) -> None:
+        o = n.op
+        s = n.src
+        if o in _BIN:
+            a, b = s
+            P = self._P([n.nelements, *n.ne, *n.nb, *a.nb, *b.ne, *b.nb, _BIN[o]])
+            self._launch(f"k_binary<{CTYPE[a.type]},{CTYPE[b.type]}>", n.nelements,
+                         (P, self._ptr(n), self._ptr(a), self._ptr(b)))  # fmt: skip
+        elif o in _SCALAR or o is Op.UNARY:
+            a = s[0]
+            code = _SCALAR.get(o)
+            p = list(n.op_params) + [0.0, 0.0]
+            if o is Op.UNARY:
+                code, p = int(UnaryOp(p[0])), [0.0, 0.0]
+            P = self._P([n.nelements, *n.ne, *n.nb, *a.nb, code, _f(p[0]), _f(p[1])])
+            self._launch(f"k_unary<{CTYPE[n.type]}>", n.nelements, (P, self._ptr(n), self._ptr(a)))
+        elif o is Op.GLU:
+            a, b = s
+            op, swapped = GluOp(n.op_params[0]), bool(n.op_params[1])
+            if b is None:
+                h = n.ne[0] * a.nb[0]
+                xp, gp = int(self._ptr(a)), int(self._ptr(a)) + h
+                if swapped:
+                    xp, gp = gp, xp
+                nbx = nbg = a.nb
+            else:
+                xp, gp, nbx, nbg = int(self._ptr(a)), int(self._ptr(b)), a.nb, b.nb
+            P = self._P([n.nelements, *n.ne, *n.nb, *nbx, *nbg, int(op)])
+            args = (P, self._ptr(n), np.uint64(xp), np.uint64(gp))
+            self._launch(f"k_glu<{CTYPE[n.type]}>", n.nelements, args)
+        elif o in (Op.NORM, Op.RMS_NORM, Op.L2_NORM):
+            a = s[0]
+            code = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[o]
+            P = self._P([*a.ne, *a.nb, *n.nb, code, _f(n.op_params[0])])
+            self._launch("k_norm", 0, (P, self._ptr(n), self._ptr(a)), block=256, grid=(a.nrows,))
+        elif o is Op.SOFT_MAX:
+            self._soft_max(n)
+        elif o is Op.ROPE:
+            self._rope(n)
+        elif o is Op.MUL_MAT:
+            self._mul_mat(n)
+        elif o is Op.MUL_MAT_ID:
+            self._mul_mat_id(n)
+        elif o is Op.GET_ROWS:
+            a, idx = s
+            self.uses_index = True
+            P = self._P([*n.ne, *n.nb, *a.nb, *idx.nb[:3], a.ne[1]])
+            args = (P, self._ptr(n), self._ptr(a), self._ptr(idx), np.uint64(self.sctx.err.data.ptr))
+            if a.type in QUANT:
+                self._launch(f"k_get_rows_q<{int(a.type)}>", n.nelements // 32, args)
+            elif a.type == T.I32:
+                self._launch("k_get_rows_i32", n.nelements, args)
+            else:
+                self._launch(f"k_get_rows<{CTYPE[a.type]}>", n.nelements, args)
+        elif o is Op.SET_ROWS:
+            dst, src, idx = s
+            self.uses_index = True
+            P = self._P([*src.ne, *src.nb, *dst.nb, *idx.nb[:3], idx.ne[1], idx.ne[2], dst.ne[1]])
+            args = (P, self._ptr(dst), self._ptr(src), self._ptr(idx), np.uint64(self.sctx.err.data.ptr))
+            if dst.type in QUANT:
+                self._launch(f"k_set_rows_q<{int(dst.type)}>", src.nelements // 32, args)
+            else:
+                self._launch(f"k_set_rows<{CTYPE[dst.type]}>", src.nelements, args)
+        elif o in (Op.CPY, Op.CONT, Op.DUP):
+            self._elementwise_copy(s[0], s[1] if o is Op.CPY else n)
+        elif o is Op.CONCAT:
+            a, b = s
+            ct = {4: "int", 2: "short"}[a.type.type_size] if a.type != T.F32 else "float"
+            P = self._P([n.nelements, *n.ne, *n.nb, *a.ne, *a.nb, *b.nb, n.op_params[0]])
+            self._launch(f"k_concat<{ct}>", n.nelements, (P, self._ptr(n), self._ptr(a), self._ptr(b)))
+        elif o in (Op.SUM_ROWS, Op.MEAN):
+            a = s[0]
+            P = self._P([*a.ne, *a.nb, *n.nb[1:], int(o is Op.MEAN)])
+            self._launch(f"k_sum_rows<{CTYPE[a.type]}>", 0, (P, self._ptr(n), self._ptr(a)), grid=(a.nrows,))
+        elif o is Op.SUM:
+            a = s[0]
+            P = self._P([a.nelements, *a.ne, *a.nb])
+            self._launch(f"k_sum<{CTYPE[a.type]}>", 0, (P, self._ptr(n), self._ptr(a)), block=1024, grid=(1,))
+        elif o is Op.ARGMAX:
+            a = s[0]
+            P = self._P([a.ne[0], a.ne[1], a.nb[0], a.nb[1], n.nb[0]])
+            self._launch("k_argmax", 0, (P, self._ptr(n), self._ptr(a)), block=256, grid=(a.ne[1],))
+        elif o is Op.ARGSORT:
+            a = s[0]
+            P = self._P([*a.ne, *a.nb, *n.nb, int(n.op_params[0] == SortOrder.DESC)])
+            self._launch("k_argsort", 0, (P, self._ptr(n), self._ptr(a)), block=256, grid=(a.nrows,))
+        elif o is Op.IM2COL:
+            self._im2col(n)
+        elif o is Op.COL2IM_1D:
+            a = s[0]
+            s0, oc, p0 = n.op_params
+            k = a.ne[0] // oc
+            P = self._P([n.nelements, n.ne[0], n.ne[1], n.ne[2], *n.nb[:3], *a.nb[:3], k, a.ne[1], s0, p0,
+                         *fastdiv(n.ne[0]), *fastdiv(n.ne[1])])  # fmt: skip
+            self._launch("k_col2im_1d", n.nelements, (P, self._ptr(n), self._ptr(a)))
+        else:  # pragma: no cover - supports() keeps these out
+            raise ComputeError(f"CUDA plugin has no kernel for {o.name}")
+
+    def _soft_max(self, n) -> None:
+        a, mask = n.src
+        scale, max_bias = n.op_params
+        nh = a.ne[2]
+        nhl = 1 << int(math.floor(math.log2(nh))) if nh > 0 else 1
+        m0 = 2.0 ** (-max_bias / nhl)
+        m1 = 2.0 ** (-max_bias / 2.0 / nhl)
+        mne = mask.ne if mask is not None else (1, 1, 1, 1)
+        mnb = mask.nb if mask is not None else (0, 0, 0, 0)
+        P = self._P([*a.ne, *a.nb, *n.nb, mne[1], mne[2], mne[3], *mnb, int(mask is not None), _f(scale),
+                     _f(max_bias), nhl, _f(m0), _f(m1)])  # fmt: skip
+        mt = "__half" if mask is not None and mask.type == T.F16 else "float"
+        mp = self._ptr(mask) if mask is not None else np.uint64(0)
+        self._launch(f"k_soft_max<{mt}>", 0, (P, self._ptr(n), self._ptr(a), mp), block=256, grid=(a.nrows,))
+
+    def _rope(self, n) -> None:
+        a, pos = n.src
+        (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+         beta_fast, beta_slow) = n.op_params  # fmt: skip
+        c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        c1 = c1 if math.isfinite(c1) else -1e30
+        P = self._P([*a.ne, *a.nb, *n.nb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, _f(freq_scale),
+                     _f(ext_factor), _f(attn_factor), _f(c0), _f(c1), _f(freq_base ** (-2.0 / n_dims))])
+        cnt = a.ne[0] // 2 * a.nrows
+        self._launch(f"k_rope<{CTYPE[a.type]}>", cnt, (P, self._ptr(n), self._ptr(a), self._ptr(pos)))
+
+    def _im2col(self, n) -> None:
+        k, x = n.src
+        s0, s1, p0, p1, d0, d1, is_2d, _ = n.op_params
+        if is_2d:
+            kw, kh, w, h = k.ne[0], k.ne[1], x.ne[0], x.ne[1]
+            nbx = [x.nb[0], x.nb[1], x.nb[2], x.nb[3]]
+            dne, dnb = list(n.ne), list(n.nb)
+        else:  # 1-D: x [N, IC, W] and dst [N, OW, IC*KW] as a 2-D case with H = OH = 1
+            kw, kh, w, h = k.ne[0], 1, x.ne[0], 1
+            nbx = [x.nb[0], 0, x.nb[1], x.nb[2]]
+            s1, d1, p1 = 1, 1, 0
+            dne = [n.ne[0], n.ne[1], 1, n.ne[2]]
+            dnb = [n.nb[0], n.nb[1], n.nb[1] * n.ne[1], n.nb[2]]
+        P = self._P([n.nelements, *dne, *dnb, *nbx, w, h, kw, kh, s0, s1, p0, p1, d0, d1,
+                     *fastdiv(dne[0]), *fastdiv(dne[1]), *fastdiv(dne[2]), *fastdiv(kw), *fastdiv(kh)])
+        self._launch(f"k_im2col<{CTYPE[n.type]}>", n.nelements, (P, self._ptr(n), self._ptr(x)))
+
+    # --- matrix products --------------------------------------------------------------------------------
+    def _x_f32(self, b) -> tuple[np.uint64, list[int]]:
+        """Activations as F32 rows aligned for float4 loads (a converted copy when needed)."""
+        ok = b.type == T.F32 and _rows_contig(b) and all(v % 16 == 0 for v in b.nb[1:])
+        ok = ok and (b.buffer.ctx.ptr + b.offs) % 16 == 0
+        if ok:
+            return self._ptr(b), list(b.nb)
+        ptr, nb = self._contig_copy(b, T.F32)
+        return np.uint64(ptr), nb
+
+    def _mul_mat(self, n) -> None:
+        a, b = n.src
+        nrow_b = b.ne[1]
+        if a.type in QUANT and nrow_b <= MMV_MAXN:
+            xp, xnb = self._x_f32(b)
+            P = self._P([a.ne[1], a.ne[0], nrow_b, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
+                         *a.nb[1:], *xnb[1:], *n.nb[1:]])  # fmt: skip
+            rows_per_block = 4
+            grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, b.ne[2] * b.ne[3])
+            self._launch(f"k_mul_mat_vec<{int(a.type)}>", 0, (P, self._ptr(n), self._ptr(a), xp),
+                         block=32 * rows_per_block, grid=grid)  # fmt: skip
+            return
+        self._gemm(n)
+
+    def _gemm(self, n) -> None:
+        """cuBLAS gemmEx per batch matrix: C[N, M] = B[N, K] · A[M, K]ᵀ (F32 results)."""
+        from cupy_backends.cuda.libs import cublas
+
+        cp = self.cp
+        a, b = n.src
+        m, k = a.ne[1], a.ne[0]
+        r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
+        if a.type in QUANT:
+            # dequantize each weight matrix to F16 once per run, then an F16 GEMM
+            wt = T.F16
+            ap = self._scratch(m * k * 2 * a.ne[2] * a.ne[3])
+            for i3 in range(a.ne[3]):
+                for i2 in range(a.ne[2]):
+                    P = self._P([m, k, a.nb[1]])
+                    src = np.uint64(int(self._ptr(a)) + i2 * a.nb[2] + i3 * a.nb[3])
+                    dst = np.uint64(ap + (i3 * a.ne[2] + i2) * m * k * 2)
+                    self._launch(f"k_dequant_f16<{int(a.type)}>", m * k // 32, (P, dst, src))
+            anb = [2, 2 * k, 2 * k * m, 2 * k * m * a.ne[2]]
+        else:
+            wt = a.type
+            ap, anb = int(self._ptr(a)), list(a.nb)
+        if b.type == wt and _rows_contig(b):
+            bp, bnb = int(self._ptr(b)), list(b.nb)
+        else:
+            bp, bnb = self._contig_copy(b, wt)
+        dt = {T.F32: 0, T.F16: 2, T.BF16: 14}[wt]  # cudaDataType
+        es = wt.type_size
+        alpha = np.ones(1, np.float32)
+        beta = np.zeros(1, np.float32)
+        self.keep += [alpha, beta]
+        handle = cp.cuda.device.get_cublas_handle()
+        stream = self.sctx.stream
+        calls = []
+        for i3 in range(b.ne[3]):
+            for i2 in range(b.ne[2]):
+                pa = ap + (i2 // r2) * anb[2] + (i3 // r3) * anb[3]
+                pb = bp + i2 * bnb[2] + i3 * bnb[3]
+                pc = int(self._ptr(n)) + i2 * n.nb[2] + i3 * n.nb[3]
+                calls.append((pa, pb, pc))
+        lda, ldb, ldc = anb[1] // es, bnb[1] // es, n.nb[1] // 4
+        nn = b.ne[1]
+
+        def step() -> None:
+            cublas.setStream(handle, stream.ptr)
+            for pa, pb, pc in calls:
+                cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, nn, k,
+                              alpha.ctypes.data, pa, dt, lda, pb, dt, ldb,
+                              beta.ctypes.data, pc, 0, ldc, cublas.CUBLAS_COMPUTE_32F,
+                              cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+
+        self.steps.append(step)
+
+    def _mul_mat_id(self, n) -> None:
+        a, b, ids = n.src
+        self.uses_index = True
+        xp, xnb = self._x_f32(b)
+        P = self._P([a.ne[1], a.ne[0], ids.ne[0], ids.ne[1], a.ne[2], b.ne[1], a.nb[1], a.nb[2],
+                     xnb[1], xnb[2], n.nb[1], n.nb[2], ids.nb[0], ids.nb[1]])  # fmt: skip
+        rows_per_block = 4
+        grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, ids.ne[0] * ids.ne[1])
+        self._launch(f"k_mul_mat_id<{int(a.type)}>", 0,
+                     (P, self._ptr(n), self._ptr(a), xp, self._ptr(ids), np.uint64(self.sctx.err.data.ptr)),
+                     block=32 * rows_per_block, grid=grid)  # fmt: skip
+
+    # --- replay -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        for b in self.buffers.values():
+            if b.freed:
+                raise BufferFreedError(f"a graph computed on CUDA uses freed buffer {b.name!r}")
+        cp = self.cp
+        stream = self.sctx.stream
+        with cp.cuda.Device(self.sctx.device), stream:
+            if self.cuda_graph is not None:
+                self.cuda_graph.launch(stream)
+                return
+            self.runs += 1
+            if self.runs >= 2 and not self.graph_failed and self.steps:
+                try:
+                    stream.begin_capture()
+                    try:
+                        for s in self.steps:
+                            s()
+                    finally:
+                        g = stream.end_capture()
+                    self.cuda_graph = g
+                    g.launch(stream)
+                    return
+                except Exception:
+                    # capture unsupported here (e.g. a library call that allocates): run eagerly
+                    self.graph_failed = True
+                    self.cuda_graph = None
+            for s in self.steps:
+                s()

@@ -1,0 +1,133 @@
+"""CUDA plugin specifics (the conformance suite covers the op catalog and the contracts):
+CUDA-graph replay, the index error flag, one-GPU comm, host→device copies. Skipped, with the
+reason, where no CUDA device is present."""
+
+from __future__ import annotations
+
+import accelplane
+import numpy as np
+import pytest
+from accelplane.alloc import alloc_tensors
+from accelplane.backend import Comm
+from accelplane.errors import AccelplaneError
+from accelplane.graph import Context
+from accelplane.types import GGMLType
+
+T = GGMLType
+
+
+def _cuda():
+    reg = accelplane.get_registry()
+    if "cuda" not in reg.plugins:
+        why = [f.reason for f in reg.failures if f.name == "cuda"]
+        pytest.skip(f"no device: {why[0] if why else 'the cuda plugin is not installed'}")
+    return reg.plugins["cuda"].devices[0]
+
+
+def test_replays_as_cuda_graph():
+    dev = _cuda()
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (1024,), "x")
+    y = x
+    for i in range(50):
+        y = ctx.scale(y, 1.01, 0.001 * i)
+    g = ctx.graph(y)
+    buf = alloc_tensors(ctx.tensors + [n for n in g.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    v = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
+    want = v.astype(np.float64)
+    for i in range(50):
+        want = want * 1.01 + 0.001 * i
+    for _ in range(4):
+        x.set(v)
+        be.compute(g)
+        np.testing.assert_allclose(y.get(), want, rtol=1e-5)
+    plan = be.ctx.plans.get(g)
+    assert plan.cuda_graph is not None, "an unchanged graph must be replayed as a CUDA graph"
+    assert be.ctx.plans.builds == 1
+    be.free()
+    buf.free()
+
+
+def test_bad_row_index_raises():
+    dev = _cuda()
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (4, 8), "a")
+    idx = ctx.new_tensor(T.I32, (3,), "idx")
+    r = ctx.get_rows(a, idx)
+    g = ctx.graph(r)
+    buf = alloc_tensors([a, idx, r], dev.buffer_type)
+    a.set(np.zeros((4, 8), np.float32))
+    idx.set(np.array([0, 9, 1], np.int32))
+    be = dev.new_backend()
+    with pytest.raises(AccelplaneError, match="out of range"):
+        be.compute(g)
+    idx.set(np.array([0, 3, 1], np.int32))
+    be.compute(g)  # the flag was reset
+    be.free()
+    buf.free()
+
+
+def test_comm_on_one_gpu_is_fallback():
+    dev = _cuda()
+    if len(dev.plugin.devices) > 1:
+        pytest.skip("several GPUs: NCCL serves (covered by the multi-GPU run)")
+    bs = [dev.new_backend(), dev.new_backend()]
+    assert Comm.init(bs) is None, "NCCL needs distinct GPUs: one GPU must fall back to the SDK"
+    for b in bs:
+        b.free()
+
+
+def test_nccl_allreduce_f32_and_bf16():
+    dev = _cuda()
+    devs = dev.plugin.devices
+    if len(devs) < 2:
+        pytest.skip("needs 2 GPUs")
+    for n_el in (1000, 1 << 16):  # below and above the 2-GPU BF16 threshold (32768)
+        bs = [d.new_backend() for d in devs]
+        comm = Comm.init(bs)
+        assert comm is not None
+        ctx = Context()
+        ts = [ctx.new_tensor(T.F32, (n_el,), f"p{i}") for i in range(len(devs))]
+        bufs = [alloc_tensors([t], d.buffer_type) for t, d in zip(ts, devs, strict=True)]
+        rng = np.random.default_rng(n_el)
+        vals = [rng.standard_normal(n_el).astype(np.float32) for _ in ts]
+        for t, v in zip(ts, vals, strict=True):
+            t.set(v)
+        assert comm.allreduce(ts)
+        for b in bs:
+            b.synchronize()
+        want = np.sum(vals, axis=0, dtype=np.float64)
+        tol = 1e-5 if n_el < 32768 else 2e-2
+        for t in ts:
+            np.testing.assert_allclose(t.get(), want, rtol=tol, atol=tol)
+        comm.free()
+        for b in bs:
+            b.free()
+        for b in bufs:
+            b.free()
+
+
+def test_kernels_compile_with_nvrtc():
+    """kernels.cu compiles for sm_90 with NVRTC (no GPU needed: only the NVRTC library)."""
+    from pathlib import Path
+
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
+    from accelplane_cuda.plan import _names
+
+    src = (Path(__import__("accelplane_cuda").__file__).parent / "kernels.cu").read_text()
+    try:
+        prog = nvrtc.createProgram(src, "kernels.cu", [], [])
+    except Exception as e:  # CuPy without the NVRTC library
+        pytest.skip(f"NVRTC library not available: {e}")
+    for n in _names():
+        nvrtc.addNameExpression(prog, n)
+    import os
+
+    inc = [f"-I{d}" for d in ("/usr/local/cuda/include",) if os.path.isdir(d)]
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_90", "--std=c++17", *inc])
+    except Exception as e:
+        pytest.fail(f"NVRTC: {e}\n{nvrtc.getProgramLog(prog)}")
+    for n in _names():  # every kernel the plugin looks up has a symbol
+        assert nvrtc.getLoweredName(prog, n), n
