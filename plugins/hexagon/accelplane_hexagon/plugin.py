@@ -1,0 +1,205 @@
+"""The Hexagon (HTP) plugin: ggml's Hexagon NPU backend, EMULATED.
+
+There is no Snapdragon NPU here. The host side is modelled on ggml's (devices HTP0..N,
+op batching, host-computed kernel parameters, a per-graph cache, fusion, a weight repack
+buffer); the NPU side is C compiled for the host (``accelplane_hexagon._htp``) that keeps the
+DSP's data layouts and arithmetic: 32x32 weight tiles, Q8_0 dynamic quantization of
+activations, int8 dot products, fp16 per-tile accumulators. Timings of this plugin are host
+CPU timings of an emulation, never NPU performance.
+
+Like the real backend, ``graph_compute`` is synchronous (it returns when the NPU has answered
+every batch); the async hooks and events are left to the SDK's fallbacks (docs/ordering.md).
+
+Environment: ACCELPLANE_HEXAGON_NDEV (devices, default 1), ACCELPLANE_HEXAGON_OPBATCH (ops per
+batch, default 1024), ACCELPLANE_HEXAGON_OPFUSION (0 disables fusion),
+ACCELPLANE_HEXAGON_ACC (matmul accumulators: fp16, the default, or fp32).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from accelplane.errors import AllocationError, DeviceError
+from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.plancache import PlanCache
+
+from . import npu, repack
+from .memory import ALIGNMENT, HtpBuffer
+from .prepare import Options, prepare, reorder
+from .support import supports_op as _supports_op
+
+MAX_DEVICES = 16
+DESCRIPTION = ("Hexagon HTP, emulated: NPU kernels in host C with the DSP's data layouts and "
+               "arithmetic (no NPU present; timings are not NPU performance)")  # fmt: skip
+
+
+@dataclass
+class DevState:
+    index: int
+
+
+@dataclass
+class BuftState:
+    repack: bool
+
+
+class BackendState:
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.plans = PlanCache(lambda graph: prepare(graph, opts))  # builds = graphs prepared
+        self.batches_sent = 0  # NPU calls made
+
+
+def _ndev() -> int:
+    raw = os.environ.get("ACCELPLANE_HEXAGON_NDEV", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise DeviceError(f"ACCELPLANE_HEXAGON_NDEV={raw!r} is not a number") from None
+    if not 0 <= n <= MAX_DEVICES:
+        raise DeviceError(f"ACCELPLANE_HEXAGON_NDEV={n}: 0..{MAX_DEVICES} devices")
+    return n
+
+
+# --- registration and device ------------------------------------------------------------------
+@hookimpl
+def api_version():
+    return API_VERSION
+
+
+@hookimpl
+def get_devices():
+    npu.load()  # a missing build is a broken runtime, reported by the registry
+    return [DeviceSpec(f"HTP{i}", DESCRIPTION, DeviceType.ACCEL, DeviceCaps(), DevState(i))
+            for i in range(_ndev())]  # fmt: skip
+
+
+@hookimpl
+def device_memory(device):
+    return 0, 0  # the real backend reports none either: the memory is the host's
+
+
+@hookimpl
+def init_backend(device, backend, params):
+    return BackendState(Options.parse(params))
+
+
+@hookimpl
+def get_buffer_type(device):
+    return BufferTypeSpec(device.name, BuftState(repack=False))
+
+
+@hookimpl
+def get_extra_buffer_types(device):
+    return [BufferTypeSpec(f"{device.name}-REPACK", BuftState(repack=True))]
+
+
+@hookimpl
+def supports_op(device, op):
+    return _supports_op(op)
+
+
+@hookimpl
+def supports_buft(device, buft):
+    return buft.device is device
+
+
+# --- buffer types and buffers -----------------------------------------------------------------
+def _tiled(buft, tensor) -> bool:
+    return buft.ctx.repack and tensor.type in repack.FORMATS and tensor.view_src is None
+
+
+@hookimpl
+def buft_alloc(buft, buffer, size):
+    try:
+        return HtpBuffer(size, buft.ctx.repack)
+    except MemoryError as e:
+        raise AllocationError(f"{buft.name}: cannot allocate {size} bytes") from e
+
+
+@hookimpl
+def buft_alignment(buft):
+    return ALIGNMENT
+
+
+@hookimpl
+def buft_alloc_size(buft, tensor):
+    return repack.alloc_size(tensor) if _tiled(buft, tensor) else tensor.nbytes
+
+
+@hookimpl
+def buft_is_host(buft):
+    return not buft.ctx.repack  # repacked tiles are not ggml layout
+
+
+@hookimpl
+def buffer_host_array(buffer):
+    return buffer.ctx.mem
+
+
+@hookimpl
+def buffer_free(buffer):
+    buffer.ctx.mem = np.zeros(0, np.uint8)
+
+
+@hookimpl
+def buffer_init_tensor(buffer, tensor):
+    if _tiled(buffer.buft, tensor):
+        tensor.extra = repack.tile_info(tensor)
+
+
+def _tiles(buffer, tensor):
+    """(owner, its tile bytes, byte position of ``tensor`` in the owner's ggml layout) when
+    ``tensor`` is (a view of) a repacked tensor, else None."""
+    o = tensor.data_owner
+    if not buffer.ctx.repack or not isinstance(o.extra, repack.TileInfo) or o.buffer is not buffer:
+        return None
+    return o, buffer.ctx.mem[o.offs : o.offs + o.extra.nbytes], tensor.offs - o.offs
+
+
+@hookimpl
+def buffer_set_tensor(buffer, tensor, data, offset, size):
+    tiled = _tiles(buffer, tensor)
+    if tiled is None:
+        start = tensor.offs + offset
+        buffer.ctx.mem[start : start + size] = data[:size]
+        return
+    o, region, base = tiled
+    start = base + offset
+    if start == 0 and size == o.nbytes:
+        std = data[:size]
+    else:  # a partial write: patch the ggml-layout bytes and repack the whole tensor
+        std = repack.unpack(region, o.extra, o.ne[1])
+        std[start : start + size] = data[:size]
+    region[:] = repack.pack(std, o.extra, o.ne[1])
+
+
+@hookimpl
+def buffer_get_tensor(buffer, tensor, out, offset, size):
+    tiled = _tiles(buffer, tensor)
+    if tiled is None:
+        start = tensor.offs + offset
+        out[:size] = buffer.ctx.mem[start : start + size]
+        return
+    o, region, base = tiled
+    start = base + offset
+    out[:size] = repack.unpack(region, o.extra, o.ne[1])[start : start + size]
+
+
+@hookimpl
+def buffer_clear(buffer, value):
+    buffer.ctx.mem[:] = value
+
+
+# --- the stream -------------------------------------------------------------------------------
+@hookimpl
+def graph_optimize(backend, graph):
+    reorder(graph)
+
+
+@hookimpl
+def graph_compute(backend, graph):
+    st: BackendState = backend.ctx
+    st.batches_sent += st.plans.get(graph).run()
