@@ -27,6 +27,7 @@ class PerfCase:
     name: str
     build: Callable[[Context], Tensor]
     nodes_per_graph: int = 1  # nodes the graph repeats (per-node figures divide by it)
+    repeatable: bool = True  # the op may be repeated in one graph (test-backend-ops does)
 
 
 @dataclass
@@ -80,7 +81,7 @@ def overhead_case(n_nodes: int = 1000, ne0: int = 16) -> PerfCase:
             t = (ctx.add, ctx.mul, ctx.sub)[i % 3](t, y) if i % 4 else ctx.scale(t, 0.999)
         return t
 
-    return PerfCase(f"CHAIN(n_nodes={n_nodes},ne0={ne0})", build, n_nodes)
+    return PerfCase(f"CHAIN(n_nodes={n_nodes},ne0={ne0})", build, n_nodes, repeatable=False)
 
 
 SETS: dict[str, Callable[[], list[PerfCase]]] = {
@@ -93,13 +94,28 @@ SETS: dict[str, Callable[[], list[PerfCase]]] = {
 SETS["default"] = lambda: SETS["matmul"]() + [overhead_case()]
 
 
-def run_case(dev: Device, case: PerfCase, min_time: float = 1.0, seed: int = 0) -> PerfResult:
-    """Warm up once, then repeat graph_compute until ``min_time`` seconds have passed."""
+def run_case(
+    dev: Device, case: PerfCase, min_time: float = 1.0, seed: int = 0, repeat: int = 1
+) -> PerfResult:
+    """Warm up once, then repeat graph_compute until ``min_time`` seconds have passed. With
+    ``repeat`` > 1 the op is built that many times into one graph, as test-backend-ops does, so
+    launch costs don't hide a fast kernel; figures are per op. Each copy gets its own first
+    source (the weights), so repeats read memory rather than a cache that one copy warmed."""
     from .alloc import GraphAllocator, alloc_ctx_tensors
 
     ctx = Context(case.name)
     out = case.build(ctx)
-    graph = ctx.graph(out)
+    outs = [out]
+    if repeat > 1 and case.repeatable:
+        for i in range(repeat - 1):
+            srcs = list(out.src)
+            if srcs and srcs[0] is not None and srcs[0].op is None:
+                w = srcs[0]
+                srcs[0] = ctx.new_tensor_ne(w.type, *w.ne, name=f"{w.name}#{i + 1}")
+            outs.append(ctx._op(out.op, tuple(srcs), out.op_params))
+    else:
+        repeat = 1
+    graph = ctx.graph(*outs)
     for n in graph.nodes:
         if not dev.supports_op(n):
             raise RuntimeError(f"{dev.name} does not support {case.name}")
@@ -128,7 +144,7 @@ def run_case(dev: Device, case: PerfCase, min_time: float = 1.0, seed: int = 0) 
         galloc.free()
         if wbuf is not None:
             wbuf.free()
-    us = el / runs * 1e6 / case.nodes_per_graph
+    us = el / runs * 1e6 / case.nodes_per_graph / repeat
     flops = sum(op_flops(n) for n in graph.nodes)
     nbytes = sum(op_bytes(n) for n in graph.nodes)
     gflops = flops * runs / el / 1e9 if flops else None
@@ -147,8 +163,10 @@ def machine() -> dict:
 
 def bench_ops(
     devices: Iterable[Device], set_name: str = "default", pattern: str | None = None,
-    min_time: float = 1.0, progress: Callable[[str], None] | None = None,
+    min_time: float = 1.0, progress: Callable[[str], None] | None = None, repeat: int | None = None,
 ) -> list[PerfResult]:  # fmt: skip
+    """Every case of the set on every device. ``repeat``: ops per graph (default: 1 on CPU
+    devices, 16 elsewhere, where a launch costs more than a small kernel)."""
     cases = SETS[set_name]()
     if pattern:
         rx = re.compile(pattern)
@@ -158,7 +176,8 @@ def bench_ops(
         for c in cases:
             if progress:
                 progress(f"{dev.name}: {c.name}")
-            out.append(run_case(dev, c, min_time))
+            r = repeat if repeat is not None else (1 if dev.type.value == "CPU" else 16)
+            out.append(run_case(dev, c, min_time, repeat=r))
     return out
 
 
@@ -224,8 +243,9 @@ def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: s
     from .sched import Scheduler
     from .testing.graphs import llama_layer
 
-    reg = _test_registry() if device is None else None
-    if reg is None:
+    if device is None:
+        reg = _test_registry()
+    else:
         from .registry import get_registry
 
         reg = get_registry()

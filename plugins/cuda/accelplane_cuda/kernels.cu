@@ -150,12 +150,16 @@ __device__ float block_max(float v) {
     return sh[0];
 }
 
-// linear index -> byte offset for a tensor of ne[4] (P+ne) and nb[4] (P+nb)
-__device__ __forceinline__ i64 offs4(i64 i, const i64* ne, const i64* nb) {
-    const i64 i0 = i % ne[0]; i /= ne[0];
-    const i64 i1 = i % ne[1]; i /= ne[1];
-    const i64 i2 = i % ne[2]; const i64 i3 = i / ne[2];
-    return i0 * nb[0] + i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+// linear index -> byte offset for a tensor of ne[4] (P+ne) and nb[4] (P+nb). Indices are
+// decomposed in 32 bits (64-bit division costs ~10x more); the plan keeps element counts
+// below 2^31.
+__device__ __forceinline__ i64 offs4(i64 li, const i64* ne, const i64* nb) {
+    unsigned int i = (unsigned int)li;
+    const unsigned int n0 = (unsigned int)ne[0], n1 = (unsigned int)ne[1], n2 = (unsigned int)ne[2];
+    const unsigned int i0 = i % n0; i /= n0;
+    const unsigned int i1 = i % n1; i /= n1;
+    const unsigned int i2 = i % n2; const unsigned int i3 = i / n2;
+    return (i64)i0 * nb[0] + (i64)i1 * nb[1] + (i64)i2 * nb[2] + (i64)i3 * nb[3];
 }
 
 // ---- unary / scalar ops ---------------------------------------------------------------------------
@@ -206,13 +210,13 @@ __global__ void k_binary(const i64* __restrict__ P, char* dst, const char* a, co
     const int op = (int)P[21];
     const i64* ne = P + 1;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        i64 r = i;
-        const i64 i0 = r % ne[0]; r /= ne[0];
-        const i64 i1 = r % ne[1]; r /= ne[1];
-        const i64 i2 = r % ne[2]; const i64 i3 = r / ne[2];
+        unsigned int r = (unsigned int)i;
+        const unsigned int i0 = r % (unsigned int)ne[0]; r /= (unsigned int)ne[0];
+        const unsigned int i1 = r % (unsigned int)ne[1]; r /= (unsigned int)ne[1];
+        const unsigned int i2 = r % (unsigned int)ne[2]; const unsigned int i3 = r / (unsigned int)ne[2];
         const float x = ld<Ta>(a + i0 * P[9] + i1 * P[10] + i2 * P[11] + i3 * P[12]);
-        const float y = ld<Tb>(b + (i0 % P[13]) * P[17] + (i1 % P[14]) * P[18] + (i2 % P[15]) * P[19] +
-                               (i3 % P[16]) * P[20]);
+        const float y = ld<Tb>(b + (i0 % (unsigned int)P[13]) * P[17] + (i1 % (unsigned int)P[14]) * P[18] +
+                               (i2 % (unsigned int)P[15]) * P[19] + (i3 % (unsigned int)P[16]) * P[20]);
         float z;
         switch (op) { case 0: z = x + y; break; case 1: z = x - y; break; case 2: z = x * y; break;
                       default: z = x / y; }
@@ -704,4 +708,183 @@ __global__ void k_dequant_f16(const i64* __restrict__ P, __half* dst, const char
         #pragma unroll
         for (int l = 0; l < 32; l += 2) *(__half2*)(d + l) = __floats2half2_rn(y[l], y[l + 1]);
     }
+}
+
+// ==== mat-vec for quantized weights, int8 activations, rows staged through shared memory ========
+// Activations are first quantized per 32 elements (int8 q, float d, int sum of q): the dot of a
+// weight unit with them is then integer dp4a work. Each warp owns one weight row and streams it
+// in segments through shared memory with 16-byte coalesced loads (many in flight per lane), so
+// the row is read at memory speed whatever the block size; the arithmetic reads the block from
+// shared memory. Requires 16-byte aligned rows whose size is a multiple of the segment unit.
+
+// quantize x rows: P: [K, N, nbx1]; xq int8 [N][K], xd float [N][K/32], xs int [N][K/32]
+__global__ void k_quantize_x(const i64* __restrict__ P, const char* x, signed char* xq, float* xd, int* xs) {
+    // one warp per 32-element block: lane l quantizes element l
+    const i64 K = P[0], nb = K / 32;
+    const i64 n = nb * P[1];
+    const int lane = threadIdx.x & 31;
+    for (i64 t = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; t < n; t += ((i64)gridDim.x * blockDim.x) >> 5) {
+        const i64 row = t / nb, b = t - row * nb;
+        const float v = ((const float*)(x + row * P[2]))[32 * b + lane];
+        const float amax = warp_max(fabsf(v));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const int q = __float2int_rn(v * id);
+        xq[row * K + 32 * b + lane] = (signed char)q;
+        const int sum = __reduce_add_sync(0xffffffff, q);
+        if (lane == 0) { xd[row * nb + b] = d; xs[row * nb + b] = sum; }
+    }
+}
+
+__device__ __forceinline__ unsigned int ld_u16x2(const u8* p) {  // 4 bytes at a 2-aligned address
+    return (unsigned int)*(const unsigned short*)p | ((unsigned int)*(const unsigned short*)(p + 2) << 16);
+}
+
+template <int WT> struct qfmt;
+template <> struct qfmt<2> { enum { BB = 18, UPB = 1, UNIT = 144 }; };   // bytes/block, 32-units/block, segment unit
+template <> struct qfmt<8> { enum { BB = 34, UPB = 1, UNIT = 272 }; };
+template <> struct qfmt<12> { enum { BB = 144, UPB = 8, UNIT = 144 }; };
+template <> struct qfmt<14> { enum { BB = 210, UPB = 8, UNIT = 1680 }; };
+
+// dot of 32-element unit u of a row (in shared memory) with activation unit (xq words, d, sum)
+template <int WT> __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* xq, float dx, int sx);
+template <> __device__ __forceinline__ float unit_dot<2>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* b = row + u * 18;
+    int acc = 0;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int v = ld_u16x2(b + 2 + 4 * i);
+        acc = __dp4a((int)(v & 0x0F0F0F0F), xq[i], acc);
+        acc = __dp4a((int)((v >> 4) & 0x0F0F0F0F), xq[4 + i], acc);
+    }
+    return f16at(b) * dx * (float)(acc - 8 * sx);
+}
+template <> __device__ __forceinline__ float unit_dot<8>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* b = row + u * 34;
+    int acc = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc = __dp4a((int)ld_u16x2(b + 2 + 4 * i), xq[i], acc);
+    return f16at(b) * dx * (float)acc;
+}
+template <> __device__ __forceinline__ float unit_dot<12>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* b = row + (u >> 3) * 144;
+    const int j = u & 7;
+    const u8* s = b + 4;
+    int sc, m;
+    if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
+    else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+    const unsigned int* q = (const unsigned int*)(b + 16 + 32 * (j >> 1));
+    const int sh = (j & 1) * 4;
+    int acc = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc = __dp4a((int)((q[i] >> sh) & 0x0F0F0F0F), xq[i], acc);
+    return f16at(b) * (float)sc * dx * (float)acc - f16at(b + 2) * (float)m * dx * (float)sx;
+}
+template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* b = row + (u >> 3) * 210;
+    const int j = u & 7, n = j >> 2, quarter = j & 3;
+    const u8* ql = b + 64 * n + ((quarter & 1) ? 32 : 0);
+    const u8* qh = b + 128 + 32 * n;
+    const signed char* sc = (const signed char*)(b + 192) + 8 * n + 2 * quarter;
+    const int shl = (quarter >> 1) * 4, shh = 2 * quarter;
+    int acc0 = 0, acc1 = 0, s0 = 0, s1 = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const unsigned int lo = (ld_u16x2(ql + 4 * i) >> shl) & 0x0F0F0F0F;
+        const unsigned int hi = ((ld_u16x2(qh + 4 * i) >> shh) & 0x03030303) << 4;
+        const int q = (int)(lo | hi);
+        if (i < 4) { acc0 = __dp4a(q, xq[i], acc0); s0 = __dp4a(0x01010101, xq[i], s0); }
+        else { acc1 = __dp4a(q, xq[i], acc1); s1 = __dp4a(0x01010101, xq[i], s1); }
+    }
+    return f16at(b + 208) * dx * ((float)sc[0] * (float)(acc0 - 32 * s0) + (float)sc[1] * (float)(acc1 - 32 * s1));
+}
+
+#define MMVQ_WARPS 4
+#define MMVQ_SEG 8192
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, row_bytes, seg_bytes]
+// xq/xd/xs: quantized activations of all (N x ne2 x ne3) rows, row r = n + N*(i2 + ne2*i3)
+template <int WT>
+__global__ void __launch_bounds__(32 * MMVQ_WARPS) k_mmvq(const i64* __restrict__ P, char* dst, const char* w,
+        const signed char* xq, const float* xd, const int* xs) {
+    __shared__ uint4 smem[MMVQ_WARPS][MMVQ_SEG / 16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 m = (i64)blockIdx.x * MMVQ_WARPS + warp;
+    if (m >= P[0]) return;
+    const i64 i2 = blockIdx.y % P[3], i3 = blockIdx.y / P[3];
+    const i64 K = P[1], nbk = K / 32;
+    const int N = (int)P[2];
+    const i64 row_bytes = P[13], seg = P[14];
+    const uint4* row = (const uint4*)(w + m * P[7] + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9]);
+    const i64 xrow0 = (i64)N * (i2 + P[3] * i3);
+    float acc[MMV_MAXN];
+    #pragma unroll
+    for (int j = 0; j < MMV_MAXN; ++j) acc[j] = 0.0f;
+    const int upb = qfmt<WT>::UPB, bb = qfmt<WT>::BB;
+    for (i64 s0 = 0; s0 < row_bytes; s0 += seg) {
+        const int nbytes = (int)min((i64)seg, row_bytes - s0);
+        const int nvec = nbytes / 16;
+        const uint4* src = row + s0 / 16;
+        for (int v = lane; v < nvec; v += 32) smem[warp][v] = __ldcs(src + v);  // streamed: read once
+        __syncwarp();
+        const u8* sb = (const u8*)smem[warp];
+        const int units = nbytes / bb * upb;
+        const i64 u0 = s0 / bb * upb;  // index of the segment's first unit in the row
+        for (int u = lane; u < units; u += 32) {
+            #pragma unroll
+            for (int j = 0; j < MMV_MAXN; ++j) {
+                if (j >= N) break;
+                const i64 xr = (xrow0 + j) * nbk + u0 + u;
+                acc[j] += unit_dot<WT>(sb, u, (const int*)(xq + 32 * xr), xd[xr], xs[xr]);
+            }
+        }
+        __syncwarp();
+    }
+    #pragma unroll
+    for (int j = 0; j < MMV_MAXN; ++j) {
+        if (j >= N) break;
+        const float s = warp_sum(acc[j]);
+        if (lane == 0) *(float*)(dst + m * 4 + j * P[10] + i2 * P[11] + i3 * P[12]) = s;
+    }
+}
+
+// dequantize rows to packed F16 (cuBLAS path): one warp per row, the row streamed through shared
+// memory in segments with 16-byte loads, lanes dequantizing 32-element units from there.
+// P: [M, K, nbw1, row_bytes, seg_bytes]; same row conditions as k_mmvq.
+template <int WT>
+__global__ void __launch_bounds__(32 * MMVQ_WARPS) k_dequant_staged(const i64* __restrict__ P, __half* dst,
+                                                                     const char* w) {
+    __shared__ uint4 smem[MMVQ_WARPS][MMVQ_SEG / 16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 m = (i64)blockIdx.x * MMVQ_WARPS + warp;
+    if (m >= P[0]) return;
+    const i64 K = P[1], row_bytes = P[3], seg = P[4];
+    const uint4* row = (const uint4*)(w + m * P[2]);
+    const int upb = qfmt<WT>::UPB, bb = qfmt<WT>::BB;
+    for (i64 s0 = 0; s0 < row_bytes; s0 += seg) {
+        const int nbytes = (int)min((i64)seg, row_bytes - s0);
+        const uint4* src = row + s0 / 16;
+        for (int v = lane; v < nbytes / 16; v += 32) smem[warp][v] = __ldcs(src + v);
+        __syncwarp();
+        const int units = nbytes / bb * upb;
+        const i64 u0 = s0 / bb * upb;
+        for (int u = lane; u < units; u += 32) {
+            float y[32];
+            deq32<WT>((const u8*)smem[warp], u, y);
+            uint4* d = (uint4*)(dst + m * K + 32 * (u0 + u));
+            #pragma unroll
+            for (int l = 0; l < 4; ++l) {
+                __half2 h[4] = {__floats2half2_rn(y[8 * l], y[8 * l + 1]), __floats2half2_rn(y[8 * l + 2], y[8 * l + 3]),
+                                __floats2half2_rn(y[8 * l + 4], y[8 * l + 5]), __floats2half2_rn(y[8 * l + 6], y[8 * l + 7])};
+                d[l] = *(uint4*)h;
+            }
+        }
+        __syncwarp();
+    }
+}
+
+// contiguous conversion (activations to the GEMM's type): no index arithmetic
+template <typename Td, typename Ts>
+__global__ void k_convert(const i64* __restrict__ P, char* dst, const char* src) {
+    const i64 n = P[0];
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        st<Td>(dst + i * sizeof(Td), ld<Ts>(src + i * sizeof(Ts)));
 }

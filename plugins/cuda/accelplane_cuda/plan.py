@@ -31,6 +31,11 @@ T = GGMLType
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
 THREADS = 256
 MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
+MMVQ_SEG = 8192  # bytes of a weight row staged at once per warp (kernels.cu: MMVQ_SEG)
+MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680}  # segments are multiples of this (and of 16)
+# tuning knobs, for measuring the alternatives side by side:
+#   ACCELPLANE_CUDA_MMV=q8|f32    quantized mat-vec on int8 activations (default) or on f32
+#   ACCELPLANE_CUDA_GEMM_OUT=f32|f16   cuBLAS writes F32 directly (default) or F16 then widened
 _SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
            Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
 _BIN = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
@@ -53,8 +58,10 @@ def _names() -> list[str]:
     n += [f"k_im2col<{t}>" for t in ("float", "__half")]
     n += [f"k_mul_mat_vec<{w}>" for w in _WT] + [f"k_mul_mat_id<{w}>" for w in _WT]
     n += [f"k_dequant_f16<{w}>" for w in _WT]
+    n += [f"k_mmvq<{w}>" for w in _QT] + [f"k_dequant_staged<{w}>" for w in _QT]
+    n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
-    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
+    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32", "k_quantize_x"]
     return n
 
 
@@ -101,6 +108,8 @@ def supports(op) -> bool:
     o = op.op
     if o is None or o in VIEW_OPS:
         return True
+    if any(t is not None and t.nelements >= 1 << 31 for t in (op, *op.src)):
+        return False  # kernels decompose indices in 32 bits
     s = op.src
     if o in _BIN or o in _SCALAR or o is Op.UNARY or o is Op.GLU:
         return all(x is None or x.type in FLOAT for x in s) and op.type in FLOAT
@@ -220,7 +229,12 @@ class CudaPlan:
 
         tmp = Tensor(ty, t.ne)
         ptr = self._scratch(tmp.nbytes)
-        self._elementwise_copy(t, tmp, dp=np.uint64(ptr))
+        if t.is_contiguous() and t.type in CTYPE:
+            P = self._P([t.nelements])
+            args = (P, np.uint64(ptr), self._ptr(t))
+            self._launch(f"k_convert<{CTYPE[ty]},{CTYPE[t.type]}>", t.nelements, args)
+        else:
+            self._elementwise_copy(t, tmp, dp=np.uint64(ptr))
         return ptr, list(tmp.nb)
 
     # --- nodes ----------------------------------------------------------------------------------------
@@ -375,9 +389,45 @@ class CudaPlan:
         ptr, nb = self._contig_copy(b, T.F32)
         return np.uint64(ptr), nb
 
+    def _mmvq_ok(self, a, force: bool = False) -> bool:
+        """Rows fit the staged kernels: 16-byte aligned, a whole number of 16-byte words."""
+        if int(a.type) not in MMVQ_UNIT:
+            return False
+        if not force and os.environ.get("ACCELPLANE_CUDA_MMV", "q8") != "q8":
+            return False
+        aligned = (a.buffer.ctx.ptr + a.offs) % 16 == 0 and all(x % 16 == 0 for x in a.nb[1:])
+        return aligned and a.row_bytes % 16 == 0
+
+    def _mmvq(self, n) -> None:
+        """Quantize the activations to int8 blocks, then the staged int8 mat-vec kernel."""
+        a, b = n.src
+        k, nrow = a.ne[0], b.ne[1] * b.ne[2] * b.ne[3]
+        if b.type == T.F32 and b.is_contiguous() and (b.buffer.ctx.ptr + b.offs) % 4 == 0:
+            xp = self._ptr(b)
+        else:
+            xp = np.uint64(self._contig_copy(b, T.F32)[0])
+        xq = self._scratch(nrow * k)
+        xd = self._scratch(nrow * (k // 32) * 4)
+        xs = self._scratch(nrow * (k // 32) * 4)
+        P = self._P([k, nrow, k * 4])
+        args = (P, xp, np.uint64(xq), np.uint64(xd), np.uint64(xs))
+        self._launch("k_quantize_x", nrow * (k // 32) * 32, args)
+        unit = MMVQ_UNIT[int(a.type)]
+        seg = MMVQ_SEG // unit * unit
+        P = self._P([a.ne[1], k, b.ne[1], b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
+                     *a.nb[1:], *n.nb[1:], a.row_bytes, seg])  # fmt: skip
+        warps = 4
+        grid = ((a.ne[1] + warps - 1) // warps, b.ne[2] * b.ne[3])
+        self._launch(f"k_mmvq<{int(a.type)}>", 0,
+                     (P, self._ptr(n), self._ptr(a), np.uint64(xq), np.uint64(xd), np.uint64(xs)),
+                     block=32 * warps, grid=grid)  # fmt: skip
+
     def _mul_mat(self, n) -> None:
         a, b = n.src
         nrow_b = b.ne[1]
+        if a.type in QUANT and nrow_b <= MMV_MAXN and self._mmvq_ok(a):
+            self._mmvq(n)
+            return
         if a.type in QUANT and nrow_b <= MMV_MAXN:
             xp, xnb = self._x_f32(b)
             P = self._P([a.ne[1], a.ne[0], nrow_b, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
@@ -401,12 +451,19 @@ class CudaPlan:
             # dequantize each weight matrix to F16 once per run, then an F16 GEMM
             wt = T.F16
             ap = self._scratch(m * k * 2 * a.ne[2] * a.ne[3])
+            staged = self._mmvq_ok(a, force=True)
+            unit = MMVQ_UNIT.get(int(a.type), 16)
             for i3 in range(a.ne[3]):
                 for i2 in range(a.ne[2]):
-                    P = self._P([m, k, a.nb[1]])
                     src = np.uint64(int(self._ptr(a)) + i2 * a.nb[2] + i3 * a.nb[3])
                     dst = np.uint64(ap + (i3 * a.ne[2] + i2) * m * k * 2)
-                    self._launch(f"k_dequant_f16<{int(a.type)}>", m * k // 32, (P, dst, src))
+                    if staged:
+                        P = self._P([m, k, a.nb[1], a.row_bytes, MMVQ_SEG // unit * unit])
+                        self._launch(f"k_dequant_staged<{int(a.type)}>", 0, (P, dst, src), block=128,
+                                     grid=((m + 3) // 4,))  # fmt: skip
+                    else:
+                        P = self._P([m, k, a.nb[1]])
+                        self._launch(f"k_dequant_f16<{int(a.type)}>", m * k // 32, (P, dst, src))
             anb = [2, 2 * k, 2 * k * m, 2 * k * m * a.ne[2]]
         else:
             wt = a.type
@@ -431,16 +488,27 @@ class CudaPlan:
                 calls.append((pa, pb, pc))
         lda, ldb, ldc = anb[1] // es, bnb[1] // es, n.nb[1] // 4
         nn = b.ne[1]
+        ctype = 0  # CUDA_R_32F
+        if wt == T.F16 and os.environ.get("ACCELPLANE_CUDA_GEMM_OUT", "f32") == "f16" and n.is_contiguous():
+            # F16 results from cuBLAS, widened to F32 by one pass afterwards
+            from accelplane.tensor import Tensor
+
+            tmp = Tensor(T.F16, n.ne)
+            cp16 = self._scratch(tmp.nbytes)
+            calls = [(pa, pb, cp16 + (pc - int(self._ptr(n))) // 2) for pa, pb, pc in calls]
+            ctype, ldc = 2, n.nb[1] // 4
 
         def step() -> None:
             cublas.setStream(handle, stream.ptr)
             for pa, pb, pc in calls:
                 cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, nn, k,
                               alpha.ctypes.data, pa, dt, lda, pb, dt, ldb,
-                              beta.ctypes.data, pc, 0, ldc, cublas.CUBLAS_COMPUTE_32F,
+                              beta.ctypes.data, pc, ctype, ldc, cublas.CUBLAS_COMPUTE_32F,
                               cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
 
         self.steps.append(step)
+        if ctype == 2:
+            self._elementwise_copy(tmp, n, sp=np.uint64(cp16))
 
     def _mul_mat_id(self, n) -> None:
         a, b, ids = n.src
