@@ -800,6 +800,24 @@ template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, 
 
 #define MMVQ_WARPS 4
 #define MMVQ_SEG 8192
+// copy nvec 16-byte words of a row segment into shared memory, all loads issued before any
+// store so that each lane has its whole share in flight at once (a load/store loop would
+// serialize the DRAM round trips)
+__device__ __forceinline__ void stage_segment(uint4* dst, const uint4* src, int nvec, int lane) {
+    constexpr int R = MMVQ_SEG / 16 / 32;
+    uint4 r[R];
+    #pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int v = lane + 32 * k;
+        if (v < nvec) r[k] = __ldcs(src + v);
+    }
+    #pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int v = lane + 32 * k;
+        if (v < nvec) dst[v] = r[k];
+    }
+}
+
 // P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, row_bytes, seg_bytes]
 // xq/xd/xs: quantized activations of all (N x ne2 x ne3) rows, row r = n + N*(i2 + ne2*i3)
 template <int WT>
@@ -823,7 +841,7 @@ __global__ void __launch_bounds__(32 * MMVQ_WARPS) k_mmvq(const i64* __restrict_
         const int nbytes = (int)min((i64)seg, row_bytes - s0);
         const int nvec = nbytes / 16;
         const uint4* src = row + s0 / 16;
-        for (int v = lane; v < nvec; v += 32) smem[warp][v] = __ldcs(src + v);  // streamed: read once
+        stage_segment(smem[warp], src, nvec, lane);
         __syncwarp();
         const u8* sb = (const u8*)smem[warp];
         const int units = nbytes / bb * upb;
@@ -833,7 +851,10 @@ __global__ void __launch_bounds__(32 * MMVQ_WARPS) k_mmvq(const i64* __restrict_
             for (int j = 0; j < MMV_MAXN; ++j) {
                 if (j >= N) break;
                 const i64 xr = (xrow0 + j) * nbk + u0 + u;
-                acc[j] += unit_dot<WT>(sb, u, (const int*)(xq + 32 * xr), xd[xr], xs[xr]);
+                const int4* xv = (const int4*)(xq + 32 * xr);  // read-only path: x is shared by all rows
+                const int4 a0 = __ldg(xv), a1 = __ldg(xv + 1);
+                const int xw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                acc[j] += unit_dot<WT>(sb, u, xw, __ldg(xd + xr), __ldg(xs + xr));
             }
         }
         __syncwarp();
@@ -862,7 +883,7 @@ __global__ void __launch_bounds__(32 * MMVQ_WARPS) k_dequant_staged(const i64* _
     for (i64 s0 = 0; s0 < row_bytes; s0 += seg) {
         const int nbytes = (int)min((i64)seg, row_bytes - s0);
         const uint4* src = row + s0 / 16;
-        for (int v = lane; v < nbytes / 16; v += 32) smem[warp][v] = __ldcs(src + v);
+        stage_segment(smem[warp], src, nbytes / 16, lane);
         __syncwarp();
         const int units = nbytes / bb * upb;
         const i64 u0 = s0 / bb * upb;
