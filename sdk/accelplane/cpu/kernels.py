@@ -1,0 +1,406 @@
+"""Python boundary of the CPU plugin's native kernels (``accelplane.cpu._kernels``).
+
+Everything the C code is given is validated here first (dtypes, shapes, strides, extents), so a
+bad call raises a typed :mod:`accelplane.errors` exception instead of crashing; the C side checks
+extents again as a backstop.
+
+``mul_mat`` picks the strategy per call:
+
+* small N (activation rows): the direct kernel, which streams W once and dots each row against
+  all N activation rows (int8 activation dot products on AVX2, like ggml);
+* large N: dequantize W in row tiles to float32 and multiply with numpy/BLAS sgemm, which is
+  compute-efficient once the dequantization is amortized over enough rows of x.
+
+The crossover N per type was measured with ``scripts/bench_cpu_kernels.py``.
+
+Environment: ``ACCELPLANE_CPU_ISA=portable`` forces the portable C path (``set_isa`` changes it
+at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count (else ``os.cpu_count()``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Final, Literal
+
+import numpy as np
+
+from ..errors import ComputeError, OutOfRangeError, ShapeError, TypeMismatchError
+from ..types import GGMLType, parse_type
+
+try:
+    from ._kernels import ffi as _ffi
+    from ._kernels import lib as _lib
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "accelplane.cpu._kernels (the CPU plugin's compiled kernels) is not built: install the "
+        "package (pip install -e .) or run: python sdk/accelplane/cpu/_build.py"
+    ) from exc
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "default_threads",
+    "dequantize",
+    "get_isa",
+    "has_avx2",
+    "mul_mat",
+    "set_isa",
+]
+
+# (elements per block, bytes per block) of the types the kernels handle
+_BLOCK: Final[dict[GGMLType, tuple[int, int]]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.BF16: (1, 2),
+    GGMLType.Q4_0: (32, 18),
+    GGMLType.Q8_0: (32, 34),
+    GGMLType.Q4_K: (256, 144),
+    GGMLType.Q6_K: (256, 210),
+}
+SUPPORTED_TYPES: Final[tuple[GGMLType, ...]] = tuple(_BLOCK)
+
+# N at and above which mul_mat dequantizes tiles of W and uses BLAS sgemm instead of the direct
+# kernel (measured at M=4096, K=14336 on 2 Zen 3 cores: scripts/bench_cpu_kernels.py).
+_CROSSOVER_N: Final[dict[GGMLType, int]] = {
+    GGMLType.F32: 8,
+    GGMLType.F16: 8,
+    GGMLType.BF16: 8,
+    GGMLType.Q4_0: 16,
+    GGMLType.Q8_0: 16,
+    GGMLType.Q4_K: 16,
+    GGMLType.Q6_K: 16,
+}
+# bytes of the float32 tile of W dequantized per sgemm call: big enough that BLAS runs at full
+# speed, small enough to stay in the last-level cache between dequantize and sgemm
+_TILE_BYTES = 16 << 20
+# threads that dequantize a tile (None: the call's nthreads)
+_BLAS_DEQUANT_THREADS: int | None = None
+
+_ISA_NAMES: Final = {0: "portable", 1: "avx2"}
+_CPU_COUNT: Final = os.cpu_count() or 1  # cached: os.cpu_count() reads sysfs, ~5 us a call
+_ERRORS: Final = {
+    -1: (ShapeError, "invalid size or stride"),
+    -2: (TypeMismatchError, "type not handled by the CPU kernels"),
+    -3: (MemoryError, "could not allocate the kernel workspace"),
+    -4: (OutOfRangeError, "a buffer is smaller than its sizes and strides need"),
+}
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+def has_avx2() -> bool:
+    """True when this CPU runs the AVX2+FMA+F16C path."""
+    return bool(_lib.ap_cpu_has_avx2())
+
+
+def set_isa(isa: str) -> str:
+    """Select the code path: ``"auto"`` (best available), ``"avx2"`` or ``"portable"``.
+
+    Returns the path now in use (``"avx2"`` asked on a CPU without it gives ``"portable"``).
+    """
+    name = isa.strip().lower()
+    if name in ("", "auto", "avx2"):
+        code = 1
+    elif name == "portable":
+        code = 0
+    else:
+        raise ValueError(f"unknown CPU kernel ISA {isa!r}; expected 'auto', 'avx2' or 'portable'")
+    return _ISA_NAMES[_lib.ap_set_isa(code)]
+
+
+def get_isa() -> str:
+    """The code path in use: ``"avx2"`` or ``"portable"``."""
+    return _ISA_NAMES[_lib.ap_get_isa()]
+
+
+def default_threads() -> int:
+    """Threads used when a call passes none: ``ACCELPLANE_NTHREADS`` or ``os.cpu_count()``."""
+    env = os.environ.get("ACCELPLANE_NTHREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n > 0:
+            return n
+        warnings.warn(f"ignoring ACCELPLANE_NTHREADS={env!r}: not a positive integer", stacklevel=2)
+    return _CPU_COUNT
+
+
+def _init_isa() -> None:
+    env = os.environ.get("ACCELPLANE_CPU_ISA", "")
+    try:
+        set_isa(env)
+    except ValueError:
+        warnings.warn(f"ignoring ACCELPLANE_CPU_ISA={env!r}; using 'auto'", stacklevel=2)
+        set_isa("auto")
+
+
+_init_isa()
+
+
+# --- validation helpers --------------------------------------------------------------------
+
+
+_TYPE_CACHE: dict[object, GGMLType] = {}
+
+
+def _wtype(wtype: GGMLType | str | int) -> GGMLType:
+    t = _TYPE_CACHE.get(wtype)  # per-call overhead matters for small mat-vecs
+    if t is not None:
+        return t
+    t = parse_type(wtype)
+    if t not in _BLOCK:
+        raise TypeMismatchError(
+            f"the CPU kernels do not handle weight type {t.name}; "
+            f"supported: {', '.join(x.name for x in SUPPORTED_TYPES)}"
+        )
+    _TYPE_CACHE[wtype] = t
+    return t
+
+
+def _extent(a: np.ndarray) -> int:
+    """Bytes from a 2-D array's first element to one past its last (strides validated >= 0)."""
+    (n0, n1), (s0, s1) = a.shape, a.strides
+    if n0 == 0 or n1 == 0:
+        return 0
+    return (n0 - 1) * s0 + (n1 - 1) * s1 + a.itemsize
+
+
+def _ptr(a: np.ndarray, ctype: str, writable: bool = False) -> object:
+    """cffi pointer to a's first element (from_buffer: ~10x cheaper than a.ctypes.data).
+
+    A strided view has no flat buffer, but its first element alone does: a[:1, :1]."""
+    if not a.flags.c_contiguous:
+        a = a[:1, :1]
+    return _ffi.from_buffer(ctype, a, require_writable=writable)
+
+
+def _float_dtype_ok(t: GGMLType, dt: np.dtype) -> bool:
+    if t == GGMLType.F32:
+        return dt == np.float32
+    if t == GGMLType.F16:
+        return dt == np.float16
+    if t == GGMLType.BF16:
+        return dt == np.uint16 or (dt.itemsize == 2 and dt.name == "bfloat16")
+    return False
+
+
+class _Rows:
+    """A validated weight matrix: M rows of K elements of type t, row r at base + r * stride."""
+
+    __slots__ = ("arr", "k", "m", "ptr", "size", "stride", "t")
+
+    def __init__(self, t: GGMLType, w: object, k: int | None, what: str) -> None:
+        if not isinstance(w, np.ndarray):
+            raise TypeMismatchError(f"{what} must be a numpy array, got {type(w).__name__}")
+        if w.ndim != 2:
+            raise ShapeError(f"{what} must be 2-D [rows, ...], got shape {w.shape}")
+        blk, bsz = _BLOCK[t]
+        m, inner = w.shape
+        if w.dtype == np.uint8:
+            # raw rows of t, e.g. a view into a backend buffer
+            if inner % bsz:
+                raise ShapeError(
+                    f"{what} rows are {inner} bytes, not a whole number of {t.name} blocks "
+                    f"({bsz} bytes per {blk} elements)"
+                )
+            row_k = inner // bsz * blk
+        elif t.is_float and _float_dtype_ok(t, w.dtype):
+            row_k = inner
+        else:
+            want = "uint8 (raw rows)"
+            if t.is_float:
+                want += f" or {t.name} elements"
+            raise TypeMismatchError(f"{what} of type {t.name} must have dtype {want}, got {w.dtype}")
+        if k is not None and row_k != k:
+            raise ShapeError(f"{what} rows hold {row_k} elements of {t.name}, the other operand {k}")
+        m_stride, e_stride = w.strides
+        if (m > 1 and m_stride < 0) or (inner > 1 and e_stride != w.itemsize):
+            raise ShapeError(
+                f"{what} must have contiguous rows with a non-negative row stride, got strides {w.strides}"
+            )
+        self.t, self.arr, self.m, self.k = t, w, m, row_k
+        self.stride = m_stride if m > 1 else 0
+        self.size = _extent(w)
+        self.ptr = _ptr(w, "uint8_t[]") if self.size else _ffi.NULL
+
+
+def _as_x(x: object, what: str = "x") -> np.ndarray:
+    """float32 2-D x with a contiguous, aligned inner axis (copied only when it is not)."""
+    if not isinstance(x, np.ndarray):
+        raise TypeMismatchError(f"{what} must be a numpy array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise TypeMismatchError(f"{what} must be float32, got {x.dtype}")
+    if x.ndim != 2:
+        raise ShapeError(f"{what} must be 2-D [N, K], got shape {x.shape}")
+    flags = x.flags
+    if flags.c_contiguous and flags.aligned:
+        return x
+    (n, k), (s0, s1) = x.shape, x.strides
+    if not flags.aligned or (k > 1 and s1 != 4) or (n > 1 and (s0 < 0 or s0 % 4)):
+        x = np.ascontiguousarray(x)
+    return x
+
+
+def _check_out(out: object, shape: tuple[int, int]) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeMismatchError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.dtype != np.float32:
+        raise TypeMismatchError(f"out must be float32, got {out.dtype}")
+    if out.shape != shape:
+        raise ShapeError(f"out must have shape {shape}, got {out.shape}")
+    if not out.flags.writeable:
+        raise ShapeError("out is read-only")
+    return out
+
+
+def _direct_out(out: np.ndarray, a: np.ndarray, b: np.ndarray | None = None) -> bool:
+    """Can the C kernel write out in place (layout it handles, no overlap with an input)?"""
+    (n, m), (s0, s1) = out.shape, out.strides
+    if not out.flags.aligned or (m > 1 and s1 != 4) or (n > 1 and (s0 < m * 4 or s0 % 4)):
+        return False
+    return not (np.may_share_memory(out, a) or (b is not None and np.may_share_memory(out, b)))
+
+
+def _row_stride(a: np.ndarray) -> int:
+    """Row stride in elements (0 for a single row, whose stride is meaningless)."""
+    return a.strides[0] // a.itemsize if a.shape[0] > 1 else 0
+
+
+def _raise(rc: int, what: str) -> None:
+    cls, msg = _ERRORS.get(rc, (ComputeError, f"kernel error {rc}"))
+    raise cls(f"{what}: {msg}")
+
+
+def _threads(nthreads: int | None) -> int:
+    if nthreads is None:
+        return default_threads()
+    if int(nthreads) < 1:
+        raise OutOfRangeError(f"nthreads must be >= 1, got {nthreads}")
+    return int(nthreads)
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+
+def mul_mat(
+    wtype: GGMLType | str | int,
+    w: np.ndarray,
+    x: np.ndarray,
+    out: np.ndarray,
+    nthreads: int | None = None,
+    strategy: Literal["auto", "direct", "blas"] = "auto",
+) -> np.ndarray:
+    """out[n, m] = sum_k dequant(w[m, k]) * x[n, k] (ggml's MUL_MAT of one 2-D slice).
+
+    ``w``: [M, row_bytes] uint8 rows of ``wtype`` (row stride may exceed the row size), or for
+    float types a [M, K] array of that dtype (float32 / float16 / bfloat16 or uint16 bits).
+    ``x``: float32 [N, K]. ``out``: float32 [N, M], may be a strided view. Returns ``out``.
+    ``strategy`` forces the direct kernel or dequantize + BLAS (for tests and benchmarks).
+    """
+    t = _wtype(wtype)
+    x = _as_x(x)
+    n, k = x.shape
+    rows = _Rows(t, w, k, "w")
+    m = rows.m
+    out = _check_out(out, (n, m))
+    if n == 0 or m == 0:
+        return out
+    nt = _threads(nthreads)
+    if strategy not in ("auto", "direct", "blas"):
+        raise ValueError(f"unknown strategy {strategy!r}")
+    if strategy == "blas" or (strategy == "auto" and n >= _CROSSOVER_N[t]):
+        _mul_mat_blas(rows, x, out, nt)
+        return out
+    y = out if _direct_out(out, x, rows.arr) else np.empty((n, m), np.float32)
+    rc = _lib.ap_mul_mat(
+        int(t), rows.ptr, rows.stride, rows.size, m, k,
+        _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
+        _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4, nt,
+    )  # fmt: skip
+    if rc:
+        _raise(rc, f"mul_mat {t.name} [{m}x{k}] x [{n}x{k}]")
+    if y is not out:
+        out[...] = y
+    return out
+
+
+def _mul_mat_blas(rows: _Rows, x: np.ndarray, out: np.ndarray, nt: int) -> None:
+    """Large N: dequantize W in row tiles, then sgemm each tile (x @ tile.T) into out."""
+    w, m, k = rows.arr, rows.m, rows.k
+    if rows.t == GGMLType.F32:
+        wf = w if w.dtype == np.float32 else _float32_view(w)
+        if wf is not None:
+            np.matmul(x, wf.T, out=out)
+            return
+    tile_rows = max(1, min(m, _TILE_BYTES // (4 * k)))
+    buf = np.empty((tile_rows, k), np.float32)
+    for m0 in range(0, m, tile_rows):
+        m1 = min(m, m0 + tile_rows)
+        tile = buf[: m1 - m0]
+        _dequantize_rows(rows, None, m0, m1 - m0, tile, _BLAS_DEQUANT_THREADS or nt)
+        np.matmul(x, tile.T, out=out[:, m0:m1])
+
+
+def _float32_view(w: np.ndarray) -> np.ndarray | None:
+    """uint8 rows of F32 seen as float32 without a copy, if aligned (else None: BLAS would
+    copy an unaligned array anyway, so the tile path is as good)."""
+    if w.ctypes.data % 4 or (w.shape[0] > 1 and w.strides[0] % 4):
+        return None
+    return w.view(np.float32)
+
+
+def _dequantize_rows(
+    rows: _Rows, idx: np.ndarray | None, m0: int, count: int, y: np.ndarray, nt: int
+) -> None:
+    """y[i] = dequant(row idx[i]) (or row m0 + i); y is float32 with a contiguous inner axis."""
+    if idx is None:  # rows m0 .. m0 + count - 1
+        ptr, size = rows.ptr + m0 * rows.stride, rows.size - m0 * rows.stride
+        mrows, iptr = count, _ffi.NULL
+    else:
+        ptr, size, mrows = rows.ptr, rows.size, rows.m
+        iptr = _ffi.from_buffer("int64_t[]", idx)
+    rc = _lib.ap_dequantize(
+        int(rows.t), ptr, rows.stride, size, mrows, rows.k, iptr, count,
+        _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4, nt,
+    )  # fmt: skip
+    if rc:
+        _raise(rc, f"dequantize {rows.t.name} rows of {rows.k}")
+
+
+def dequantize(
+    wtype: GGMLType | str | int,
+    w: np.ndarray,
+    out: np.ndarray,
+    rows: np.ndarray | None = None,
+    nthreads: int | None = None,
+) -> np.ndarray:
+    """Dequantize rows of ``w`` to float32 (ggml's GET_ROWS when ``rows`` is given).
+
+    ``w`` as in :func:`mul_mat`; ``out``: float32 [R, K] where R = len(rows) or M.
+    ``rows``: integer row indices into ``w`` (0 <= r < M). Returns ``out``.
+    """
+    t = _wtype(wtype)
+    wr = _Rows(t, w, None, "w")
+    idx: np.ndarray | None = None
+    if rows is not None:
+        idx = np.asarray(rows)
+        if idx.ndim != 1:
+            raise ShapeError(f"rows must be 1-D, got shape {idx.shape}")
+        if idx.size and idx.dtype.kind not in "iu":
+            raise TypeMismatchError(f"rows must be integers, got {idx.dtype}")
+        idx = np.ascontiguousarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= wr.m):
+            bad = idx[(idx < 0) | (idx >= wr.m)][0]
+            raise OutOfRangeError(f"row index {bad} is outside w's {wr.m} rows")
+    r = wr.m if idx is None else idx.size
+    out = _check_out(out, (r, wr.k))
+    if r == 0 or wr.k == 0:
+        return out
+    y = out if _direct_out(out, wr.arr) else np.empty((r, wr.k), np.float32)
+    _dequantize_rows(wr, idx, 0, r, y, _threads(nthreads))
+    if y is not out:
+        out[...] = y
+    return out

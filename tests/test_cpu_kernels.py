@@ -1,0 +1,323 @@
+"""CPU plugin kernels (accelplane.cpu.kernels) against an independent float64 oracle.
+
+Weights are random blocks (random bytes, f16 scale fields overwritten with small finite values),
+dequantized for the oracle by gguf.quants.dequantize; the oracle product is float64 numpy.
+Every type runs on both code paths (AVX2 and portable C). The AVX2 path quantizes activations to
+int8 as ggml does, so mat-mul is held to ggml's MUL_MAT NMSE threshold (5e-4); the worst NMSE
+seen per (path, type) is printed by the last test (pytest -rP shows it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf_quants = pytest.importorskip("gguf.quants")
+import gguf  # noqa: E402
+from accelplane.cpu import kernels  # noqa: E402
+from accelplane.errors import OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
+from accelplane.types import GGMLType  # noqa: E402
+
+T = GGMLType
+QUANT = [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K]
+FLOAT = [T.F32, T.F16, T.BF16]
+ALL = QUANT + FLOAT
+BLOCK = {T.Q4_0: (32, 18), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
+SCALE_OFFSETS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+NMSE_MAX = 5e-4  # ggml test-backend-ops MUL_MAT threshold
+WORST: dict[tuple[str, str], float] = defaultdict(float)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def k_values(t: GGMLType) -> list[int]:
+    """One block, and a K that is not a power of two."""
+    if t in BLOCK:
+        blk = BLOCK[t][0]
+        return [blk, blk * 7 if blk == 32 else blk * 3]
+    return [1, 37, 224]
+
+
+def make_weights(
+    t: GGMLType, m: int, k: int, rng: np.random.Generator, pad: int = 0, raw: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(w, oracle): w as kernels take it, oracle float64 [m, k] of its values.
+
+    ``pad`` > 0 gives w a row stride of row_bytes + pad, the padding filled with bytes that
+    would poison the result (NaN/inf f16 patterns) if a kernel read them.
+    """
+    if t in BLOCK:
+        blk, bsz = BLOCK[t]
+        nb = k // blk
+        blocks = rng.integers(0, 256, size=(m, nb, bsz), dtype=np.uint8)
+        for off in SCALE_OFFSETS[t]:
+            d = rng.uniform(-0.05, 0.05, size=(m, nb)).astype(np.float16)
+            blocks[:, :, off : off + 2] = d.view(np.uint8).reshape(m, nb, 2)
+        rows = blocks.reshape(m, nb * bsz)
+        oracle = gguf_quants.dequantize(rows, gguf.GGMLQuantizationType(int(t)))
+        oracle = oracle.astype(np.float64)
+    else:
+        f = rng.standard_normal((m, k)).astype(np.float32)
+        if t == T.F32:
+            elems = f
+            oracle = f.astype(np.float64)
+        elif t == T.F16:
+            elems = f.astype(np.float16)
+            oracle = elems.astype(np.float64)
+        else:
+            elems = (f.view(np.uint32) >> 16).astype(np.uint16)
+            oracle = (elems.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        if not raw and not pad:
+            return elems, oracle
+        rows = elems.view(np.uint8).reshape(m, -1)
+    if pad:
+        buf = np.full((m, rows.shape[1] + pad), 0xFF, np.uint8)
+        buf[:, : rows.shape[1]] = rows
+        rows = buf[:, : rows.shape[1]]
+        assert rows.strides[0] > rows.shape[1]
+    return rows, oracle
+
+
+def nmse(out: np.ndarray, ref: np.ndarray) -> float:
+    den = float(np.sum(ref * ref))
+    return float(np.sum((out - ref) ** 2)) / den if den else float(np.sum(out * out))
+
+
+def check_product(out: np.ndarray, wf: np.ndarray, x: np.ndarray, isa: str, t: GGMLType) -> float:
+    ref = x.astype(np.float64) @ wf.T
+    assert np.all(np.isfinite(out))
+    err = nmse(out.astype(np.float64), ref)
+    # NMSE of a handful of outputs is dominated by chance (a small reference value), so for
+    # those also bound each error by the Cauchy-Schwarz scale |w_m| |x_n|
+    scale = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(wf, axis=1))
+    assert np.all(np.abs(out - ref) <= 5e-3 * scale + 1e-30)
+    if out.size >= 16:
+        WORST[(isa, t.name)] = max(WORST[(isa, t.name)], err)
+        assert err <= NMSE_MAX, f"{t.name} NMSE {err:.3g} over {NMSE_MAX}"
+    return err
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "avx2" and not kernels.has_avx2():
+        pytest.skip("CPU has no AVX2+FMA+F16C")
+    assert kernels.set_isa(request.param) == request.param
+    yield request.param
+    kernels.set_isa("auto")
+
+
+# --- mul_mat -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize("t", ALL, ids=str)
+def test_mul_mat(t: GGMLType, kind: int, m: int, n: int, isa: str) -> None:
+    rng = np.random.default_rng([int(t), kind, m, n])
+    k = k_values(t)[kind]
+    w, wf = make_weights(t, m, k, rng, raw=bool(kind))
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    out = np.full((n, m), np.nan, np.float32)
+    assert kernels.mul_mat(t, w, x, out) is out
+    check_product(out, wf, x, isa, t)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "blas"])
+@pytest.mark.parametrize("n", [1, 7, 64])
+@pytest.mark.parametrize("t", ALL, ids=str)
+def test_mul_mat_strided(t: GGMLType, n: int, strategy: str, isa: str) -> None:
+    """W rows with padding (row stride > row bytes), x and out as strided views."""
+    rng = np.random.default_rng([int(t), n, 99])
+    k, m = k_values(t)[1], 17
+    w, wf = make_weights(t, m, k, rng, pad=13)
+    xbuf = rng.standard_normal((2 * n, k + 8)).astype(np.float32)
+    x = xbuf[::2, 3 : 3 + k]
+    obuf = np.full((n, m + 7), np.nan, np.float32)
+    out = obuf[:, 2 : 2 + m]
+    kernels.mul_mat(t, w, x, out, strategy=strategy)  # type: ignore[arg-type]
+    check_product(out, wf, x, isa, t)
+    assert np.all(np.isnan(obuf[:, :2])) and np.all(np.isnan(obuf[:, 2 + m :]))
+
+
+@pytest.mark.parametrize("t", ALL, ids=str)
+def test_mul_mat_odd_layouts(t: GGMLType, isa: str) -> None:
+    """out transposed (inner stride != 4), x Fortran-ordered, rows of x that are all zero."""
+    rng = np.random.default_rng([int(t), 5])
+    k, m, n = k_values(t)[1], 5, 3
+    w, wf = make_weights(t, m, k, rng)
+    x = np.asfortranarray(rng.standard_normal((n, k)).astype(np.float32))
+    x[1] = 0.0
+    out = np.full((m, n), np.nan, np.float32).T
+    kernels.mul_mat(t, w, x, out)
+    check_product(out, wf, x, isa, t)
+    assert np.all(out[1] == 0.0)
+
+
+@pytest.mark.parametrize("t", ALL, ids=str)
+def test_mul_mat_threads_agree(t: GGMLType, isa: str) -> None:
+    """Rows are split over threads, each computed whole: any thread count gives the same bits."""
+    rng = np.random.default_rng([int(t), 7])
+    k, m, n = k_values(t)[1] * 2, 33, 3
+    w, _ = make_weights(t, m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    outs = [kernels.mul_mat(t, w, x, np.empty((n, m), np.float32), nt) for nt in (1, 2, 3)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+# --- dequantize / get_rows -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", ALL, ids=str)
+def test_dequantize(t: GGMLType, isa: str) -> None:
+    rng = np.random.default_rng([int(t), 11])
+    k, m = k_values(t)[1], 9
+    w, wf = make_weights(t, m, k, rng, pad=5)
+    out = kernels.dequantize(t, w, np.empty((m, k), np.float32))
+    tol = 1e-6 * float(np.max(np.abs(wf)))  # FMA vs mul+sub rounding in the last bit
+    np.testing.assert_allclose(out, wf, rtol=1e-6, atol=tol)
+    rows = np.array([8, 0, 3, 3], np.int32)
+    obuf = np.full((len(rows), k + 4), np.nan, np.float32)
+    got = kernels.dequantize(t, w, obuf[:, 1 : 1 + k], rows=rows)
+    np.testing.assert_allclose(got, wf[rows], rtol=1e-6, atol=tol)
+    assert np.all(np.isnan(obuf[:, 0])) and np.all(np.isnan(obuf[:, 1 + k :]))
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+def test_isa_env_var_selects_portable() -> None:
+    src = str(Path(kernels.__file__).resolve().parents[2])
+    env = dict(os.environ, ACCELPLANE_CPU_ISA="portable")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    code = "from accelplane.cpu import kernels; print(kernels.get_isa())"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "portable"
+
+
+def test_set_isa_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="unknown CPU kernel ISA"):
+        kernels.set_isa("avx512")
+
+
+def test_default_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPLANE_NTHREADS", "3")
+    assert kernels.default_threads() == 3
+    monkeypatch.setenv("ACCELPLANE_NTHREADS", "zero")
+    with pytest.warns(UserWarning):
+        assert kernels.default_threads() == (os.cpu_count() or 1)
+
+
+# --- bad input raises typed errors ---------------------------------------------------------
+
+
+def _q4(m: int = 4, k: int = 64) -> np.ndarray:
+    return make_weights(T.Q4_0, m, k, np.random.default_rng(0))[0]
+
+
+def test_errors_types() -> None:
+    w, x, out = _q4(), np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)
+    with pytest.raises(TypeMismatchError, match="x must be float32"):
+        kernels.mul_mat(T.Q4_0, w, x.astype(np.float64), out)
+    with pytest.raises(TypeMismatchError, match="out must be float32"):
+        kernels.mul_mat(T.Q4_0, w, x, out.astype(np.float16))
+    with pytest.raises(TypeMismatchError, match="do not handle"):
+        kernels.mul_mat(T.I32, w, x, out)
+    with pytest.raises(TypeMismatchError):
+        kernels.mul_mat("q5_k", w, x, out)
+    with pytest.raises(TypeMismatchError, match="dtype"):
+        kernels.mul_mat(T.Q4_0, np.zeros((4, 64), np.float32), x, out)
+    with pytest.raises(TypeMismatchError, match="dtype"):
+        kernels.mul_mat(T.F16, np.zeros((4, 64), np.float32), x, out)
+    with pytest.raises(TypeMismatchError, match="numpy array"):
+        kernels.mul_mat(T.Q4_0, w.tolist(), x, out)  # type: ignore[arg-type]
+
+
+def test_errors_shapes() -> None:
+    w, x, out = _q4(), np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)
+    with pytest.raises(ShapeError, match="whole number"):
+        kernels.mul_mat(T.Q4_0, w[:, :35], x, out)
+    with pytest.raises(ShapeError, match="hold 64 elements"):
+        kernels.mul_mat(T.Q4_0, w, np.zeros((2, 96), np.float32), out)
+    with pytest.raises(ShapeError, match="out must have shape"):
+        kernels.mul_mat(T.Q4_0, w, x, np.zeros((4, 2), np.float32))
+    with pytest.raises(ShapeError, match="2-D"):
+        kernels.mul_mat(T.Q4_0, w.reshape(-1), x, out)
+    with pytest.raises(ShapeError, match="2-D"):
+        kernels.mul_mat(T.Q4_0, w, x[0], out)
+    with pytest.raises(ShapeError, match="contiguous rows"):
+        kernels.mul_mat(T.F32, np.zeros((4, 128), np.float32)[:, ::2], x, out)
+    with pytest.raises(ShapeError, match="contiguous rows"):
+        kernels.mul_mat(T.Q4_0, w[::-1], x, out)
+    with pytest.raises(ShapeError, match="read-only"):
+        out.flags.writeable = False
+        kernels.mul_mat(T.Q4_0, w, x, out)
+    with pytest.raises(ShapeError, match="whole number"):
+        kernels.dequantize(T.Q4_0, np.zeros((2, 10), np.uint8)[:, :9], np.zeros((2, 16)))
+    with pytest.raises(TypeMismatchError, match="out must be float32"):
+        kernels.dequantize(T.Q4_0, w, np.zeros((4, 64)))
+
+
+def test_errors_ranges() -> None:
+    w = _q4()
+    out = np.zeros((2, 64), np.float32)
+    with pytest.raises(OutOfRangeError, match="row index 4"):
+        kernels.dequantize(T.Q4_0, w, out, rows=[0, 4])
+    with pytest.raises(OutOfRangeError, match="row index -1"):
+        kernels.dequantize(T.Q4_0, w, out, rows=np.array([-1, 0]))
+    with pytest.raises(TypeMismatchError, match="integers"):
+        kernels.dequantize(T.Q4_0, w, out, rows=np.array([0.0, 1.0]))
+    with pytest.raises(OutOfRangeError, match="nthreads"):
+        kernels.dequantize(T.Q4_0, w, np.zeros((4, 64), np.float32), nthreads=0)
+
+
+def test_c_backstop_checks_extents() -> None:
+    """The C entry points refuse sizes that would read or write past the given extents."""
+    lib, ffi = kernels._lib, kernels._ffi
+    w = np.zeros((4, 36), np.uint8)  # 4 rows of 2 Q4_0 blocks
+    x = np.zeros((2, 64), np.float32)
+    y = np.zeros((2, 4), np.float32)
+    wp = ffi.cast("const void *", w.ctypes.data)
+    xp = ffi.cast("const float *", x.ctypes.data)
+    yp = ffi.cast("float *", y.ctypes.data)
+    args = (wp, 36, w.size, 4, 64, xp, 64, x.size, 2, yp, 4, y.size, 1)
+    assert lib.ap_mul_mat(int(T.Q4_0), *args) == 0
+    bad_w = (wp, 36, w.size - 1, *args[3:])
+    assert lib.ap_mul_mat(int(T.Q4_0), *bad_w) == -4
+    bad_x = (*args[:7], x.size - 1, *args[8:])
+    assert lib.ap_mul_mat(int(T.Q4_0), *bad_x) == -4
+    bad_y = (*args[:11], y.size - 1, 1)
+    assert lib.ap_mul_mat(int(T.Q4_0), *bad_y) == -4
+    assert lib.ap_mul_mat(int(T.Q4_0), wp, 36, w.size, 4, 48, *args[5:]) == -1  # K % 32
+    assert lib.ap_mul_mat(99, *args) == -2
+    assert lib.ap_mul_mat(int(T.Q4_0), wp, 36, w.size, 4, 64, xp, 64, x.size, 2, yp, 3,
+                          y.size, 1) == -1  # fmt: skip  # rows of y overlap
+    big = 1 << 62
+    assert lib.ap_mul_mat(int(T.Q4_0), wp, big, w.size, 4, 64, *args[5:]) == -4  # overflow
+    idx = np.array([0, 4], np.int64)
+    yd = np.zeros((2, 64), np.float32)
+    ip = ffi.cast("const int64_t *", idx.ctypes.data)
+    ydp = ffi.cast("float *", yd.ctypes.data)
+    assert lib.ap_dequantize(int(T.Q4_0), wp, 36, w.size, 4, 64, ip, 2, ydp, 64, yd.size, 1) == -4
+    idx[1] = 3
+    assert lib.ap_dequantize(int(T.Q4_0), wp, 36, w.size, 4, 64, ip, 2, ydp, 64, yd.size, 1) == 0
+
+
+def test_report_worst_nmse() -> None:
+    """Print the worst mat-mul NMSE seen per (path, type) by the tests above."""
+    if not WORST:
+        pytest.skip("no mul_mat test ran")
+    print("\nworst NMSE vs float64 oracle (threshold 5e-4):")
+    for (isa_name, tname), err in sorted(WORST.items()):
+        print(f"  {isa_name:8s} {tname:5s} {err:.2e}")
+    assert max(WORST.values()) <= NMSE_MAX
