@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import types
+from importlib import metadata
 from pathlib import Path
 
 import accelplane
@@ -224,6 +225,12 @@ PROBE = textwrap.dedent(
 def probe(site: Path | None = None, **env: str) -> dict:
     """Run discovery in a fresh interpreter; returns info() plus extras, or the error."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPLANE_")}
+    # vendor plugins installed in this environment (vulkan, sycl, …) stay out of the picture:
+    # these tests reason about the CPU plugin and the fixture plugins only
+    vendors = [ep.name for ep in metadata.entry_points(group="accelplane.plugins") if ep.name != "cpu"]
+    disabled = [x for x in [env.pop("ACCELPLANE_DISABLE_PLUGINS", "")] + vendors if x]
+    if disabled:
+        e["ACCELPLANE_DISABLE_PLUGINS"] = ",".join(disabled)
     if site is not None:
         e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), e.get("PYTHONPATH")]))
     e.update(env)
