@@ -1,4 +1,4 @@
-"""Command line: ``accelplane devices | ops | conformance | bench``."""
+"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model``."""
 
 from __future__ import annotations
 
@@ -116,13 +116,18 @@ def cmd_bench(args) -> int:
     import accelplane
     from accelplane import bench
 
+    if args.what == "model":
+        from accelplane.models.runner import cmd_bench_model
+
+        return cmd_bench_model(args)
     reg = accelplane.get_registry()
     if args.what == "dispatch":
         for label, us in bench.bench_dispatch():
             print(f"{label:<45} {us:8.3f} us/call")
         return 0
     if args.what in ("sched", "moe"):
-        rows = (bench.bench_sched(progress=_progress) if args.what == "sched"
+        dev = args.device[0] if args.device else None
+        rows = (bench.bench_sched(device=dev, progress=_progress) if args.what == "sched"
                 else bench.bench_moe_prefetch(progress=_progress))  # fmt: skip
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
@@ -134,7 +139,7 @@ def cmd_bench(args) -> int:
             Path(args.json).write_text(json.dumps({"machine": bench.machine(), "results": rows}, indent=1))
         return 0
     devs = [reg.device(n) for n in args.device] if args.device else reg.devices
-    results = bench.bench_ops(devs, args.set, args.pattern, args.time, _progress)
+    results = bench.bench_ops(devs, args.set, args.pattern, args.time, _progress, args.repeat)
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     print(bench.format_table(results))
@@ -161,15 +166,58 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--thorough", action="store_true")
     c.add_argument("--xfails", action="append", help="extra expected-failures file")
     b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe"],
+    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
-                        "moe: expert prefetch")  # fmt: skip
+                        "moe: expert prefetch; model: llama-bench pp/tg tokens/s")  # fmt: skip
     b.add_argument("--set", default="default", help="case set: default, matmul, small, overhead")
     b.add_argument("-p", "--pattern", help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
     b.add_argument("--time", type=float, default=1.0, help="seconds per case (default 1)")
+    b.add_argument("--repeat", type=int, default=None,
+                   help="ops per graph (default: 1 on CPU devices, 16 on others)")  # fmt: skip
     b.add_argument("--json", help="write results as JSON")
+    _model_args(sub, b)
     return p
+
+
+def _model_args(sub, b) -> None:
+    """`bench model` options, and the `run` and `make-model` commands (accelplane.models)."""
+    b.add_argument("--model", help="model: GGUF file (default: the synthetic model of `run`)")
+    b.add_argument("--pp", type=int, default=512, help="model: prompt tokens (default 512; 0 skips)")
+    b.add_argument("--tg", type=int, default=128, help="model: generated tokens (default 128; 0 skips)")
+    b.add_argument("--reps", type=int, default=2, help="model: timed runs after a warm-up (default 2)")
+    b.add_argument("--split", action="append", choices=["none", "layer", "tensor"],
+                   help="model: split mode (repeatable; default none, plus layer over all "
+                        "non-CPU devices when there are several); model: -d takes a comma list "
+                        "as one device set")  # fmt: skip
+    b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
+    r = sub.add_parser("run", help="run a llama model (default: a small synthetic one) on the best "
+                       "devices, print tokens/s and check the logits against the CPU plugin")  # fmt: skip
+    r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")
+    r.add_argument("-d", "--device", action="append",
+                   help="device(s) for the weights (comma list or repeat; default: every non-CPU "
+                        "device, else the CPU)")  # fmt: skip
+    r.add_argument("--split", default="none", choices=["none", "layer", "tensor"],
+                   help="none: all layers on the first device; layer: layers spread over the "
+                        "devices; tensor: needs the meta device")  # fmt: skip
+    r.add_argument("--tokens", type=int, default=32, help="decode steps (default 32)")
+    r.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    r.add_argument("--nmse-tol", type=float, default=None,
+                   help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
+    r.add_argument("--no-check", action="store_true", help="skip the logits check")
+    m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)")
+    m.add_argument("out", help="output .gguf file")
+    m.add_argument("--preset", default="small", choices=["tiny", "small", "1b"],
+                   help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes)")
+    for flag, dest in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
+                       ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"),
+                       ("--ctx", "n_ctx"), ("--experts", "n_expert"), ("--experts-used", "n_expert_used"),
+                       ("--seed", "seed")):  # fmt: skip
+        m.add_argument(flag, dest=dest, type=int, help="overrides the preset")
+    m.add_argument("--wtype", default="q8_0", help="matrix type: f32 f16 bf16 q8_0 q4_0 q4_k q6_k")
+    m.add_argument("--output-type", help="output head type (default: --wtype)")
+    m.add_argument("--neox", action="store_true", help="NEOX rope (llama.cpp uses normal for llama)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ops(args)
         if args.cmd == "conformance":
             return cmd_conformance(args, extra)
+        if args.cmd == "run":
+            from accelplane.models.runner import NMSE_TOL, cmd_run
+
+            if args.nmse_tol is None:
+                args.nmse_tol = NMSE_TOL
+            return cmd_run(args)
+        if args.cmd == "make-model":
+            from accelplane.models.runner import cmd_make_model
+
+            return cmd_make_model(args)
         return cmd_bench(args)
     except AccelplaneError as e:
         print(f"accelplane: error: {e}", file=sys.stderr)

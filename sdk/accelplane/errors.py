@@ -51,6 +51,11 @@ class ComputeError(AccelplaneError):
     """A backend failed while computing a graph."""
 
 
+class KernelCompileError(ComputeError):
+    """A plugin's kernel (shader, OpenCL C, CUDA C) did not compile; the message is the
+    compiler's. Raised when the kernels are built, never half-way through a computation."""
+
+
 class CheckResultsError(ComputeError):
     """Check-results mode found a node whose result is over its error threshold."""
 

@@ -205,8 +205,10 @@ class Scheduler:
             owner = s.view_src or s
             buf = owner.buffer
             if buf is not None and buf.usage == BufferUsage.WEIGHTS:
-                w = self._backend_from_buffer(s, False)
-                if w is None or w < 0:
+                # the weight's backend, if it can run this op (ggml asks supports_op here too)
+                w = next((i for i, b in enumerate(self.backends)
+                          if b.device.supports_buft(buf.buft) and self._supports(i, t)), None)  # fmt: skip
+                if w is None:
                     continue
                 if (self.op_offload and w == len(self.backends) - 1 and buf.is_host):
                     for j in range(w):

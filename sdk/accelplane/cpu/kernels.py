@@ -28,6 +28,11 @@ import numpy as np
 from ..errors import ComputeError, OutOfRangeError, ShapeError, TypeMismatchError
 from ..types import GGMLType, parse_type
 
+# OpenMP threads that spin while waiting starve everything else on a busy or oversubscribed
+# machine (measured: 13x slower decode at load 4.5 on 2 cores); sleep instead, unless the user
+# chose otherwise. Must be set before the OpenMP runtime starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     from ._kernels import ffi as _ffi
     from ._kernels import lib as _lib
@@ -63,13 +68,15 @@ SUPPORTED_TYPES: Final[tuple[GGMLType, ...]] = tuple(_BLOCK)
 # kernel (measured at M=4096, K=14336 on 2 Zen 3 cores: scripts/bench_cpu_kernels.py).
 _CROSSOVER_N: Final[dict[GGMLType, int]] = {
     GGMLType.F32: 8,
-    GGMLType.F16: 8,
-    GGMLType.BF16: 8,
-    GGMLType.Q4_0: 16,
-    GGMLType.Q8_0: 16,
-    GGMLType.Q4_K: 16,
-    GGMLType.Q6_K: 16,
+    GGMLType.F16: 24,
+    GGMLType.BF16: 24,
+    GGMLType.Q4_0: 96,
+    GGMLType.Q8_0: 96,
+    GGMLType.Q4_K: 192,
+    GGMLType.Q6_K: 192,
 }
+# the portable C kernel has no SIMD FMA or int8 dot: dequantize + BLAS wins from N = 2 on
+_PORTABLE_CROSSOVER_N: Final = 2
 # bytes of the float32 tile of W dequantized per sgemm call: big enough that BLAS runs at full
 # speed, small enough to stay in the last-level cache between dequantize and sgemm
 _TILE_BYTES = 16 << 20
@@ -311,7 +318,10 @@ def mul_mat(
     nt = _threads(nthreads)
     if strategy not in ("auto", "direct", "blas"):
         raise ValueError(f"unknown strategy {strategy!r}")
-    if strategy == "blas" or (strategy == "auto" and n >= _CROSSOVER_N[t]):
+    if strategy == "auto":
+        avx2 = _lib.ap_get_isa() == 1
+        strategy = "blas" if n >= (_CROSSOVER_N[t] if avx2 else _PORTABLE_CROSSOVER_N) else "direct"
+    if strategy == "blas":
         _mul_mat_blas(rows, x, out, nt)
         return out
     y = out if _direct_out(out, x, rows.arr) else np.empty((n, m), np.float32)

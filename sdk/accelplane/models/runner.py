@@ -1,0 +1,378 @@
+"""``accelplane run`` and ``accelplane bench model``: a llama GGUF model (by default a small
+synthetic one, made once and cached) on the devices this machine has, through the scheduler.
+
+``run``: load, show the devices and the split plan, prefill a prompt of random tokens, decode
+greedily, print tokens/s, then recompute the same steps (teacher-forced with the generated
+tokens) on a CPU-only scheduler and compare the logits: max abs error, NMSE and top-1
+agreement; the run fails beyond ``--nmse-tol`` (default :data:`NMSE_TOL`).
+
+``bench model``: llama-bench's pp/tg tests (prompt processing of ``--pp`` tokens in one batch,
+text generation of ``--tg`` tokens one at a time, both from an empty context, after one
+warm-up run) per device set and split mode: a table, JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from ..backend import Device
+from ..errors import DeviceError
+from ..hookspecs import DeviceType
+from ..plancache import cache_dir
+from .gguf import GGUFFile, read_gguf, synthetic_sources, total_bytes, write_gguf
+from .llama import LlamaModel, check_split
+from .progress import Bar
+
+# the model `accelplane run` makes when given none: small enough to make in a second and run
+# anywhere, big enough that the matrix products dominate (7.3M parameters, 7.4 MiB in Q8_0)
+DEFAULT_MODEL = dict(n_layers=4, d_model=256, n_head=8, n_head_kv=4, d_ff=768, n_vocab=8192,
+                     n_ctx=2048, wtype="q8_0", seed=0)  # fmt: skip
+GENERATOR_VERSION = 1  # bump when the synthetic weights change, so cached files are remade
+# `accelplane make-model --preset`; 1b has TinyLlama-1.1B's shapes (the benchmark model)
+PRESETS = {
+    "tiny": dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=256, n_ctx=512),
+    "small": {k: v for k, v in DEFAULT_MODEL.items() if k not in ("wtype", "seed")},
+    "1b": dict(n_layers=22, d_model=2048, n_head=32, n_head_kv=4, d_ff=5632, n_vocab=32000,
+               n_ctx=2048),
+}  # fmt: skip
+# logits vs the CPU plugin over every compared step; measured on this machine's plugins
+# (Q8_0 model, F16 cache): 1.6e-4 SYCL (CPU OpenCL), ~2e-4 Vulkan (lavapipe), 3e-4 Hexagon (emulated)
+NMSE_TOL = 1e-3
+_TYPE_RANK = {DeviceType.GPU: 0, DeviceType.IGPU: 1, DeviceType.ACCEL: 2}
+
+
+def default_model_path(out: TextIO | None = None) -> Path:
+    """The default synthetic model, made on first use under cache_dir('models')."""
+    out = out or sys.stderr
+    m = DEFAULT_MODEL
+    name = (f"synthetic-llama-{m['n_layers']}L-{m['d_model']}d-{m['n_vocab']}v-{m['wtype']}"
+            f"-s{m['seed']}-g{GENERATOR_VERSION}.gguf")  # fmt: skip
+    path = cache_dir("models") / name
+    if not path.exists():
+        print(f"making the default synthetic model (once): {path}", file=out)
+        make_with_bar(path, **m)
+    return path
+
+
+def make_with_bar(path: str | Path, **kw) -> None:
+    """make_model with a progress bar over the bytes written."""
+    _, md, srcs = synthetic_sources(**kw)
+    with Bar("make", sum(s.nbytes for s in srcs), "MiB", 2**-20) as bar:
+        write_gguf(path, md, srcs, progress=bar.update)
+
+
+def describe_model(f: GGUFFile) -> str:
+    cfg = f.llama_config()
+    types = sorted({t.type.name.lower() for t in f.tensors.values()})
+    n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+    moe = f", {cfg.n_expert} experts ({cfg.n_expert_used} used)" if cfg.is_moe else ""
+    return (f"{f.get('general.name', f.path.name if f.path else '?')}: llama, {cfg.n_layers} layers, "
+            f"d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_head_kv} kv), d_ff {cfg.d_ff}, vocab "
+            f"{cfg.n_vocab}{moe}, {n_params / 1e6:.1f}M params, {total_bytes(f) / 2**20:.1f} MiB "
+            f"({'/'.join(types)})")  # fmt: skip
+
+
+def pick_devices(reg, names: Sequence[str] | None) -> list[Device]:
+    """Devices by name (comma lists allowed), else every non-CPU device (GPUs, then integrated
+    GPUs, then accelerators, as ggml_backend_init_best ranks them), else the CPU. The
+    model's scheduler adds a CPU backend last in any case."""
+    if names:
+        out = []
+        for n in names:
+            out += [reg.device(x.strip()) for x in n.split(",") if x.strip()]
+        return list(dict.fromkeys(out))
+    others = sorted((d for d in reg.devices if d.type != DeviceType.CPU),
+                    key=lambda d: _TYPE_RANK.get(d.type, len(_TYPE_RANK)))  # fmt: skip
+    if others:
+        return others
+    return [d for d in reg.devices if d.type == DeviceType.CPU][:1]
+
+
+def _cpu_of(reg) -> Device:
+    for d in reg.devices:
+        if d.type == DeviceType.CPU:
+            return d
+    raise DeviceError("no CPU device registered: the scheduler needs one (the built-in cpu plugin)")
+
+
+def load(f: GGUFFile, devices: Sequence[Device], cpu: Device, split: str, n_ctx: int,
+         show: bool = True, **kw) -> LlamaModel:  # fmt: skip
+    """LlamaModel.from_gguf with a progress bar over the bytes loaded."""
+    with Bar("load", total_bytes(f), "MiB", 2**-20, enabled=show) as bar:
+        return LlamaModel.from_gguf(f, devices, split=split, n_ctx=n_ctx, cpu=cpu,
+                                    progress=bar.update, **kw)  # fmt: skip
+
+
+def nmse(a: np.ndarray, ref: np.ndarray) -> float:
+    """sum((a - ref)^2) / sum(ref^2), in float64 (test-backend-ops' measure)."""
+    a64, r64 = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    den = float(np.sum(r64 * r64))
+    num = float(np.sum((a64 - r64) ** 2))
+    return num / den if den else (0.0 if num == 0 else float("inf"))
+
+
+@dataclass
+class RunResult:
+    prompt: list[int]
+    tokens: list[int]  # generated: the prefill's next token, then one per decode step
+    logits: list[np.ndarray]  # one row per step (prefill's last row, then each decode)
+    pp_s: float
+    tg_s: float
+
+
+def generate(model: LlamaModel, prompt: Sequence[int], n_decode: int, keep_logits: bool,
+             show: bool = True) -> RunResult:  # fmt: skip
+    """Prefill ``prompt``, then ``n_decode`` greedy decode steps, timed."""
+    model.reset()
+    t0 = time.perf_counter()
+    r = model.eval(prompt, want_logits=keep_logits)
+    pp = time.perf_counter() - t0
+    toks = [int(r.ids[-1])]
+    logits = [r.logits[-1].copy()] if keep_logits else []
+    with Bar("generate", n_decode, "tok", enabled=show) as bar:
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            r = model.eval([toks[-1]], want_logits=keep_logits)
+            toks.append(int(r.ids[-1]))
+            if keep_logits:
+                logits.append(r.logits[-1].copy())
+            bar.update(1)
+        tg = time.perf_counter() - t0
+    return RunResult(list(map(int, prompt)), toks, logits, pp, tg)
+
+
+def teacher_forced(model: LlamaModel, prompt: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
+    """Logits of the same steps as :func:`generate`, feeding ``tokens`` instead of sampling."""
+    model.reset()
+    out = [model.eval(prompt).logits[-1].copy()]
+    for t in tokens:
+        out.append(model.eval([t]).logits[-1].copy())
+    return out
+
+
+def cmd_run(args, out: TextIO | None = None) -> int:
+    """``accelplane run`` (see the module docstring). Returns the exit status."""
+    import accelplane
+
+    out = out or sys.stdout
+
+    check_split(args.split)
+    reg = accelplane.get_registry()
+    path = Path(args.model) if args.model else default_model_path()
+    f = read_gguf(path)
+    cfg = f.llama_config()
+    f.check_llama_tensors(cfg)
+    p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    p(f"model: {path}")
+    p(f"  {describe_model(f)}")
+    p("devices found:")
+    for d in reg.devices:
+        p(f"  {d.name:<10} {d.type.value:<5} {d.plugin.name:<10} {d.description}")
+    for fl in reg.failures:
+        p(f"  (broken plugin {fl.name}: {fl.reason})")
+    devs = pick_devices(reg, args.device)
+    cpu = _cpu_of(reg)
+    n_prompt, n_dec = int(args.prompt_tokens), int(args.tokens)
+    if n_prompt < 1 or n_dec < 0:
+        raise DeviceError("--prompt-tokens must be >= 1 and --tokens >= 0")
+    n_ctx = -(-(n_prompt + n_dec + 1) // 256) * 256
+    model = load(f, devs, cpu, args.split, n_ctx)
+    try:
+        p(f"split plan (--split {args.split}; devices {', '.join(d.name for d in devs)}, then "
+          f"{cpu.name} for inputs and the token embedding):")  # fmt: skip
+        for line in model.describe_plan(1):
+            p(f"  {line}")
+        rng = np.random.default_rng(args.seed)
+        prompt = rng.integers(0, cfg.n_vocab, n_prompt).tolist()
+        check = not args.no_check
+        # warm-up: graphs, scheduler plans and backend plans are built once, outside the timing
+        generate(model, prompt, min(n_dec, 1), False, show=False)
+        res = generate(model, prompt, n_dec, check)
+        p(f"prefill: {n_prompt} tokens in {res.pp_s * 1e3:.1f} ms = {n_prompt / res.pp_s:.1f} tokens/s")
+        if n_dec:
+            p(f"decode:  {n_dec} tokens in {res.tg_s * 1e3:.1f} ms = {n_dec / res.tg_s:.1f} tokens/s")
+        shown = " ".join(map(str, res.tokens[:16])) + (" ..." if len(res.tokens) > 16 else "")
+        p(f"generated token ids: {shown}")
+        p(f"plans: {model.sched.stats.plans} scheduler plans for {len(model._steps)} graphs")
+    finally:
+        model.free()
+    if not check:
+        return 0
+    ref_model = load(f, [cpu], cpu, "none", n_ctx, show=False)
+    try:
+        ref = teacher_forced(ref_model, prompt, res.tokens[:-1])
+    finally:
+        ref_model.free()
+    a, b = np.stack(res.logits), np.stack(ref)
+    err = float(np.max(np.abs(a - b)))
+    e = nmse(a, b)
+    agree = int(np.sum(a.argmax(-1) == b.argmax(-1)))
+    ok = e <= args.nmse_tol
+    p(f"logits check vs CPU ({len(ref)} steps, teacher-forced): max abs err {err:.3g}, NMSE {e:.3g}, "
+      f"top-1 agree {agree}/{len(ref)} (tolerance NMSE <= {args.nmse_tol:g}): "
+      f"{'OK' if ok else 'FAILED'}")  # fmt: skip
+    return 0 if ok else 1
+
+
+# --- bench model ------------------------------------------------------------------------------------
+def bench_configs(
+    reg, devices: Sequence[str] | None, splits: Sequence[str] | None
+) -> list[tuple[list[Device], str]]:
+    """(devices, split) pairs: each ``--device`` value (comma list = one multi-device set) ×
+    each ``--split``; by default every device alone with split none, plus all non-CPU
+    devices together with split layer when there are two or more."""
+    if devices:
+        sets = [pick_devices(reg, [d]) for d in devices]
+        return [(s, sp) for s in sets for sp in (splits or ["none"])]
+    sets = [[d] for d in reg.devices]
+    out = [(s, sp) for s in sets for sp in (splits or ["none"]) if not (sp == "layer" and len(s) < 2)]
+    others = pick_devices(reg, None)
+    if len(others) >= 2 and others[0].type != DeviceType.CPU and (not splits or "layer" in splits):
+        out.append((others, "layer"))
+    return out
+
+
+def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
+                reps: int = 2, progress: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
+    """llama-bench's pp and tg tests per config; one dict per (config, test)."""
+    rows = []
+    n_ctx = -(-(max(pp, tg) + 1) // 256) * 256
+    wbytes = total_bytes(f)
+    params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+    rng = np.random.default_rng(0)
+    cfg = f.llama_config()
+    for devs, split in configs:
+        label = ",".join(d.name for d in devs)
+        model = load(f, devs, cpu, split, n_ctx, show=False)
+        try:
+            for test, n in (("pp", pp), ("tg", tg)):
+                if n <= 0:
+                    continue
+                toks = rng.integers(0, cfg.n_vocab, n).tolist()
+                times = []
+                for rep in range(reps + 1):  # the first run is the warm-up
+                    if progress:
+                        progress(f"{label} split={split} {test}{n}: run {rep + 1}/{reps + 1}")
+                    model.reset()
+                    t0 = time.perf_counter()
+                    if test == "pp":
+                        model.eval(toks, want_logits=False)
+                    else:
+                        tok = toks[0]
+                        for _ in range(n):
+                            tok = int(model.eval([tok], want_logits=False).ids[-1])
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                tps = [n / t for t in times]
+                row = {"model": f.get("general.name", ""), "size_bytes": wbytes, "params": params,
+                       "devices": label, "split": split, "test": f"{test}{n}", "n_tokens": n,
+                       "reps": reps, "seconds": times, "tokens_per_s": float(np.mean(tps)),
+                       "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
+                if test == "tg":  # every weight is read once per token
+                    row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
+                rows.append(row)
+        finally:
+            model.free()
+    return rows
+
+
+def format_bench(rows: list[dict]) -> str:
+    """llama-bench's markdown table (with the weights' read rate for tg)."""
+    cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
+            ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">")]  # fmt: skip
+    rule = "|".join("-" * (w + 1) + (":" if a == ">" else "-") for _, w, a in cols)
+    lines = ["| " + " | ".join(f"{c:{a}{w}}" for c, w, a in cols) + " |", f"|{rule}|"]
+    for r in rows:
+        vals = [r["model"][:28], f"{r['size_bytes'] / 2**20:.1f} MiB", f"{r['params'] / 1e6:.1f} M",
+                r["devices"], r["split"], r["test"],
+                f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_std']:.2f}",
+                f"{r['weights_gb_per_s']:.2f}" if "weights_gb_per_s" in r else ""]  # fmt: skip
+        lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def plot_bench(rows: list[dict], path: str) -> bool:
+    """A bar chart of tokens/s per (devices, split), one panel per test. False when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tests = list(dict.fromkeys(r["test"] for r in rows))
+    fig, axes = plt.subplots(1, len(tests), figsize=(5 * len(tests), 3.5), squeeze=False)
+    for ax, test in zip(axes[0], tests, strict=True):
+        rs = [r for r in rows if r["test"] == test]
+        labels = [f"{r['devices']}\n{r['split']}" for r in rs]
+        ax.bar(labels, [r["tokens_per_s"] for r in rs], yerr=[r["tokens_per_s_std"] for r in rs])
+        ax.set_title(test)
+        ax.set_ylabel("tokens/s")
+    fig.suptitle(rows[0]["model"] if rows else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def cmd_bench_model(args, out: TextIO | None = None) -> int:
+    import accelplane
+
+    from ..bench import machine
+
+    reg = accelplane.get_registry()
+    path = Path(args.model) if args.model else default_model_path()
+    f = read_gguf(path)
+    f.check_llama_tensors(f.llama_config())
+    print(f"model: {path}\n  {describe_model(f)}", file=out)
+    for sp in args.split or []:
+        check_split(sp)
+    configs = bench_configs(reg, args.device, args.split)
+    tty = sys.stderr.isatty()
+
+    def progress(msg: str) -> None:
+        if tty:
+            sys.stderr.write(f"\r\033[K{msg}")
+            sys.stderr.flush()
+
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, progress)
+    if tty:
+        sys.stderr.write("\r\033[K")
+    print(format_bench(rows), file=out)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "model": str(path),
+                                               "results": rows}, indent=1))  # fmt: skip
+        print(f"wrote {args.json}", file=out)
+    if args.png:
+        if plot_bench(rows, args.png):
+            print(f"wrote {args.png}", file=out)
+        else:
+            print("matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
+    return 0
+
+
+def cmd_make_model(args, out: TextIO | None = None) -> int:
+    """``accelplane make-model``: a synthetic model from a preset and overrides."""
+    out = out or sys.stdout
+    kw = dict(PRESETS[args.preset])
+    for k in ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
+              "n_expert_used", "seed"):  # fmt: skip
+        v = getattr(args, k)
+        if v is not None:
+            kw[k] = v
+    kw.update(wtype=args.wtype, rope_neox=args.neox)
+    if args.output_type:
+        kw["output_type"] = args.output_type
+    make_with_bar(args.out, **kw)
+    f = read_gguf(args.out)
+    print(f"wrote {args.out}\n  {describe_model(f)}", file=out)
+    return 0

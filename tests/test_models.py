@@ -1,0 +1,426 @@
+"""accelplane.models: GGUF I/O (round trip, malformed files), the llama model against an
+independent float64 numpy forward pass, the KV cache against full recomputation, the CPU
+plugin against the asynchronous test device and every installed plugin, graph reuse across
+tokens, and `accelplane run` / `bench model` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import accelplane
+import accelplane.cpu.plugin as cpu_plugin
+import accelplane.testing.asyncdev as asyncdev
+import gguf
+import numpy as np
+import pytest
+from accelplane.errors import DeviceError, GGUFError, ShapeError
+from accelplane.hookspecs import DeviceType
+from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
+from accelplane.models.gguf import MetaValue, synthetic_tensor
+from accelplane.models.llama import SplitKind, SplitRole, WeightSpec
+from accelplane.models.runner import NMSE_TOL, nmse
+from accelplane.registry import Registry
+from accelplane.types import GGMLType, dequantize
+
+TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128, n_ctx=256)
+MOE = dict(TINY, n_expert=4, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def reg():
+    """A private registry: the CPU plugin and the asynchronous test device."""
+    os.environ.setdefault("ACCELPLANE_TEST_DELAY_US", "20")
+    os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = "2"
+    r = Registry()
+    assert r.register(cpu_plugin, "cpu") is not None
+    assert r.register(asyncdev, "asynctest") is not None
+    return r
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Tiny model files, made once: name -> path."""
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, kw in {
+        "f32": dict(TINY, wtype="f32"),
+        "f32_neox": dict(TINY, wtype="f32", rope_neox=True, seed=3),
+        "q8_0": dict(TINY, wtype="q8_0", seed=1),
+        "moe": dict(MOE, wtype="f32", seed=2),
+    }.items():
+        out[name] = d / f"{name}.gguf"
+        make_model(out[name], **kw)
+    return out
+
+
+# --- GGUF ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "wtype, d_model, d_ff",
+    [("f32", 64, 96), ("f16", 64, 96), ("bf16", 64, 96), ("q8_0", 64, 96), ("q4_0", 64, 96),
+     ("q4_k", 256, 256), ("q6_k", 256, 256)],
+)  # fmt: skip
+def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
+    """make → read → save gives the same bytes; metadata and tensor bytes are what was written;
+    the gguf package reads the same tensors back."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    cfg = make_model(a, n_layers=1, d_model=d_model, n_head=4, n_head_kv=2, d_ff=d_ff, n_vocab=288,
+                     wtype=wtype, output_type="q6_k" if d_model % 256 == 0 else None, seed=7)  # fmt: skip
+    with read_gguf(a) as f:
+        assert f.llama_config() == cfg
+        assert f.get("llama.block_count") == 1 and f.get("general.architecture") == "llama"
+        assert len(f.get("tokenizer.ggml.tokens")) == 288
+        for spec in cfg.weights():
+            t = f.tensors[spec.name]
+            assert t.shape == spec.shape
+            assert t.type == (GGMLType[wtype.upper()] if spec.matrix else GGMLType.F32) or (
+                spec.name == "output.weight")  # fmt: skip
+            want = synthetic_tensor(spec, t.type, 7).reshape(-1)
+            assert np.array_equal(t.data, want), spec.name
+        save_gguf(b, f)
+    assert a.read_bytes() == b.read_bytes()
+    with read_gguf(b) as g, read_gguf(a) as f:
+        assert g.metadata == f.metadata
+        r = gguf.GGUFReader(b)
+        for rt in r.tensors:
+            assert bytes(rt.data.reshape(-1).view(np.uint8)) == bytes(f.tensors[rt.name].data)
+
+
+@pytest.mark.parametrize("ty", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0])
+def test_synthetic_blocks_are_valid(ty):
+    """Synthetic weights decode (by the gguf package and by accelplane identically) to finite
+    values of the intended spread N(0, 1/K)."""
+    spec = WeightSpec("blk.0.ffn_up.weight", (96, 512), 0, True)
+    raw = synthetic_tensor(spec, ty, 0)
+    x = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(ty)))
+    assert np.isfinite(x).all()
+    assert np.array_equal(x.astype(np.float32), dequantize(ty, raw, 512))
+    assert abs(x.std() * np.sqrt(512) - 1) < 0.1 and abs(x.mean() * np.sqrt(512)) < 0.1
+
+
+def _tensor_info_offset(data: bytes, name: str) -> int:
+    """Byte offset of the type id in the tensor info of ``name``."""
+    key = len(name).to_bytes(8, "little") + name.encode()
+    i = data.index(key) + len(key)
+    n_dims = int.from_bytes(data[i : i + 4], "little")
+    return i + 4 + 8 * n_dims
+
+
+def test_malformed_files(tmp_path, models):
+    good = models["q8_0"].read_bytes()
+
+    def variant(name: str, data: bytes) -> Path:
+        p = tmp_path / name
+        p.write_bytes(data)
+        return p
+
+    cases = {
+        "missing": (tmp_path / "nope.gguf", "cannot read"),
+        "empty": (variant("empty.gguf", b""), "shorter than a GGUF header"),
+        "bad magic": (variant("magic.gguf", b"GGUX" + good[4:]), "bad magic"),
+        "truncated header": (variant("th.gguf", good[:200]), "truncated"),
+        "truncated data": (variant("td.gguf", good[:-100]), "truncated: tensor 'output.weight'"),
+    }
+    for what, (path, msg) in cases.items():
+        with pytest.raises(GGUFError, match=msg):
+            read_gguf(path)
+        with pytest.raises(GGUFError, match=msg):
+            LlamaModel.from_gguf(path, [accelplane.device("CPU")])
+        print(what, "ok")
+    # unknown and unsupported tensor type ids
+    off = _tensor_info_offset(good, "blk.0.attn_q.weight")
+    for tid, msg in ((99, "unknown tensor type id 99"), (6, "Q5_0, which accelplane does not support")):
+        bad = bytearray(good)
+        bad[off : off + 4] = tid.to_bytes(4, "little")
+        with pytest.raises(GGUFError, match=f"blk.0.attn_q.weight.*{msg}|{msg}"):
+            read_gguf(variant(f"type{tid}.gguf", bytes(bad)))
+    # missing key, bad key type, shape mismatch, missing and extra tensors
+    with read_gguf(models["q8_0"]) as f:
+        md, ts = dict(f.metadata), list(f.tensors.values())
+        no_key = {k: v for k, v in md.items() if k != "llama.block_count"}
+        write_gguf(tmp_path / "nokey.gguf", no_key, ts)
+        with pytest.raises(GGUFError, match="missing metadata key 'llama.block_count'"):
+            read_gguf(tmp_path / "nokey.gguf").llama_config()
+        bad_type = dict(md, **{"llama.block_count": MetaValue("two", gguf.GGUFValueType.STRING)})
+        write_gguf(tmp_path / "badkey.gguf", bad_type, ts)
+        with pytest.raises(GGUFError, match="'llama.block_count' must be an integer"):
+            LlamaModel.from_gguf(tmp_path / "badkey.gguf", [accelplane.device("CPU")])
+        wrong_ff = dict(md, **{"llama.feed_forward_length": MetaValue(128, gguf.GGUFValueType.UINT32)})
+        write_gguf(tmp_path / "shape.gguf", wrong_ff, ts)
+        with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_gate.weight' has shape \(96, 64\), "
+                                            r"but the llama.\* metadata needs \(128, 64\)"):  # fmt: skip
+            LlamaModel.from_gguf(tmp_path / "shape.gguf", [accelplane.device("CPU")])
+        write_gguf(tmp_path / "notensor.gguf", md, [t for t in ts if t.name != "blk.1.attn_k.weight"])
+        with pytest.raises(GGUFError, match="missing tensor 'blk.1.attn_k.weight'"):
+            LlamaModel.from_gguf(tmp_path / "notensor.gguf", [accelplane.device("CPU")])
+        arch = dict(md, **{"general.architecture": MetaValue("gpt2", gguf.GGUFValueType.STRING)})
+        write_gguf(tmp_path / "arch.gguf", arch, ts)
+        with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+            read_gguf(tmp_path / "arch.gguf").llama_config()
+
+
+def test_fuzzed_headers_never_crash(tmp_path, models):
+    """Truncations and byte flips anywhere in the header: GGUFError or a valid file, never
+    another exception (nor a hang)."""
+    good = models["q8_0"].read_bytes()
+    header_end = _tensor_info_offset(good, "output.weight") + 12
+    rng = np.random.default_rng(0)
+    p = tmp_path / "fuzz.gguf"
+    for i in range(150):
+        data = bytearray(good)
+        if i % 3 == 0:
+            data = data[: int(rng.integers(0, header_end + 64))]
+        else:
+            for _ in range(int(rng.integers(1, 4))):
+                data[int(rng.integers(4, header_end))] = int(rng.integers(0, 256))
+        p.write_bytes(bytes(data))
+        try:
+            with read_gguf(p) as f:
+                f.check_llama_tensors(f.llama_config())
+        except GGUFError:
+            pass
+
+
+# --- the model against an independent numpy forward pass ----------------------------------------------
+def _np_weights(path: Path) -> tuple[dict, dict]:
+    """float64 weights decoded by the gguf package (not accelplane), and the metadata."""
+    r = gguf.GGUFReader(path)
+    w = {}
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(shape)
+    md = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return w, md
+
+
+def _np_llama(w: dict, md: dict, tokens: np.ndarray) -> np.ndarray:
+    """The llama forward pass (all positions, no cache) in float64 numpy: logits [T, vocab]."""
+    d = md["llama.embedding_length"]
+    n_head, n_kv = md["llama.attention.head_count"], md["llama.attention.head_count_kv"]
+    eps, base = md["llama.attention.layer_norm_rms_epsilon"], md["llama.rope.freq_base"]
+    neox = md.get("accelplane.rope.neox", False)
+    n_exp, k_used = md.get("llama.expert_count", 0), md.get("llama.expert_used_count", 0)
+    hd, n = d // n_head, len(tokens)
+
+    def rms(x, g):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
+
+    def rope(x):  # x [T, heads, hd]
+        half = hd // 2
+        theta = np.arange(n)[:, None] * base ** (-2.0 * np.arange(half) / hd)
+        c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+        if neox:
+            a, b = x[..., :half], x[..., half:]
+            return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+        y = np.empty_like(x)
+        a, b = x[..., 0::2], x[..., 1::2]
+        y[..., 0::2], y[..., 1::2] = a * c - b * s, a * s + b * c
+        return y
+
+    def silu(x):
+        return x / (1 + np.exp(-x))
+
+    x = w["token_embd.weight"][tokens]
+    causal = np.triu(np.ones((n, n), bool), 1)
+    for li in range(md["llama.block_count"]):
+        p = f"blk.{li}."
+        h = rms(x, w[p + "attn_norm.weight"])
+        q = rope((h @ w[p + "attn_q.weight"].T).reshape(n, n_head, hd))
+        k = rope((h @ w[p + "attn_k.weight"].T).reshape(n, n_kv, hd))
+        v = (h @ w[p + "attn_v.weight"].T).reshape(n, n_kv, hd)
+        att = np.empty((n, n_head, hd))
+        for head in range(n_head):
+            kv = head // (n_head // n_kv)
+            s = q[:, head] @ k[:, kv].T / np.sqrt(hd)
+            s[causal] = -np.inf
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            att[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
+        x = x + att.reshape(n, d) @ w[p + "attn_output.weight"].T
+        h = rms(x, w[p + "ffn_norm.weight"])
+        if n_exp:
+            logits = h @ w[p + "ffn_gate_inp.weight"].T
+            pr = np.exp(logits - logits.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            y = np.zeros_like(h)
+            for t in range(n):
+                top = np.argsort(-pr[t], kind="stable")[:k_used]
+                for e, g in zip(top, pr[t, top] / pr[t, top].sum(), strict=True):
+                    gate = w[p + "ffn_gate_exps.weight"][e] @ h[t]
+                    up = w[p + "ffn_up_exps.weight"][e] @ h[t]
+                    y[t] += g * (w[p + "ffn_down_exps.weight"][e] @ (silu(gate) * up))
+        else:
+            y = (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[
+                p + "ffn_down.weight"].T  # fmt: skip
+        x = x + y
+    return rms(x, w["output_norm.weight"]) @ w["output.weight"].T
+
+
+@pytest.mark.parametrize(
+    "name, cache, tol",
+    [("f32", "f32", 1e-9), ("f32_neox", "f32", 1e-9), ("moe", "f32", 1e-9), ("q8_0", "f16", 2e-4)],
+)
+def test_logits_match_numpy_float64(models, name, cache, tol):
+    """Prefill (all rows) and then decode steps, against the float64 numpy forward pass."""
+    w, md = _np_weights(models[name])
+    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], 10)
+    want = _np_llama(w, md, tokens)
+    m = LlamaModel.from_gguf(models[name], [accelplane.device("CPU")], n_ctx=32, kv_pad=16,
+                             cache_type=cache)  # fmt: skip
+    try:
+        pre = m.eval(tokens[:6], all_logits=True)
+        got = [pre.logits] + [m.eval([t]).logits for t in tokens[6:]]
+    finally:
+        m.free()
+    got = np.concatenate(got)
+    e = nmse(got, want)
+    assert e < tol, (name, e)
+    assert np.array_equal(pre.ids, want[:6].argmax(-1))
+
+
+def test_kv_cache_decode_equals_full_prefill(models):
+    """16 teacher-forced tokens decoded one at a time with the cache equal, at every step,
+    the last row of a fresh prefill of the whole sequence so far."""
+    cpu = accelplane.device("CPU")
+    tokens = np.random.default_rng(6).integers(0, TINY["n_vocab"], 16)
+    m = LlamaModel.from_gguf(models["f32"], [cpu], n_ctx=32, kv_pad=8)  # windows 8, 16 (2 graphs)
+    full = LlamaModel.from_gguf(models["f32"], [cpu], n_ctx=32, kv_pad=8)
+    try:
+        for i, t in enumerate(tokens):
+            step = m.eval([t]).logits[0]
+            full.reset()
+            ref = full.eval(tokens[: i + 1]).logits[-1]
+            assert nmse(step, ref) < 1e-9, i
+            assert step.argmax() == ref.argmax()
+    finally:
+        m.free()
+        full.free()
+
+
+# --- devices -----------------------------------------------------------------------------------------
+def _teacher_forced_64(path: Path, devices, cpu, **kw) -> np.ndarray:
+    tokens = np.random.default_rng(7).integers(0, TINY["n_vocab"], 64)
+    m = LlamaModel.from_gguf(path, devices, cpu=cpu, n_ctx=128, kv_pad=64, **kw)
+    try:
+        out = [m.eval(tokens[:8], all_logits=True).logits]
+        out += [m.eval([t]).logits for t in tokens[8:]]
+    finally:
+        m.free()
+    return np.concatenate(out)
+
+
+def _installed_devices() -> list[str]:
+    try:
+        return [d.name for d in accelplane.get_registry().devices if d.type != DeviceType.CPU]
+    except Exception:  # a broken plugin setup must not break collection
+        return []
+
+
+@pytest.mark.parametrize("split", ["none", "layer"])
+def test_cpu_vs_async_device_64_tokens(reg, models, split):
+    """The same model teacher-forced over 64 tokens on the CPU plugin and on the asynchronous
+    test device(s): same top-1 on >= 95% of positions, NMSE <= 1e-6 (same kernels, so in fact
+    equal)."""
+    cpu = reg.device("CPU")
+    devs = [reg.device("ASYNC0")] + ([reg.device("ASYNC1")] if split == "layer" else [])
+    want = _teacher_forced_64(models["q8_0"], [cpu], cpu)
+    got = _teacher_forced_64(models["q8_0"], devs, cpu, split=split)
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+    assert nmse(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("device", _installed_devices())
+def test_installed_plugins_64_tokens(models, device):
+    """Every installed non-CPU plugin device: same top-1 as the CPU plugin on >= 95% of 64
+    teacher-forced positions, logits within `accelplane run`'s NMSE tolerance."""
+    reg = accelplane.get_registry()
+    cpu = reg.device("CPU")
+    want = _teacher_forced_64(models["q8_0"], [cpu], cpu)
+    got = _teacher_forced_64(models["q8_0"], [reg.device(device)], cpu)
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+    assert nmse(got, want) <= NMSE_TOL
+
+
+def test_graphs_and_plans_reused_across_tokens(reg, models):
+    """Decode steps recompute the same graph object: no new graphs, no new scheduler plans, no
+    new CPU-plugin or device plans once the first steps are done."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    for devices in ([cpu], [dev]):
+        m = LlamaModel.from_gguf(models["q8_0"], devices, cpu=cpu, n_ctx=64, kv_pad=64)
+        try:
+            m.eval([1, 2, 3, 4])
+            m.eval([5])
+            g = m.step(1, 64).graph
+            n_graphs, plans = len(m._steps), m.sched.stats.plans
+            caches = [b.ctx if hasattr(b.ctx, "builds") else b.ctx.plans for b in m.backends]
+            builds = [c.builds for c in caches]
+            for t in range(6, 30):
+                m.eval([t])
+            assert m.step(1, 64).graph is g
+            assert len(m._steps) == n_graphs == 2
+            assert m.sched.stats.plans == plans == 2
+            assert [c.builds for c in caches] == builds
+        finally:
+            m.free()
+
+
+def test_split_modes(reg, models):
+    cpu = reg.device("CPU")
+    with pytest.raises(DeviceError, match="tensor split|meta device"):
+        LlamaModel.from_gguf(models["f32"], [reg.device("ASYNC0")], cpu=cpu, split="tensor")
+    m = LlamaModel.from_gguf(models["moe"], [reg.device("ASYNC0"), reg.device("ASYNC1")], cpu=cpu,
+                             split="layer")  # fmt: skip
+    try:
+        assert [d.name for d in m.layer_dev] == ["ASYNC0", "ASYNC1"]
+        assert m.placement["token_embd.weight"] is cpu and m.placement["output.weight"].name == "ASYNC1"
+        plan = "\n".join(m.describe_plan(1))
+        assert "blk.0" in plan and "ASYNC1" in plan and "KV cache on ASYNC0" in plan
+    finally:
+        m.free()
+    cfg = read_gguf(models["moe"]).llama_config()
+    assert cfg.split_role("blk.0.attn_q.weight").kind is SplitKind.COLUMN
+    assert cfg.split_role("blk.0.ffn_down_exps.weight").kind is SplitKind.ROW
+    assert cfg.split_role("blk.0.attn_output.weight").granularity == cfg.head_dim
+    assert cfg.split_role("blk.0.ffn_norm.weight").kind is SplitKind.MIRRORED
+    assert cfg.split_role("cache_v_l0") == SplitRole(SplitKind.COLUMN, 1, cfg.head_dim)
+    with pytest.raises(ShapeError):
+        make_model(Path("/nonexistent/x.gguf"), d_model=64, wtype="q4_k")  # rows of 64: no K-quant
+
+
+# --- command line -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    """A fresh cache (the default model is made) and only the CPU plugin and the asynchronous
+    test devices (the installed plugins are covered above; with a fresh cache they would
+    recompile their kernels)."""
+    return dict(os.environ, ACCELPLANE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
+                ACCELPLANE_PLUGINS="cpu,asynctest", ACCELPLANE_TEST_DELAY_US="20",
+                ACCELPLANE_EXTRA_PLUGINS="asynctest=accelplane.testing.asyncdev")  # fmt: skip
+
+
+def test_accelplane_run_end_to_end(cli_env):
+    """`accelplane run --tokens 4` makes the default model, runs on the best devices (the two
+    asynchronous test devices), prints the plan, tokens/s and the logits check, and exits 0."""
+    r = subprocess.run([sys.executable, "-m", "accelplane.cli", "run", "--tokens", "4",
+                        "--prompt-tokens", "8"], capture_output=True, text=True, env=cli_env,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "split plan" in r.stdout and "devices found" in r.stdout and "ASYNC0" in r.stdout
+    assert "tokens/s" in r.stdout and "logits check vs CPU" in r.stdout and ": OK" in r.stdout
+    assert list(Path(cli_env["ACCELPLANE_CACHE_DIR"], "models").glob("*.gguf"))
+
+
+def test_accelplane_run_split_tensor_and_bench_model(cli_env, models, tmp_path, capsys):
+    from accelplane import cli
+
+    assert cli.main(["run", "--model", str(models["f32"]), "--split", "tensor"]) == 1
+    assert "meta device" in capsys.readouterr().err
+    js = tmp_path / "bench.json"
+    assert cli.main(["bench", "model", "--model", str(models["q8_0"]), "-d", "CPU", "--pp", "16",
+                     "--tg", "4", "--reps", "1", "--json", str(js)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "pp16" in out and "tg4" in out
+    rows = json.loads(js.read_text())["results"]
+    assert {r["test"] for r in rows} == {"pp16", "tg4"} and all(r["tokens_per_s"] > 0 for r in rows)
