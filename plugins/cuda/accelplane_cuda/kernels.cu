@@ -799,7 +799,7 @@ template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, 
 }
 
 #define MMVQ_WARPS 4
-#define MMVQ_SEG 8192
+#define MMVQ_SEG 4096
 // copy nvec 16-byte words of a row segment into shared memory, all loads issued before any
 // store so that each lane has its whole share in flight at once (a load/store loop would
 // serialize the DRAM round trips)

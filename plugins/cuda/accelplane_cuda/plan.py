@@ -31,7 +31,7 @@ T = GGMLType
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
 THREADS = 256
 MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
-MMVQ_SEG = 8192  # bytes of a weight row staged at once per warp (kernels.cu: MMVQ_SEG)
+MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp (kernels.cu: MMVQ_SEG)
 MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680}  # segments are multiples of this (and of 16)
 # tuning knobs, for measuring the alternatives side by side:
 #   ACCELPLANE_CUDA_MMV=q8|f32    quantized mat-vec on int8 activations (default) or on f32
