@@ -60,5 +60,14 @@ class CheckResultsError(ComputeError):
     """Check-results mode found a node whose result is over its error threshold."""
 
 
+class CommError(ComputeError):
+    """A collective (all-reduce) across devices or processes failed."""
+
+
+class CommTimeoutError(CommError):
+    """A collective across processes did not complete within its deadline
+    (``ACCELPLANE_MPI_TIMEOUT``): a peer died, hung, or did not enter the same collective."""
+
+
 class GGUFError(AccelplaneError):
     """A GGUF file is malformed, truncated or uses something accelplane does not support."""

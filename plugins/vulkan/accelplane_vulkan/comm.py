@@ -1,0 +1,247 @@
+"""All-reduce for Vulkan devices without peer access: partials staged through host memory.
+
+Default ("host"): every rank downloads its partial into a host-visible area of its device,
+a host thread (the first rank's bridge) sums the partials in accelplane.comm's canonical
+order and writes the sum back into every rank's area, and every rank uploads it. Each rank
+sends and receives the tensor once. The tensor goes in chunks (ACCELPLANE_VK_COMM_CHUNK
+bytes, default 4 MiB) queued as download 0, download 1, upload 0, download 2, upload 1, ...
+so the host sums chunk c while the devices move chunks c-1 and c+1. Everything is queued on
+the streams up front and ordered by timeline semaphores (host bridges), so the caller's host
+never blocks, between layers or otherwise.
+
+F32 tensors of at least ACCELPLANE_COMM_COMPRESS_MIN bytes (the SDK's threshold) travel as
+F16: each rank converts its partial on the device, the host adds the F16 partials in F32 and
+rounds the sum to F16 once, every rank converts it back into its F32 tensor (so all ranks hold
+the same bits). ACCELPLANE_VK_COMM_FP32=1 keeps F32 on the wire. Uncompressed F32 results are
+byte-identical to the SDK's butterfly and ring (the same canonical order of additions).
+
+ACCELPLANE_VK_COMM_RING=1 runs the SDK's ring (reduce-scatter + all-gather) over this plugin's
+asynchronous copies instead; ACCELPLANE_VK_COMM_OFF=1 makes comm_init return None, leaving
+the SDK's butterfly. ACCELPLANE_VK_COMM_PEER=1 asks for peer memory (DMA-BUF import between
+devices): not implemented here, and lavapipe and NVIDIA's driver do not advertise it anyway;
+the request is logged once and host staging serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from accelplane.comm import AllReduce, canonical_sum, compress_threshold_default
+from accelplane.errors import ComputeError
+from accelplane.graph import Context, Graph
+from accelplane.tensor import Tensor
+from accelplane.types import GGMLType, np_dtype
+
+from .runtime import Memory, Stream, cmd_copy, cmd_to_host
+
+T = GGMLType
+REDUCIBLE = (T.F32, T.F16, T.BF16)
+DEFAULT_CHUNK = 4 << 20
+MAX_GRAPHS = 32  # conversion graphs kept per layout (one pair per tensor seen)
+PEER_EXTENSIONS = ("VK_KHR_external_memory_fd", "VK_EXT_external_memory_dma_buf")
+log = logging.getLogger("accelplane.vulkan")
+_peer_logged = False
+
+
+def flag(name: str) -> bool:
+    """An on/off environment switch (unset, '', 0, false, no: off)."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _chunk_bytes() -> int:
+    return max(4096, int(os.environ.get("ACCELPLANE_VK_COMM_CHUNK", str(DEFAULT_CHUNK))))
+
+
+@dataclass
+class _Layout:
+    """Host areas and device scratch for one (elements, type, wire type)."""
+
+    wire: GGMLType
+    nel: int
+    host: list[Memory]  # one host-visible area per rank, on that rank's device
+    scratch: list[Tensor] = field(default_factory=list)  # F16 images of the partials (compressed)
+    buffers: list = field(default_factory=list)  # SDK buffers of the scratch
+    graphs: OrderedDict = field(default_factory=OrderedDict)  # (rank, tensor) -> (to wire, from wire)
+
+
+class VkComm:
+    """The communicator of a set of Vulkan backends (one per rank)."""
+
+    def __init__(self, backends) -> None:
+        self.backends = list(backends)
+        self.streams: list[Stream] = [b.ctx for b in self.backends]
+        self.layouts: dict[tuple, _Layout] = {}
+        self.ring: AllReduce | None = None
+        if flag("ACCELPLANE_VK_COMM_PEER"):
+            _log_peer_once(self.streams)
+
+    # --- entry --------------------------------------------------------------------------------------
+    def allreduce(self, tensors: list[Tensor]) -> bool:
+        ref = tensors[0]
+        if ref.type not in REDUCIBLE or any(not t.is_contiguous() for t in tensors):
+            return False
+        if ref.nelements == 0:
+            return True
+        if flag("ACCELPLANE_VK_COMM_RING"):
+            return self._ring(tensors)
+        wire = ref.type
+        if (
+            ref.type == T.F32
+            and not flag("ACCELPLANE_VK_COMM_FP32")
+            and ref.nbytes >= compress_threshold_default()
+        ):
+            wire = T.F16
+        self._host_reduce(tensors, self._layout(ref, wire))
+        return True
+
+    def _ring(self, tensors: list[Tensor]) -> bool:
+        if self.ring is None:
+            self.ring = AllReduce(self.backends, "ring", None if flag("ACCELPLANE_VK_COMM_FP32") else "f16")
+        self.ring(tensors)
+        return True
+
+    # --- scratch ------------------------------------------------------------------------------------
+    def _layout(self, ref: Tensor, wire: GGMLType) -> _Layout:
+        key = (ref.nelements, ref.type, wire)
+        lay = self.layouts.get(key)
+        if lay is not None:
+            return lay
+        nbytes = ref.nelements * wire.type_size
+        lay = _Layout(wire, ref.nelements, [Memory(s.dev, nbytes, host=True) for s in self.streams])
+        if wire != ref.type:
+            for r, b in enumerate(self.backends):
+                t = Context(f"vkcomm{r}").new_tensor_ne(wire, ref.nelements, name=f"vkcomm.h{r}")
+                buf = b.device.buffer_type.alloc(b.device.buffer_type.alloc_size(t))
+                buf.place(t, 0)
+                lay.scratch.append(t)
+                lay.buffers.append(buf)
+        self.layouts[key] = lay
+        return lay
+
+    def _convert_graphs(self, lay: _Layout, r: int, x: Tensor) -> tuple[Graph, Graph]:
+        """CPY graphs partial (F32) -> F16 scratch and back, over ``x``'s memory."""
+        key = (r, x.uid, x.buffer.uid, x.offs)  # type: ignore[union-attr]
+        g = lay.graphs.get(key)
+        if g is None:
+            h = lay.scratch[r]
+            alias = Tensor(x.type, (x.nelements,), name=f"vkcomm.x{r}")
+            x.buffer.place(alias, x.offs)  # type: ignore[union-attr]
+            ctx = Context("vkcomm")
+            down, up = ctx.cpy(alias, h), ctx.cpy(h, alias)
+            for node in (down, up):
+                node.view_src.buffer.init_view(node)
+            g = lay.graphs[key] = (Graph([down]), Graph([up]))
+            if len(lay.graphs) > MAX_GRAPHS:
+                lay.graphs.popitem(last=False)
+        return g
+
+    # --- the host-staged reduction -------------------------------------------------------------------
+    def _host_reduce(self, tensors: list[Tensor], lay: _Layout) -> None:
+        n, streams = len(tensors), self.streams
+        es = lay.wire.type_size
+        step = max(1, _chunk_bytes() // es)
+        chunks = [(lo, min(step, lay.nel - lo)) for lo in range(0, lay.nel, step)]
+        compressed = lay.wire != tensors[0].type
+        # the device memory that travels: the partial itself, or its F16 image
+        src: list[tuple[Memory, int]] = []
+        for r, (s, x) in enumerate(zip(streams, tensors, strict=True)):
+            if compressed:
+                s.plans.get(self._convert_graphs(lay, r, x)[0]).replay()
+                h = lay.scratch[r]
+                src.append((h.buffer.ctx, h.offs))  # type: ignore[union-attr]
+            else:
+                src.append((x.buffer.ctx, x.offs))  # type: ignore[union-attr]
+        done = [threading.Event() for _ in chunks]
+        failed: list[BaseException] = []
+        down_values: list[list[int]] = [[0] * len(chunks) for _ in range(n)]
+        dtype = np.dtype(np_dtype(lay.wire))
+        views = [m.host.view(dtype) for m in lay.host]  # type: ignore[union-attr]
+
+        def reduce(c: int) -> None:  # on the first rank's bridge thread
+            lo, ln = chunks[c]
+            try:
+                for s, vals in zip(streams, down_values, strict=True):
+                    s.wait_raw(vals[c], "an all-reduce partial")
+                parts = [v[lo : lo + ln] for v in views]
+                if compressed:  # F16 partials added in F32, rounded to F16 once
+                    total = canonical_sum([p.astype(np.float32) for p in parts]).astype(dtype)
+                else:
+                    total = canonical_sum(parts)
+                for v in views:
+                    v[lo : lo + ln] = total
+            except BaseException as e:
+                failed.append(e)
+                raise
+            finally:
+                done[c].set()  # never leave a queue waiting
+
+        def wait_reduced(c: int):
+            def step() -> None:
+                done[c].wait()
+                if failed:
+                    raise ComputeError(f"all-reduce: the host reduction failed: {failed[0]}")
+
+            return step
+
+        def download(r: int, c: int) -> None:
+            s, (mem, offs), lo, ln = streams[r], src[r], chunks[c][0] * es, chunks[c][1] * es
+            cmd = s.begin()
+            cmd_copy(cmd, mem.buf, offs + lo, lay.host[r].buf, lo, ln)
+            cmd_to_host(cmd)
+            down_values[r][c] = s.submit((cmd,))
+
+        def upload(r: int, c: int) -> None:
+            s, (mem, offs), lo, ln = streams[r], src[r], chunks[c][0] * es, chunks[c][1] * es
+            w = s.bridge_in(None, 0, _bind(reduce, c) if r == 0 else wait_reduced(c))
+            s.copy(lay.host[r], lo, mem, offs + lo, ln, ((s.bridge.sem, w),))  # type: ignore[union-attr]
+
+        # download c+1 is queued before upload c: the queue moves the next chunk while the
+        # host sums this one (each upload waits for its chunk's sum on the device)
+        for r in range(n):
+            download(r, 0)
+        for c in range(len(chunks)):
+            for r in range(n):
+                if c + 1 < len(chunks):
+                    download(r, c + 1)
+                upload(r, c)
+        if compressed:
+            for r, (s, x) in enumerate(zip(streams, tensors, strict=True)):
+                s.plans.get(self._convert_graphs(lay, r, x)[1]).replay()
+
+    # --- release --------------------------------------------------------------------------------------
+    def free(self) -> None:
+        for s in self.streams:
+            if not s.closed:
+                s.synchronize()
+        for lay in self.layouts.values():
+            for m in lay.host:
+                m.free()
+            for b in lay.buffers:
+                b.free()
+        self.layouts.clear()
+        if self.ring is not None:
+            self.ring.free()
+            self.ring = None
+
+
+def _log_peer_once(streams: list[Stream]) -> None:
+    global _peer_logged
+    if _peer_logged:
+        return
+    _peer_logged = True
+    lacking = sorted({s.dev.phys.name for s in streams if not set(PEER_EXTENSIONS) <= s.dev.phys.extensions})
+    why = (
+        f"the driver does not advertise {' + '.join(PEER_EXTENSIONS)} on {', '.join(lacking)}"
+        if lacking
+        else "this version has no peer-memory path"
+    )
+    log.warning("ACCELPLANE_VK_COMM_PEER: %s; all-reduce partials go through host memory", why)
+
+
+def _bind(fn, c: int):
+    return lambda: fn(c)

@@ -1,0 +1,199 @@
+"""A graph recorded once into a command buffer, replayed with one submit.
+
+Recording binds, per dispatch: the pipeline (shader + specialization constants), a
+descriptor set over the four tensors' buffers (sets shared by dispatches that bind the same
+buffers), the push constants and the workgroup grid. A barrier goes in only where a dispatch
+touches memory that an earlier dispatch since the last barrier wrote (or writes memory one
+read), so independent nodes run together.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
+from accelplane.ops import VIEW_OPS
+from accelplane.tensor import Tensor
+
+from . import kernels
+from .runtime import N_BINDINGS, NULL, Memory, Stream, V, _new, check, cmd_barrier, ffi, lib
+
+_WHOLE = 0xFFFFFFFFFFFFFFFF  # VK_WHOLE_SIZE (the bindings spell it -1)
+
+
+def _mem(t: Tensor, node: Tensor, dev) -> Memory:
+    label = t.name or f"#{t.uid}"
+    if t.buffer is None:
+        raise ComputeError(f"{node.op.name} {node.name or node.uid}: tensor {label} is not allocated")
+    mem = t.buffer.ctx
+    if not isinstance(mem, Memory) or mem.dev is not dev:
+        raise ComputeError(
+            f"{node.op.name} {node.name or node.uid}: tensor {label} is in buffer "
+            f"{t.buffer.name!r}, which {dev.label} cannot compute on"
+        )
+    if mem.freed:
+        raise BufferFreedError(f"a graph computed on {dev.label} uses freed buffer {t.buffer.name!r}")
+    return mem
+
+
+def grid(groups: int, limits: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Spread ``groups`` workgroups over x, y, z within maxComputeWorkGroupCount."""
+    x = min(groups, limits[0])
+    y = -(-groups // x)
+    z = 1
+    if y > limits[1]:
+        z = -(-y // limits[1])
+        y = limits[1]
+    return x, y, z
+
+
+class Plan:
+    """``graph`` bound to its memory on ``stream``'s device; ``replay()`` queues it."""
+
+    def __init__(self, stream: Stream, graph, caps: kernels.Caps) -> None:
+        dev = stream.dev
+        self.stream = stream
+        self.mems: dict[int, Memory] = {}
+        work: list[tuple[kernels.Dispatch, tuple[Memory, ...]]] = []
+        for node in graph.nodes:
+            if node.op in VIEW_OPS:
+                continue
+            mems = [_mem(t, node, dev) for t in (node, *node.src) if t is not None]
+            for m in mems:
+                self.mems[id(m)] = m
+            if not kernels.supports(node, caps):
+                raise UnsupportedOpError(
+                    f"Vulkan {dev.label}: {node.op.name} {node.type.name} ne={list(node.ne)} is not supported"
+                )
+            for d in kernels.dispatches(node):
+                work.append((d, tuple(_mem(t, node, dev) if t is not None else None for t in d.bindings)))
+        self.n_dispatches = len(work)
+        self._last = [0]  # value of the last submit (a cell shared with the finalizer)
+        self.pool, sets = self._descriptor_sets(dev, work)
+        self.cmd = stream.alloc_cmd()
+        self._finalizer = weakref.finalize(self, stream.retire, self._last, _destroyer(dev, stream, self))
+        self._record(dev, work, sets)
+        stream.stats["plans_recorded"] += 1
+        stream.stats["dispatches_recorded"] += len(work)
+
+    def _descriptor_sets(self, dev, work) -> tuple[object, dict]:
+        keys = list(dict.fromkeys(self._set_key(mems) for _, mems in work))
+        if not keys:
+            return None, {}
+        n = len(keys)
+        size = ffi.new(
+            "VkDescriptorPoolSize*",
+            {"type": V.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": N_BINDINGS * n},
+        )
+        pci = _new(
+            "VkDescriptorPoolCreateInfo",
+            V.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+            maxSets=n,
+            poolSizeCount=1,
+            pPoolSizes=size,
+        )
+        out = ffi.new("VkDescriptorPool*")
+        check(lib.vkCreateDescriptorPool(dev.handle, pci, NULL, out), "vkCreateDescriptorPool")
+        pool = out[0]
+        layouts = ffi.new("VkDescriptorSetLayout[]", [dev.set_layout] * n)
+        ai = _new(
+            "VkDescriptorSetAllocateInfo",
+            V.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+            descriptorPool=pool,
+            descriptorSetCount=n,
+            pSetLayouts=layouts,
+        )
+        handles = ffi.new("VkDescriptorSet[]", n)
+        check(lib.vkAllocateDescriptorSets(dev.handle, ai, handles), "vkAllocateDescriptorSets")
+        infos = ffi.new("VkDescriptorBufferInfo[]", N_BINDINGS * n)
+        writes = ffi.new("VkWriteDescriptorSet[]", N_BINDINGS * n)
+        for s, key in enumerate(keys):
+            for b in range(N_BINDINGS):
+                i = N_BINDINGS * s + b
+                infos[i].buffer, infos[i].offset, infos[i].range = key[b], 0, _WHOLE
+                w = writes[i]
+                w.sType = V.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
+                w.dstSet, w.dstBinding, w.descriptorCount = handles[s], b, 1
+                w.descriptorType = V.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+                w.pBufferInfo = infos + i
+        lib.vkUpdateDescriptorSets(dev.handle, N_BINDINGS * n, writes, 0, NULL)
+        return pool, {k: handles[s] for s, k in enumerate(keys)}
+
+    def _set_key(self, mems) -> tuple:
+        """The buffers of bindings A, B, C, D (an unused one repeats D) and the error word."""
+        d = mems[3]
+        return (*((m if m is not None else d).buf for m in mems), self.stream.err.buf)
+
+    def _record(self, dev, work, sets) -> None:
+        stream, cmd = self.stream, self.cmd
+        stream.begin(V.VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT, cmd)
+        limits = dev.phys.limits["maxComputeWorkGroupCount"]
+        layout = dev.pipeline_layout
+        bound_pipe = bound_set = None
+        reads: list[tuple[int, int, int]] = []  # (buffer id, start, end) since the last barrier
+        writes: list[tuple[int, int, int]] = []
+        for d, mems in work:
+            rr = [
+                (id(m), t.offs, t.offs + t.nbytes)
+                for t, m in zip(d.bindings[:3], mems[:3], strict=True)
+                if t is not None
+            ]
+            ww = [(id(mems[3]), d.bindings[3].offs, d.bindings[3].offs + d.bindings[3].nbytes)]
+            if _overlap(rr, writes) or _overlap(ww, writes) or _overlap(ww, reads):
+                cmd_barrier(
+                    cmd,
+                    V.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                    V.VK_ACCESS_SHADER_WRITE_BIT,
+                    V.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                    V.VK_ACCESS_SHADER_READ_BIT | V.VK_ACCESS_SHADER_WRITE_BIT,
+                )
+                reads, writes = [], []
+            reads += rr
+            writes += ww
+            pipe = dev.pipeline(d.shader, d.spec)
+            if pipe != bound_pipe:
+                lib.vkCmdBindPipeline(cmd, V.VK_PIPELINE_BIND_POINT_COMPUTE, pipe)
+                bound_pipe = pipe
+            ds = sets[self._set_key(mems)]
+            if ds != bound_set:
+                arr = ffi.new("VkDescriptorSet[1]", [ds])
+                lib.vkCmdBindDescriptorSets(cmd, V.VK_PIPELINE_BIND_POINT_COMPUTE, layout, 0, 1, arr, 0, NULL)
+                bound_set = ds
+            pc = ffi.new("char[]", d.push)
+            lib.vkCmdPushConstants(cmd, layout, V.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(d.push), pc)
+            lib.vkCmdDispatch(cmd, *grid(d.groups, limits))
+        # the error word is read by the host after the stream's value completes
+        cmd_barrier(
+            cmd,
+            V.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+            V.VK_ACCESS_SHADER_WRITE_BIT,
+            V.VK_PIPELINE_STAGE_HOST_BIT,
+            V.VK_ACCESS_HOST_READ_BIT,
+        )
+        check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
+
+    def replay(self) -> int:
+        for m in self.mems.values():
+            if m.freed:
+                raise BufferFreedError(f"a graph computed on {self.stream.dev.label} uses a freed buffer")
+        v = self.stream.submit((self.cmd,), transient=False)
+        self._last[0] = v
+        return v
+
+
+def _overlap(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> bool:
+    return any(x[0] == y[0] and x[1] < y[2] and y[1] < x[2] for x in a for y in b)
+
+
+def _destroyer(dev, stream: Stream, plan: Plan):
+    """Release the plan's command buffer and descriptor pool (without keeping the plan alive)."""
+    cmd, pool = plan.cmd, plan.pool
+
+    def destroy() -> None:
+        if not stream.closed:
+            arr = ffi.new("VkCommandBuffer[1]", [cmd])
+            lib.vkFreeCommandBuffers(dev.handle, stream.pool, 1, arr)
+        if pool is not None:
+            lib.vkDestroyDescriptorPool(dev.handle, pool, NULL)
+
+    return destroy

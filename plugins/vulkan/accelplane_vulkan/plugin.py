@@ -1,0 +1,371 @@
+"""accelplane's Vulkan plugin: the hookimpls.
+
+One accelplane device per Vulkan physical device (GPUs; lavapipe when it is the only one),
+or ACCELPLANE_VK_DEVICES="0,0" to open one physical device as several logical devices (for
+multi-device tests on one GPU or on lavapipe). Each device has a device-local buffer type
+(memory the SDK reaches only through these hooks) and a host buffer type (host-visible,
+coherent, mapped: is_host). A backend is a Stream (runtime.py): one queue, command buffers, a
+timeline semaphore; graph_compute records a graph once (plan.py) and resubmits it; events are
+timeline values; copies between devices that cannot share semaphores cross a host bridge.
+
+Nothing heavy at import: the runtime (and the ``vulkan`` package, which needs libvulkan) is
+imported by get_devices, which raises DeviceError("no Vulkan driver found: ...") when the
+loader or driver is missing; the registry records that and the host carries on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.plancache import PlanCache
+
+if TYPE_CHECKING:
+    from .runtime import LogicalDevice, Stream
+
+
+def _rt():
+    from . import runtime
+
+    return runtime
+
+
+@dataclass(eq=False)
+class DeviceCtx:
+    """One accelplane device: a physical device, and its VkDevice once opened."""
+
+    label: str
+    phys: Any  # runtime.PhysInfo
+    caps: Any  # kernels.Caps
+    _dev: LogicalDevice | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def open(self) -> LogicalDevice:
+        """The logical device, created (and every shader built) on first use: a shader that
+        does not compile fails here, loudly, before any backend exists."""
+        if self._dev is None:
+            with self._lock:
+                if self._dev is None:
+                    from . import shaders
+
+                    self._dev = _rt().LogicalDevice(
+                        self.phys, self.label, shaders.compile_all(shaders.shader_dir())
+                    )
+        return self._dev
+
+
+@dataclass(frozen=True, eq=False)
+class BuftCtx:
+    dev: DeviceCtx
+    host: bool
+
+
+def _stream(backend) -> Stream | None:
+    """The backend's Stream, or None for another plugin's backend."""
+    s = getattr(backend, "ctx", None)
+    return s if isinstance(s, _rt().Stream) else None
+
+
+def _mem(t):
+    """The runtime.Memory of a tensor's buffer, or None for another plugin's buffer."""
+    ctx = t.buffer.ctx if t.buffer is not None else None
+    return ctx if isinstance(ctx, _rt().Memory) else None
+
+
+# --- registration ------------------------------------------------------------------------------
+@hookimpl
+def api_version():
+    return API_VERSION
+
+
+@hookimpl
+def get_devices():
+    rt = _rt()  # DeviceError when libvulkan is missing
+    from .kernels import Caps
+
+    inst = rt.instance()
+    sel = rt.select_physical(inst)
+    per_phys: dict[int, int] = {}
+    for i, _ in sel:
+        per_phys[i] = per_phys.get(i, 0) + 1
+    seen: dict[int, int] = {}
+    specs = []
+    for n, (i, p) in enumerate(sel):
+        k = seen[i] = seen.get(i, 0) + 1
+        desc = f"{p.name} ({rt.DEVICE_TYPES.get(p.type, '?')}; {p.driver}; Vulkan {p.api[0]}.{p.api[1]})"
+        if per_phys[i] > 1:
+            desc += f", logical device {k} of {per_phys[i]} on physical device {i}"
+        dtype = DeviceType.IGPU if p.type == 1 else DeviceType.GPU
+        caps = DeviceCaps(async_=True, host_buffer=True, events=True)
+        specs.append(
+            DeviceSpec(f"Vulkan{n}", desc, dtype, caps, DeviceCtx(f"Vulkan{n}", p, Caps(p.storage16)))
+        )
+    return specs
+
+
+@hookimpl
+def device_memory(device):
+    ctx: DeviceCtx = device.ctx
+    used = ctx._dev.allocated if ctx._dev is not None else 0
+    return max(0, ctx.phys.heap_size - used), ctx.phys.heap_size
+
+
+@hookimpl
+def init_backend(device, backend, params):
+    from .plan import Plan
+
+    ctx: DeviceCtx = device.ctx
+    stream = _rt().Stream(ctx.open(), backend.name)
+    stream.delay_s = float(os.environ.get("ACCELPLANE_TEST_DELAY_US", "0")) * 1e-6
+    stream.plans = PlanCache(lambda graph: Plan(stream, graph, ctx.caps))
+    return stream
+
+
+@hookimpl
+def backend_free(backend):
+    backend.ctx.close()
+
+
+# --- buffer types -------------------------------------------------------------------------------
+@hookimpl
+def get_buffer_type(device):
+    return BufferTypeSpec(device.name, BuftCtx(device.ctx, host=False))
+
+
+@hookimpl
+def get_host_buffer_type(device):
+    return BufferTypeSpec(f"{device.name}_Host", BuftCtx(device.ctx, host=True))
+
+
+@hookimpl
+def supports_op(device, op):
+    from .kernels import supports
+
+    return supports(op, device.ctx.caps)
+
+
+@hookimpl
+def supports_buft(device, buft):
+    # kernels read and write the device's own device-local buffers; the host type is for
+    # transfers (over PCIe a kernel would crawl), as ggml's pinned host buffers
+    c = buft.ctx
+    return isinstance(c, BuftCtx) and not c.host and c.dev is device.ctx
+
+
+@hookimpl
+def buft_alloc(buft, buffer, size):
+    return _rt().Memory(buft.ctx.dev.open(), size, host=buft.ctx.host)
+
+
+@hookimpl
+def buft_alignment(buft):
+    return max(64, buft.ctx.dev.phys.limits["minStorageBufferOffsetAlignment"])
+
+
+@hookimpl
+def buft_max_size(buft):
+    lim = buft.ctx.dev.phys.limits
+    return min(lim["maxStorageBufferRange"], lim["maxMemoryAllocationSize"], lim["maxBufferSize"]) & ~255
+
+
+@hookimpl
+def buft_is_host(buft):
+    return buft.ctx.host
+
+
+# --- buffers ---------------------------------------------------------------------------------------
+@hookimpl
+def buffer_free(buffer):
+    buffer.ctx.free()
+
+
+@hookimpl
+def buffer_host_array(buffer):
+    return buffer.ctx.host
+
+
+@hookimpl
+def buffer_set_tensor(buffer, tensor, data, offset, size):
+    mem, start = buffer.ctx, tensor.offs + offset
+    if mem.host is not None:
+        mem.host[start : start + size] = data[:size]
+    else:
+        mem.dev.transfer.upload_blocking(mem, start, data[:size])
+
+
+@hookimpl
+def buffer_get_tensor(buffer, tensor, out, offset, size):
+    mem, start = buffer.ctx, tensor.offs + offset
+    if mem.host is not None:
+        out[:size] = mem.host[start : start + size]
+    else:
+        mem.dev.transfer.download_blocking(mem, start, out, size)
+
+
+@hookimpl
+def buffer_memset_tensor(buffer, tensor, value, offset, size):
+    import numpy as np
+
+    mem, start = buffer.ctx, tensor.offs + offset
+    if mem.host is not None:
+        mem.host[start : start + size] = value
+    elif start % 4 == 0 and size % 4 == 0:  # vkCmdFillBuffer's alignment rules
+        tr = mem.dev.transfer
+        with tr.lock:
+            tr.wait(tr.fill(mem, start, size, value))
+    else:
+        mem.dev.transfer.upload_blocking(mem, start, np.full(size, value, np.uint8))
+
+
+@hookimpl
+def buffer_clear(buffer, value):
+    mem = buffer.ctx
+    if mem.host is not None:
+        mem.host[:] = value
+    else:
+        tr = mem.dev.transfer
+        with tr.lock:
+            tr.wait(tr.fill(mem, 0, (mem.size + 3) & ~3, value))
+
+
+@hookimpl
+def buffer_cpy_tensor(buffer, src, dst):
+    smem, dmem = _mem(src), buffer.ctx
+    if smem is None or smem.dev is not dmem.dev:
+        return False
+    tr = dmem.dev.transfer
+    with tr.lock:
+        tr.wait(tr.copy(smem, src.offs, dmem, dst.offs, src.nbytes))
+    return True
+
+
+# --- streams -----------------------------------------------------------------------------------------
+@hookimpl
+def synchronize(backend):
+    backend.ctx.synchronize()
+
+
+@hookimpl
+def graph_compute(backend, graph):
+    backend.ctx.plans.get(graph).replay()
+
+
+@hookimpl
+def set_tensor_async(backend, tensor, data, offset, size):
+    s, mem = backend.ctx, _mem(tensor)
+    if mem is None or mem.dev is not s.dev:
+        return False
+    s.upload(mem, tensor.offs + offset, data[:size])
+    return True
+
+
+@hookimpl
+def get_tensor_async(backend, tensor, out, offset, size):
+    s, mem = backend.ctx, _mem(tensor)
+    if mem is None or mem.dev is not s.dev:
+        return False
+    s.download(mem, tensor.offs + offset, out, size)
+    return True
+
+
+@hookimpl
+def cpy_tensor_async(backend_src, backend_dst, src, dst):
+    ds, dmem, smem = _stream(backend_dst), _mem(dst), _mem(src)
+    if ds is None or dmem is None or dmem.dev is not ds.dev:
+        return False
+    n = src.nbytes
+    ss = _stream(backend_src)
+    if ss is None and backend_src.device.caps.async_:
+        return False  # another plugin's asynchronous stream: nothing to order after
+    if smem is not None and smem.dev is ds.dev:  # one device-side copy
+        if ss is None or ss is ds:
+            waits = ()
+        elif ss.dev is ds.dev:
+            waits = ((ss.sem, ss.submitted),)
+        else:  # (a source stream of another device: its buffer's device differs from its own)
+            ds.wait_for(ss, ss.submitted)
+            waits = ()
+        ds.copy(smem, src.offs, dmem, dst.offs, n, waits)
+        return True
+    if smem is not None and ss is not None and smem.dev is ss.dev:
+        _copy_across(ss, ds, smem, src.offs, dmem, dst.offs, n)
+        return True
+    if src.buffer.is_host:  # host memory whose producer has finished (a synchronous backend)
+        ds.upload(dmem, dst.offs, src.buffer.host_array[src.offs : src.offs + n])
+        return True
+    return False
+
+
+def _copy_across(ss: Stream, ds: Stream, smem, soffs: int, dmem, doffs: int, n: int) -> None:
+    """Between VkDevices: out to staging on the source stream, a host copy on the bridge into
+    the destination's stream (after the source's value), in from staging. The host returns."""
+    rt = _rt()
+    out = ss.stage(n)
+    cmd = ss.begin()
+    rt.cmd_copy(cmd, smem.buf, soffs, out.mem.buf, 0, n)
+    rt.cmd_to_host(cmd)
+    va = ss.submit((cmd,))
+    inn = ds.stage(n)
+
+    def across() -> None:
+        inn.mem.host[:n] = out.mem.host[:n]
+
+    w = ds.bridge_in(ss, va, across)
+    v = ds.copy(inn.mem, 0, dmem, doffs, n, ((ds.bridge.sem, w),))
+    out.busy = inn.busy = (ds, v)
+
+
+# --- events --------------------------------------------------------------------------------------------
+@hookimpl
+def event_new(device):
+    return _rt().EventState()
+
+
+@hookimpl
+def event_free(device, event):
+    event.ctx.stream = None
+
+
+@hookimpl
+def event_record(backend, event):
+    event.ctx.record(backend.ctx)
+
+
+@hookimpl
+def event_wait(backend, event):
+    event.ctx.wait(backend.ctx)
+
+
+@hookimpl
+def event_synchronize(device, event):
+    event.ctx.synchronize()
+
+
+# --- comm --------------------------------------------------------------------------------------------------
+@hookimpl
+def comm_init(backends):
+    from .comm import VkComm, flag
+
+    streams = [_stream(b) for b in backends]
+    if flag("ACCELPLANE_VK_COMM_OFF") or len(backends) < 2 or any(s is None for s in streams):
+        return None  # the SDK's butterfly serves
+    if len({id(s) for s in streams}) < len(streams):
+        return None
+    return VkComm(backends)
+
+
+@hookimpl
+def comm_allreduce_tensor(comm, tensors):
+    for s, t in zip(comm.ctx.streams, tensors, strict=True):
+        mem = _mem(t)
+        if mem is None or mem.dev is not s.dev:
+            return False
+    return comm.ctx.allreduce(list(tensors))
+
+
+@hookimpl
+def comm_free(comm):
+    comm.ctx.free()

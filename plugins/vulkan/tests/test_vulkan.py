@@ -1,0 +1,357 @@
+"""Vulkan plugin specifics (the conformance suite covers the op catalog and the contracts):
+device discovery and logical devices, buffer types, plans recorded once, asynchrony, shader
+build failures, a missing loader or driver, exact quantization. Skipped, with the reason,
+where no Vulkan device is present."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import accelplane
+import numpy as np
+import pytest
+from accelplane.alloc import alloc_tensors
+from accelplane.backend import tensor_copy_async
+from accelplane.errors import AccelplaneError, KernelCompileError
+from accelplane.graph import Context
+from accelplane.registry import reset_registry
+from accelplane.types import GGMLType, quantize
+from accelplane_vulkan import kernels, shaders
+
+T = GGMLType
+
+
+def _affine_graph(dev, n=1000):
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (n,), "x")
+    y = ctx.scale(ctx.add(ctx.scale(x, 2.0, 1.0), x), 0.5)  # (3x + 1) / 2
+    g = ctx.graph(y)
+    buf = alloc_tensors([x, *g.nodes], dev.buffer_type)
+    return x, y, g, buf
+
+
+# --- devices ----------------------------------------------------------------------------------------
+def test_one_device_per_physical_device_and_memory(vk_devices):
+    from accelplane_vulkan import runtime
+
+    devs = vk_devices()
+    phys = runtime.instance().physical
+    usable = [p for p in phys if not p.usable]
+    gpus = [p for p in usable if p.type != 4]
+    assert len(devs) == len(gpus or usable)
+    assert [d.name for d in devs] == [f"Vulkan{i}" for i in range(len(devs))]
+    dev = devs[0]
+    free0, total = dev.memory()
+    assert total > 0 and 0 < free0 <= total
+    t = Context().new_tensor(T.F32, (16 << 20,))  # 64 MiB
+    buf = alloc_tensors([t], dev.buffer_type)
+    assert dev.memory()[0] <= free0 - t.nbytes
+    buf.free()
+    assert dev.memory()[0] == free0
+
+
+def test_logical_devices_from_env(vk_devices, monkeypatch):
+    monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "2000")  # device work lags the host
+    d0, d1 = vk_devices("0,0")
+    assert "logical device 1 of 2" in d0.description and "logical device 2 of 2" in d1.description
+    assert not d1.supports_buft(d0.buffer_type), "a logical device cannot compute on another's memory"
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (3000,), "a")
+    b = ctx.new_tensor(T.F32, (3000,), "b")
+    y = ctx.scale(a, 2.0)
+    z = ctx.scale(b, 3.0)
+    ga, gb = ctx.graph(y), ctx.graph(z)
+    bufs = [alloc_tensors([a, y], d0.buffer_type), alloc_tensors([b, z], d1.buffer_type)]
+    b0, b1 = d0.new_backend(), d1.new_backend()
+    assert b0.ctx.dev is not b1.ctx.dev and b0.ctx.dev.phys is b1.ctx.dev.phys
+    v = np.arange(3000, dtype=np.float32)
+    for i in range(3):
+        b0.set_tensor_async(a, (v + i).view(np.uint8))
+        b0.graph_compute(ga)
+        assert tensor_copy_async(b0, b1, y, b), "a copy between logical devices must stay asynchronous"
+        b1.graph_compute(gb)
+        b1.synchronize()
+        np.testing.assert_array_equal(z.get(), (v + i) * 6)
+    b0.free()
+    b1.free()
+    for x in bufs:
+        x.free()
+
+
+def test_bad_device_list_is_reported(monkeypatch):
+    monkeypatch.setenv("ACCELPLANE_VK_DEVICES", "0,99")
+    reset_registry()
+    try:
+        reg = accelplane.get_registry()
+        reasons = [f.reason for f in reg.failures if f.name == "vulkan"]
+        if "vulkan" not in reg.plugins and not any("ACCELPLANE_VK_DEVICES" in r for r in reasons):
+            pytest.skip(f"no device: {reasons}")
+        assert "vulkan" not in reg.plugins
+        assert any("ACCELPLANE_VK_DEVICES" in r and "'99'" in r for r in reasons), reasons
+    finally:
+        reset_registry()
+
+
+# --- buffers ------------------------------------------------------------------------------------------
+def test_buffer_types(vk_devices):
+    dev = vk_devices()[0]
+    assert not dev.buffer_type.is_host, "device memory is reached only through the hooks"
+    hb = dev.host_buffer_type
+    assert hb is not None and hb.is_host and not dev.supports_buft(hb)
+    assert dev.supports_buft(dev.buffer_type)
+    t = Context().new_tensor(T.F32, (100,))
+    buf = alloc_tensors([t], hb)
+    arr = buf.host_array
+    assert arr.dtype == np.uint8 and arr.size >= t.nbytes and arr.flags.writeable
+    t.set(np.arange(100, dtype=np.float32))
+    assert np.array_equal(arr[t.offs : t.offs + 400].view(np.float32), np.arange(100))
+    arr[t.offs : t.offs + 4] = np.array([7], np.float32).view(np.uint8)
+    assert t.get()[0] == 7
+    buf.free()
+
+
+def test_host_buffer_to_device_copy(vk_devices):
+    dev = vk_devices()[0]
+    ctx = Context()
+    h = ctx.new_tensor(T.F32, (500,), "h")
+    d = ctx.new_tensor(T.F32, (500,), "d")
+    bufs = [alloc_tensors([h], dev.host_buffer_type), alloc_tensors([d], dev.buffer_type)]
+    be = dev.new_backend()
+    h.set(np.linspace(0, 1, 500, dtype=np.float32))
+    assert tensor_copy_async(be, be, h, d)
+    be.synchronize()
+    np.testing.assert_array_equal(d.get(), h.get())
+    be.free()
+    for b in bufs:
+        b.free()
+
+
+# --- streams ------------------------------------------------------------------------------------------
+def test_plan_recorded_once_and_replayed(vk_devices):
+    dev = vk_devices()[0]
+    x, y, g, buf = _affine_graph(dev)
+    be = dev.new_backend()
+    stream = be.ctx
+    for i in range(5):
+        x.set(np.full(1000, float(i), np.float32))
+        be.compute(g)
+        np.testing.assert_allclose(y.get(), (3 * i + 1) / 2)
+    assert stream.plans.builds == 1
+    assert stream.stats["plans_recorded"] == 1, "a repeated graph must be replayed, not recorded again"
+    assert stream.stats["dispatches_recorded"] == 3
+    g.layout_version += 1  # the allocator moved tensors: the plan is rebuilt
+    be.compute(g)
+    assert stream.stats["plans_recorded"] == 2
+    be.free()
+    buf.free()
+
+
+def test_work_is_asynchronous(vk_devices, monkeypatch):
+    monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "100000")  # every submission waits 0..0.1 s
+    dev = vk_devices()[0]
+    x, y, g, buf = _affine_graph(dev)
+    be = dev.new_backend()
+    out = np.zeros(y.nbytes, np.uint8)
+    be.set_tensor_async(x, np.ones(1000, np.float32).view(np.uint8))
+    be.graph_compute(g)
+    be.get_tensor_async(y, out)
+    stream = be.ctx
+    assert stream.completed() < stream.submitted, "the calls returned before the work completed"
+    be.synchronize()
+    np.testing.assert_array_equal(out.view(np.float32), 2.0)
+    be.free()
+    buf.free()
+
+
+def test_free_while_queued_does_not_fault(vk_devices, monkeypatch):
+    monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "20000")
+    dev = vk_devices()[0]
+    x, y, g, buf = _affine_graph(dev)
+    be = dev.new_backend()
+    be.graph_compute(g)
+    buf.free()  # a caller error (ordering.md rule 8); the memory dies after the queued work
+    be.synchronize()
+    assert not be.ctx.dev.garbage
+    be.free()
+
+
+# --- kernels --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0])
+def test_quantizing_copy_is_byte_exact(vk_devices, qtype):
+    dev = vk_devices()[0]
+    rng = np.random.default_rng(5)
+    vals = rng.uniform(-1, 1, (16, 256)).astype(np.float32)
+    vals[3] = 0.0  # an all-zero block row
+    vals[4, :32] = np.linspace(-2, 2, 32)  # ties at .5 steps
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, vals.shape, "a")
+    q = ctx.new_tensor(qtype, vals.shape, "q")
+    g = ctx.graph(ctx.cpy(a, q))
+    buf = alloc_tensors([a, q, *g.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    a.set(vals)
+    be.compute(g)
+    assert np.array_equal(q.get_bytes(), quantize(qtype, vals).reshape(-1)), "bytes differ from ggml's"
+    be.free()
+    buf.free()
+
+
+def test_supports_op_without_16bit_storage():
+    ctx = Context()
+    for ty, want in ((T.F32, True), (T.F16, False), (T.Q4_0, False)):
+        a = ctx.new_tensor(ty, (4, 64), "a")
+        b = ctx.new_tensor(T.F32, (4, 64), "b")
+        node = ctx.mul_mat(a, b)
+        assert kernels.supports(node, kernels.Caps(storage16=False)) is want
+        assert kernels.supports(node, kernels.Caps(storage16=True))
+
+
+# --- failures are loud, and isolated ----------------------------------------------------------------------
+needs_glslc = pytest.mark.skipif(shaders.glslc() is None, reason="glslc is not installed")
+
+
+@needs_glslc
+def test_shader_compile_failure_is_loud(tmp_path, monkeypatch):
+    sdir = tmp_path / "shaders"
+    shutil.copytree(shaders.SHADER_DIR, sdir)
+    with open(sdir / "unary.comp", "a") as f:
+        f.write("\nvoid broken() { undefined_symbol = 1; }\n")
+    monkeypatch.setenv("ACCELPLANE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(shaders.ShaderCompileError) as e:
+        shaders.spirv("unary", sdir)
+    msg = str(e.value)
+    assert "glslc failed on unary.comp" in msg and "undefined_symbol" in msg and "exit status" in msg
+    assert not any((tmp_path / "cache").rglob("unary-*.spv")), "no SPIR-V may be cached for a failed build"
+
+
+@needs_glslc
+def test_broken_shader_fails_before_any_backend(tmp_path, monkeypatch, vk_devices):
+    vk_devices()  # skips without a device
+    sdir = tmp_path / "shaders"
+    shutil.copytree(shaders.SHADER_DIR, sdir)
+    (sdir / "norm.comp").write_text(
+        (sdir / "norm.comp").read_text().replace("void main() {", "void main() {(")
+    )
+    monkeypatch.setenv("ACCELPLANE_VK_SHADER_DIR", str(sdir))
+    monkeypatch.setenv("ACCELPLANE_CACHE_DIR", str(tmp_path / "cache"))
+    dev = vk_devices()[0]
+    with pytest.raises(KernelCompileError, match="norm.comp"):
+        dev.new_backend()
+
+
+def _devices_output(env: dict, pythonpath: str | None = None) -> str:
+    env = {**os.environ, **env, "ACCELPLANE_DISABLE_PLUGINS": "sycl,hexagon,cuda"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run(
+        [sys.executable, "-m", "accelplane.cli", "devices"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_missing_driver_is_a_clear_line():
+    # the loader finds no driver when pointed at a manifest that does not exist
+    out = _devices_output(
+        {"VK_ICD_FILENAMES": "/nonexistent/icd.json", "VK_DRIVER_FILES": "/nonexistent/icd.json"}
+    )
+    line = next((x for x in out.splitlines() if "vulkan" in x and "broken" in x), None)
+    if line is None and "Vulkan0" in out:
+        pytest.skip("this loader ignores VK_ICD_FILENAMES / VK_DRIVER_FILES")
+    assert line is not None and "no Vulkan driver found" in line, out
+    assert "CPU" in out, "the other plugins carry on"
+
+
+def test_missing_loader_is_a_clear_line(tmp_path):
+    # what the ``vulkan`` package does without libvulkan.so.1: OSError at import
+    stub = tmp_path / "vulkan"
+    stub.mkdir()
+    (stub / "__init__.py").write_text(
+        textwrap.dedent("""
+        raise OSError("Cannot find Vulkan SDK version. Please ensure that it is installed and "
+                      "that the <sdk_root>/<version>/lib/ folder is in the library path")
+    """)
+    )
+    out = _devices_output({}, str(tmp_path))
+    line = next((x for x in out.splitlines() if "vulkan" in x and "broken" in x), "")
+    assert "no Vulkan driver found" in line and "libvulkan.so.1" in line, out
+    assert "CPU" in out
+
+
+def test_plugin_module_imports_nothing_heavy():
+    code = (
+        "import sys, accelplane_vulkan.plugin; "
+        "print(any(m in sys.modules for m in ('vulkan', 'accelplane_vulkan.runtime', 'cffi')))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "False", p.stderr
+
+
+def test_errors_are_typed(vk_devices):
+    dev = vk_devices()[0]
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (8,), "x")
+    g = ctx.graph(ctx.scale(x, 2.0))
+    be = dev.new_backend()
+    with pytest.raises(AccelplaneError, match="not allocated"):
+        be.compute(g)
+    be.free()
+
+
+def test_prebuilt_spirv_lookup(tmp_path, monkeypatch):
+    """SPIR-V built into the package is used when the cache is empty (machines without glslc)."""
+    monkeypatch.setenv("ACCELPLANE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(shaders, "PREBUILT_DIR", tmp_path / "prebuilt")
+    (tmp_path / "prebuilt").mkdir()
+    key = shaders.source_key("unary")
+    fake = b"\x03\x02\x23\x07" + b"\0" * 16
+    (tmp_path / "prebuilt" / f"unary-{key}.spv").write_bytes(fake)
+    monkeypatch.setenv("ACCELPLANE_GLSLC", str(Path("/nonexistent/glslc")))
+    assert shaders.spirv("unary") == fake
+    with pytest.raises(shaders.ShaderCompileError, match="glslc not found"):
+        shaders.spirv("norm")
+
+
+def test_bad_indices_raise_at_synchronize(vk_devices):
+    """Kernels never read or write out of bounds on a bad index; they set the stream's error
+    word, and synchronize raises ComputeError naming the op (as the CPU plugin raises)."""
+    from accelplane.errors import ComputeError
+
+    dev = vk_devices()[0]
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (4, 8), "a")
+    idx = ctx.new_tensor(T.I32, (3,), "idx")
+    experts = ctx.new_tensor(T.F32, (3, 5, 8), "experts")
+    b = ctx.new_tensor(T.F32, (2, 1, 8), "b")
+    ids = ctx.new_tensor(T.I32, (2, 1), "ids")
+    g1 = ctx.graph(ctx.get_rows(a, idx))
+    g2 = ctx.graph(ctx.mul_mat_id(experts, b, ids))
+    g3 = ctx.graph(ctx.set_rows(a, ctx.new_tensor(T.F32, (3, 8), "src"), idx))
+    buf = alloc_tensors([*ctx.tensors, *g1.nodes, *g2.nodes, *g3.nodes], dev.buffer_type)
+    for t in ctx.tensors:
+        t.set(np.zeros(t.shape))
+    be = dev.new_backend()
+    idx.set(np.array([0, 4, 1]))
+    ids.set(np.array([[1], [3]]))
+    for g, op in ((g1, "GET_ROWS"), (g2, "MUL_MAT_ID"), (g3, "SET_ROWS")):
+        be.graph_compute(g)
+        with pytest.raises(ComputeError, match=op):
+            be.synchronize()
+        be.synchronize()  # reported once
+    idx.set(np.array([0, 3, 1]))
+    be.compute(g1)  # good indices: no error
+    be.free()
+    buf.free()
+
+
+def test_every_shader_is_used_and_present():
+    assert set(kernels.SHADERS) == set(shaders.shader_names())
