@@ -163,6 +163,9 @@ class CudaPlan:
         self.cp = cp
         self.sctx = sctx
         self.steps: list[Callable[[], None]] = []
+        self.library_steps: set[int] = set()  # indices of cuBLAS steps (may refuse graph capture)
+        self.graph_error: str | None = None  # why whole-graph capture failed, if it did
+        self.segments: list | None = None  # [(cuda graph | None, steps)] when capture is partial
         self.keep: list = []  # device parameter arrays and scratch memory the steps use
         self.buffers = {}
         self.uses_index = False
@@ -506,6 +509,7 @@ class CudaPlan:
                               beta.ctypes.data, pc, ctype, ldc, cublas.CUBLAS_COMPUTE_32F,
                               cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
 
+        self.library_steps.add(len(self.steps))
         self.steps.append(step)
         if ctype == 2:
             self._elementwise_copy(tmp, n, sp=np.uint64(cp16))
@@ -533,21 +537,60 @@ class CudaPlan:
             if self.cuda_graph is not None:
                 self.cuda_graph.launch(stream)
                 return
+            if self.segments is not None:
+                for g, steps in self.segments:
+                    if g is not None:
+                        g.launch(stream)
+                    else:
+                        for s in steps:
+                            s()
+                return
             self.runs += 1
+            # the first run is eager (it warms library handles and workspaces); from the second
+            # on the graph is captured: whole if possible, else kernel runs between library calls
             if self.runs >= 2 and not self.graph_failed and self.steps:
                 try:
-                    stream.begin_capture()
-                    try:
-                        for s in self.steps:
-                            s()
-                    finally:
-                        g = stream.end_capture()
-                    self.cuda_graph = g
-                    g.launch(stream)
-                    return
-                except Exception:
-                    # capture unsupported here (e.g. a library call that allocates): run eagerly
-                    self.graph_failed = True
+                    self.cuda_graph = self._capture(stream, self.steps)
+                except Exception as e:
+                    self.graph_error = f"{type(e).__name__}: {e}"
                     self.cuda_graph = None
+                    try:
+                        self.segments = self._capture_segments(stream)
+                    except Exception as e2:
+                        self.graph_error += f"; segments: {type(e2).__name__}: {e2}"
+                        self.segments = None
+                        self.graph_failed = True
+                if self.cuda_graph is not None:
+                    self.cuda_graph.launch(stream)
+                    return
+                if self.segments is not None:
+                    self.runs -= 1
+                    return self.run()
             for s in self.steps:
                 s()
+
+    @staticmethod
+    def _capture(stream, steps):
+        stream.begin_capture()
+        try:
+            for s in steps:
+                s()
+        finally:
+            g = stream.end_capture()
+        return g
+
+    def _capture_segments(self, stream) -> list:
+        """Graphs of the kernel runs between library (cuBLAS) calls, which run eagerly."""
+        out: list = []
+        run: list = []
+        for i, s in enumerate(self.steps):
+            if i in self.library_steps:
+                if run:
+                    out.append((self._capture(stream, run), run))
+                    run = []
+                out.append((None, [s]))
+            else:
+                run.append(s)
+        if run:
+            out.append((self._capture(stream, run), run))
+        return out

@@ -131,3 +131,29 @@ def test_kernels_compile_with_nvrtc():
         pytest.fail(f"NVRTC: {e}\n{nvrtc.getProgramLog(prog)}")
     for n in _names():  # every kernel the plugin looks up has a symbol
         assert nvrtc.getLoweredName(prog, n), n
+
+
+def test_replays_with_library_calls():
+    """A graph with cuBLAS products between kernels is still replayed from captured graphs
+    (whole, or kernel runs between eager library calls), with the same results."""
+    dev = _cuda()
+    ctx = Context()
+    w = ctx.new_tensor(T.F32, (64, 96), "w")
+    x = ctx.new_tensor(T.F32, (20, 96), "x")
+    y = ctx.silu(ctx.mul_mat(w, ctx.scale(x, 0.5)))
+    g = ctx.graph(y)
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    rng = np.random.default_rng(1)
+    wv = rng.standard_normal((64, 96)).astype(np.float32)
+    w.set(wv)
+    be = dev.new_backend()
+    for _ in range(4):
+        xv = rng.standard_normal((20, 96)).astype(np.float32)
+        x.set(xv)
+        be.compute(g)
+        z = (0.5 * xv.astype(np.float64)) @ wv.T
+        np.testing.assert_allclose(y.get(), z / (1 + np.exp(-z)), rtol=1e-4, atol=1e-4)
+    plan = be.ctx.plans.get(g)
+    assert plan.cuda_graph is not None or plan.segments is not None, plan.graph_error
+    be.free()
+    buf.free()
