@@ -5,6 +5,11 @@ plugin that fails (import error, wrong API major, hookimpl that does not match i
 missing required hook, error or nothing from get_devices) is recorded in
 ``Registry.failures`` with the stage and reason, and the host carries on.
 
+Discovery only imports and validates: a discovered plugin's devices open (its get_devices,
+which may start a runtime such as CuPy, dpctl or a Vulkan instance) on the first use of
+``devices``, ``plugins`` or ``failures``, so ``import accelplane`` plus discovery stays cheap.
+Plugins named in ACCELPLANE_PLUGINS open at discovery, so their failures are loud there.
+
 Environment:
   ACCELPLANE_PLUGINS          comma list: load only these; a listed plugin that fails or is
                               missing raises PluginLoadError (loud, like JAX_PLATFORMS)
@@ -85,10 +90,39 @@ class Registry:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(Specs)
-        self.plugins: dict[str, Plugin] = {}
-        self.failures: list[Failure] = []
-        self.devices: list[Device] = []
+        self._plugins: dict[str, Plugin] = {}
+        self._failures: list[Failure] = []
+        self._devices: list[Device] = []
+        # validated plugins whose devices are not open yet: discovery stays cheap, and the
+        # runtimes (cupy, dpctl, a Vulkan instance) start on the first use of devices
+        self._pending: list[tuple[Plugin, list[str] | None]] = []
         self._lock = threading.RLock()
+
+    @property
+    def plugins(self) -> dict[str, Plugin]:
+        """Plugins with open devices (opening any discovered ones first)."""
+        self._open_pending()
+        return self._plugins
+
+    @property
+    def failures(self) -> list[Failure]:
+        """Plugins that failed, with the stage and reason (opening discovered plugins first)."""
+        self._open_pending()
+        return self._failures
+
+    @property
+    def devices(self) -> list[Device]:
+        """All devices, CPU devices last (opening any discovered plugins first)."""
+        self._open_pending()
+        return self._devices
+
+    def _open_pending(self) -> None:
+        if not self._pending:
+            return
+        with self._lock:
+            while self._pending:
+                plugin, allow = self._pending.pop(0)
+                self._open(plugin, allow)
 
     # --- discovery ------------------------------------------------------------------------------
     def discover(self) -> None:
@@ -108,7 +142,8 @@ class Registry:
             except Exception as e:
                 self._fail(ep.name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
-            self.register(module, ep.name, version=_dist_version(ep), _allow=allow)
+            # an allow-listed plugin opens now, so its failure is loud at discovery
+            self.register(module, ep.name, version=_dist_version(ep), _allow=allow, _defer=allow is None)
         for spec in _parse_list("ACCELPLANE_EXTRA_PLUGINS") or []:
             name, sep, modname = spec.partition("=")
             name, modname = name.strip(), modname.strip()
@@ -124,7 +159,7 @@ class Registry:
             except Exception as e:
                 self._fail(name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
-            self.register(module, name, version="(extra)", _allow=allow)
+            self.register(module, name, version="(extra)", _allow=allow, _defer=allow is None)
         if allow is not None:
             missing = [n for n in allow if n not in found]
             if missing:
@@ -134,17 +169,18 @@ class Registry:
                 )
 
     def _fail(self, name: str, stage: str, reason: str, allow: list[str] | None = None) -> None:
-        self.failures.append(Failure(name, stage, reason, traceback.format_exc(limit=3)))
+        self._failures.append(Failure(name, stage, reason, traceback.format_exc(limit=3)))
         if allow is not None and name in allow:
             raise PluginLoadError(f"plugin {name!r} failed at {stage}: {reason}")
 
     # --- registration -----------------------------------------------------------------------------
     def register(
-        self, module: ModuleType | Any, name: str, version: str = "?", _allow=None
+        self, module: ModuleType | Any, name: str, version: str = "?", _allow=None, _defer: bool = False
     ) -> Plugin | None:
-        """Validate and register one plugin object; returns None (and records why) on failure."""
+        """Validate and register one plugin object and open its devices; returns None (and
+        records why) on failure. Discovery passes ``_defer``: devices open on first use."""
         with self._lock:
-            if name in self.plugins:
+            if name in self._plugins or any(p.name == name for p, _ in self._pending):
                 self._fail(
                     name, "validate", f"a plugin named {name!r} is already registered", _allow
                 )
@@ -185,7 +221,15 @@ class Registry:
                 self._fail(name, "validate", f"{type(e).__name__}: {e}", _allow)
                 return None
             plugin = Plugin(name, module, got, version, fn)
-            # 3. devices (first call allowed to open the runtime)
+            if _defer:
+                self._pending.append((plugin, _allow))
+                return plugin
+            return self._open(plugin, _allow)
+
+    def _open(self, plugin: Plugin, _allow) -> Plugin | None:
+        """Stage 3: the plugin's devices (its first call allowed to open the runtime)."""
+        name, module, fn = plugin.name, plugin.module, plugin.fn
+        with self._lock:
             try:
                 specs = list(fn["get_devices"]())
                 if not specs:
@@ -199,7 +243,7 @@ class Registry:
                 self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow)
                 return None
             # device names are looked up case-insensitively: unique across all plugins
-            taken = {d.name.lower() for d in self.devices}
+            taken = {d.name.lower() for d in self._devices}
             clash = []
             for d in plugin.devices:
                 if d.name.lower() in taken:
@@ -211,10 +255,10 @@ class Registry:
                     name, "devices", f"device names already taken: {', '.join(clash)}", _allow
                 )
                 return None
-            self.plugins[name] = plugin
+            self._plugins[name] = plugin
             # CPU devices last, like ggml (the scheduler's last backend is the CPU)
-            self.devices = sorted(
-                self.devices + plugin.devices, key=lambda d: d.type == DeviceType.CPU
+            self._devices = sorted(
+                self._devices + plugin.devices, key=lambda d: d.type == DeviceType.CPU
             )
             return plugin
 
@@ -238,7 +282,7 @@ class Registry:
         with self._lock:
             p = self.plugins.pop(name)
             self.pm.unregister(p.module)
-            self.devices = [d for d in self.devices if d.plugin is not p]
+            self._devices = [d for d in self._devices if d.plugin is not p]
 
     # --- lookups ----------------------------------------------------------------------------------
     def device(self, name: str) -> Device:
