@@ -103,7 +103,7 @@ class SyclComm:
 
     def free(self) -> None:
         for bs in self.bs:
-            bs.sync()  # the one wait: nothing queued may still use the scratch
+            bs.sync(check=False)  # the one wait: nothing queued may still use the scratch
         for s in self.scratch:
             if s is not None:
                 s.release()
@@ -111,3 +111,5 @@ class SyclComm:
         self.stage = [None, None]
         self.stage_free = [None, None]
         self.cap = 0
+        for bs in self.bs:  # a wait for the queues: what their index kernels reported, once freed
+            bs.raise_errors()

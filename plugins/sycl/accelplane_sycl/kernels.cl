@@ -26,9 +26,20 @@ typedef float acc_t;
 
 #define TD_WORDS 10
 
+// bits of a backend's error word (plugin.INDEX_ERRORS): kernels that meet a bad index OR one in
+// and still never read or write out of bounds; the host raises at the backend's next synchronize
+#define ERR_GET_ROWS 1u
+#define ERR_SET_ROWS 2u
+#define ERR_MUL_MAT_ID 4u
+
 typedef __global uchar gbuf;
 typedef __global const uchar cbuf;
 typedef __global const long* params;
+typedef volatile __global uint* errw;
+
+inline void report_error(errw err, uint bit) {
+    if (!(*err & bit)) atomic_or(err, bit);
+}
 
 typedef struct {
     long off;
@@ -341,15 +352,16 @@ __kernel void k_concat(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* B) {
 
 // --- rows ----------------------------------------------------------------------------------------
 // P: dst, a, idx. dst[i0, i1, i2, i3] = a[i0, idx[i1, i2, i3], i2, i3]
-__kernel void k_get_rows(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* I) {
+__kernel void k_get_rows(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* I, errw err) {
     params p = P + pi;
     td_t d = td(p), a = td(p + TD_WORDS), x = td(p + 2 * TD_WORDS);
     long ix[4];
     unravel(get_global_id(0), d.ne, ix);
     long r = *(__global const int*)(I + row_off(&x, ix[2], ix[3], 0) + ix[1] * x.nb[0]);
     long od = at(&d, ix);
-    if (r < 0 || r >= a.ne[1]) {  // an index out of range gives NaN (0 for I32), never a stray read
+    if (r < 0 || r >= a.ne[1]) {  // out of range: no stray read; NaN (0 for I32) and the error bit
         st_f(dst, od, d.ty, d.ty == T_I32 ? 0.0f : NAN);
+        report_error(err, ERR_GET_ROWS);
         return;
     }
     long ro = row_off(&a, r, ix[2], ix[3]);
@@ -359,8 +371,8 @@ __kernel void k_get_rows(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* I) {
 
 // P: dst, src, idx. dst[:, idx[i1, i2 % c1, i3 % c2], i2, i3] = src[:, i1, i2, i3]; one work-item
 // per (element or block of a row, i2, i3) walks the rows in order, so a repeated row's last
-// write wins, as in ggml
-__kernel void k_set_rows(params P, ulong pi, gbuf* dst, cbuf* S, cbuf* I) {
+// write wins, as in ggml. An index out of range writes nothing and sets the error bit
+__kernel void k_set_rows(params P, ulong pi, gbuf* dst, cbuf* S, cbuf* I, errw err) {
     params p = P + pi;
     td_t d = td(p), s = td(p + TD_WORDS), x = td(p + 2 * TD_WORDS);
     int bs = blck(d.ty);
@@ -368,7 +380,10 @@ __kernel void k_set_rows(params P, ulong pi, gbuf* dst, cbuf* S, cbuf* I) {
     long c = g % per_row, i2 = (g / per_row) % s.ne[2], i3 = g / per_row / s.ne[2];
     for (long i1 = 0; i1 < s.ne[1]; ++i1) {
         long r = *(__global const int*)(I + row_off(&x, i2 % x.ne[1], i3 % x.ne[2], 0) + i1 * x.nb[0]);
-        if (r < 0 || r >= d.ne[1]) continue;
+        if (r < 0 || r >= d.ne[1]) {
+            report_error(err, ERR_SET_ROWS);
+            continue;
+        }
         long so = row_off(&s, i1, i2, i3), dro = row_off(&d, r, i2, i3);
         if (bs == 1) {
             st_f(dst, dro + c * d.nb[0], d.ty, ld_el(S, &s, so, c));
@@ -508,8 +523,9 @@ __kernel void k_mul_mat(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* B) {
     *(__global float*)(dst + at(&d, ix)) = (float)dot_row(A, &a, ao, B, &b, bo);
 }
 
-// P: dst, as, b, ids. dst[m, u, t] = as[:, m, ids[u, t]] . b[:, u % b.ne1, t]
-__kernel void k_mul_mat_id(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* B, cbuf* I) {
+// P: dst, as, b, ids. dst[m, u, t] = as[:, m, ids[u, t]] . b[:, u % b.ne1, t]; an expert id out
+// of range reads nothing, writes NaN and sets the error bit
+__kernel void k_mul_mat_id(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* B, cbuf* I, errw err) {
     params p = P + pi;
     td_t d = td(p), a = td(p + TD_WORDS), b = td(p + 2 * TD_WORDS), x = td(p + 3 * TD_WORDS);
     long ix[4];
@@ -518,6 +534,7 @@ __kernel void k_mul_mat_id(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* B, cbuf
     long od = at(&d, ix);
     if (e < 0 || e >= a.ne[2]) {
         *(__global float*)(dst + od) = NAN;
+        report_error(err, ERR_MUL_MAT_ID);
         return;
     }
     long ao = row_off(&a, ix[0], e, 0), bo = row_off(&b, ix[1] % b.ne[1], ix[2], 0);

@@ -68,6 +68,7 @@ class Plan:
         self.launches: list[tuple[str, list, int, int | None] | Step] = []  # kernel launch or call
         self.buffers: dict[int, Any] = {}
         self._scratch: UsmBuffer | None = None
+        self.uses_index = False  # GET_ROWS, SET_ROWS or MUL_MAT_ID: kernels that report bad indices
         nodes = [n for n in graph.nodes if n.op not in VIEW_OPS]
         for n in graph.nodes:
             self._check(n)
@@ -120,10 +121,14 @@ class Plan:
         self.launches.append((kernel, [pi, *mems], n, wg))
 
     def _k(self, kernel: str, tensors: list[Tensor], extra: tuple = (), n: int | None = None,
-           wg: int | None = None) -> None:  # fmt: skip
-        """Launch ``kernel`` over ``n`` work-items (default: the first tensor's elements)."""
+           wg: int | None = None, err: bool = False) -> None:  # fmt: skip
+        """Launch ``kernel`` over ``n`` work-items (default: the first tensor's elements); with
+        ``err``, the backend's error word is its last argument (kernels that index)."""
         pi = self._put(*[w for t in tensors for w in self._desc(t)], *extra)
         mems = [t.buffer.ctx.mem for t in tensors]
+        if err:
+            mems.append(self.bs.err_mem())
+            self.uses_index = True
         self._launch(kernel, pi, mems, tensors[0].nelements if n is None else n, wg)
 
     def _bind(self) -> list[Step]:
@@ -227,12 +232,12 @@ class Plan:
         self._k("k_concat", [n, *n.src], (n.op_params[0],))
 
     def _get_rows(self, n: Tensor) -> None:
-        self._k("k_get_rows", [n, *n.src])
+        self._k("k_get_rows", [n, *n.src], err=True)
 
     def _set_rows(self, n: Tensor) -> None:
         dst, src, idx = n.src
         per_row = src.ne[0] // dst.type.blck_size
-        self._k("k_set_rows", [dst, src, idx], n=per_row * src.ne[2] * src.ne[3])
+        self._k("k_set_rows", [dst, src, idx], n=per_row * src.ne[2] * src.ne[3], err=True)
 
     def _norm(self, n: Tensor) -> None:
         op = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[n.op]
@@ -259,7 +264,7 @@ class Plan:
         self._k("k_rope", [n, a, pos], extra, n=(a.ne[0] + 1) // 2 * a.nrows)
 
     def _mul_mat_id(self, n: Tensor) -> None:
-        self._k("k_mul_mat_id", [n, *n.src])
+        self._k("k_mul_mat_id", [n, *n.src], err=True)
 
     def _reduce(self, n: Tensor) -> None:
         a = n.src[0]

@@ -28,6 +28,14 @@ from accelplane.plancache import PlanCache
 
 ALIGNMENT = 128
 SPINS_PER_US = 700  # k_spin steps per microsecond on the OpenCL CPU device, roughly
+# bits of a backend's error word (kernels.cl ERR_*): kernels that meet a bad index set one and
+# still never read or write out of bounds; the backend's next synchronize raises
+INDEX_ERRORS = {
+    1: "GET_ROWS: a row index was out of range",
+    2: "SET_ROWS: a row index was out of range",
+    4: "MUL_MAT_ID: an expert id was out of range",
+}
+_ZERO_WORD = np.zeros(1, np.uint32)  # the source of the error word's resets (alive for good)
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,8 @@ class BuftInfo:
 
 
 class BackendState:
-    """A stream: its own in-order queue, its plans, and memory retired by dropped plans."""
+    """A stream: its own in-order queue, its plans, memory retired by dropped plans, and the
+    error word its index kernels (GET_ROWS, SET_ROWS, MUL_MAT_ID) report bad indices in."""
 
     def __init__(self, dev: Any) -> None:
         import dpctl
@@ -48,6 +57,8 @@ class BackendState:
         self.graveyard: list[Any] = []
         self.keepalive: list[Any] = []
         self.last: Any = None  # event of the latest submission (None: unknown, e.g. after dpnp)
+        self.err: Any = None  # UsmBuffer: 4 bytes of device memory, allocated by the first index op
+        self.check_err = False  # an index op ran since the error word was last read
         self.delay_us = float(os.environ.get("ACCELPLANE_TEST_DELAY_US", "0") or 0)
         seed = os.environ.get("ACCELPLANE_SYCL_DELAY_SEED")
         self.rng = random.Random(int(seed) if seed else None)
@@ -66,7 +77,15 @@ class BackendState:
         # a dropped plan's memory may still be read by queued kernels: free it after a sync
         self.graveyard.extend(b for b in bufs if b is not None)
 
-    def sync(self) -> None:
+    def err_mem(self) -> Any:
+        """The error word's memory, zeroed on this queue ahead of any kernel that uses it."""
+        if self.err is None:
+            self.err = self.dev.alloc(4, host=False)
+            self.queue.memcpy_async(self.err.mem, _ZERO_WORD, 4)
+        return self.err.mem
+
+    def sync(self, check: bool = True) -> None:
+        """Wait for the queue; with ``check``, raise what its index kernels reported."""
         try:
             self.queue.wait()
         except Exception as e:
@@ -75,6 +94,22 @@ class BackendState:
             b.release()
         self.graveyard.clear()
         self.keepalive.clear()
+        if check:
+            self.raise_errors()
+
+    def raise_errors(self) -> None:
+        """After a wait: read the error word when an index op ran since the last read, reset it
+        and raise ComputeError naming the device and the op(s)."""
+        if not self.check_err or self.err is None:
+            return
+        self.check_err = False
+        word = np.zeros(1, np.uint32)
+        self.queue.memcpy(word, self.err.mem, 4)
+        bits = int(word[0])
+        if bits:
+            self.queue.memcpy(self.err.mem, _ZERO_WORD, 4)
+            what = "; ".join(m for bit, m in INDEX_ERRORS.items() if bits & bit) or f"error word {bits:#x}"
+            raise ComputeError(f"{self.dev.name}: {what}")
 
     def delay(self) -> None:
         """ACCELPLANE_TEST_DELAY_US: a random busy kernel before queued work (ordering tests)."""
@@ -134,10 +169,14 @@ def init_backend(device, backend, params):
 
 @hookimpl
 def backend_free(backend):
+    # freeing never raises: errors of work that nobody synchronized go with the backend
     bs: BackendState = backend.ctx
-    bs.sync()
+    bs.sync(check=False)
     bs.plans.clear()
     bs.dev.streams.discard(bs)
+    if bs.err is not None:
+        bs.err.release()
+        bs.err = None
 
 
 @hookimpl
@@ -304,6 +343,7 @@ def graph_compute(backend, graph):
     bs: BackendState = backend.ctx
     plan = bs.plans.get(graph)
     plan.check_buffers()
+    bs.check_err = bs.check_err or plan.uses_index
     bs.delay()
     try:
         bs.last = plan.run()

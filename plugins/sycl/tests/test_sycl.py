@@ -302,7 +302,7 @@ def test_comm_allreduce(d0, d1, n):
             bf = [v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in vals]
             np.testing.assert_array_equal(got[0], bf[0] + bf[1])
             exact = vals[0].astype(np.float64) + vals[1]
-            assert np.all(np.abs(got[0] - exact) <= 2 ** -8 * (np.abs(vals[0]) + np.abs(vals[1])))
+            assert np.all(np.abs(got[0] - exact) <= 2**-8 * (np.abs(vals[0]) + np.abs(vals[1])))
         np.testing.assert_array_equal(got[0], got[1])
     comm.free()
     for b in (b0, b1):
@@ -367,3 +367,112 @@ def test_compute_on_foreign_memory_raises(d0, d1):
     b.free()
     for buf in bufs:
         buf.free()
+
+
+# --- bad indices: a typed error at synchronize, never silently wrong data -------------------------------
+def _index_graphs(ctx):
+    """GET_ROWS, SET_ROWS and MUL_MAT_ID graphs with their index tensors (all I32)."""
+    table = ctx.new_tensor(T.F32, (4, 8), "table")
+    rows = ctx.new_tensor(T.I32, (3,), "rows")
+    dst = ctx.new_tensor(T.F32, (4, 8), "dst")
+    src = ctx.new_tensor(T.F32, (2, 8), "src")
+    where = ctx.new_tensor(T.I32, (2,), "where")
+    experts = ctx.new_tensor(T.F32, (3, 4, 8), "experts")
+    x = ctx.new_tensor(T.F32, (2, 1, 8), "x")
+    ids = ctx.new_tensor(T.I32, (2, 1), "ids")
+    g = {
+        "GET_ROWS": ctx.graph(ctx.get_rows(table, rows)),
+        "SET_ROWS": ctx.graph(ctx.set_rows(dst, src, where)),
+        "MUL_MAT_ID": ctx.graph(ctx.mul_mat_id(experts, x, ids)),
+    }
+    good = {"GET_ROWS": (rows, [0, 3, 1]), "SET_ROWS": (where, [3, 0]), "MUL_MAT_ID": (ids, [[2], [0]])}
+    bad = {"GET_ROWS": (rows, [0, 4, 1]), "SET_ROWS": (where, [3, -1]), "MUL_MAT_ID": (ids, [[3], [0]])}
+    return g, good, bad
+
+
+_WHAT = {
+    "GET_ROWS": "GET_ROWS: a row index was out of range",
+    "SET_ROWS": "SET_ROWS: a row index was out of range",
+    "MUL_MAT_ID": "MUL_MAT_ID: an expert id was out of range",
+}
+
+
+@pytest.mark.parametrize("op", ["GET_ROWS", "SET_ROWS", "MUL_MAT_ID"])
+@pytest.mark.parametrize("which", [0, 1], ids=["SYCL0", "SYCL1"])
+def test_bad_index_raises_at_synchronize(devs, op, which):
+    dev = devs[which]
+    ctx = Context()
+    graphs, good, bad = _index_graphs(ctx)
+    g = graphs[op]
+    buf = alloc_tensors([*ctx.tensors, *g.nodes], dev.buffer_type)
+    rng = np.random.default_rng(7)
+    for t in g.leafs:
+        if t.type == T.F32:
+            t.set(rng.standard_normal(t.shape).astype(np.float32))
+    b = dev.new_backend()
+    idx, vals = bad[op]
+    idx.set(np.array(vals, np.int32))
+    before = {t: t.get().copy() for t in g.leafs}
+    b.graph_compute(g)  # queued: the error shows when the host waits for the queue
+    with pytest.raises(ComputeError, match=f"^SYCL{which}: {_WHAT[op]}$"):
+        b.synchronize()
+    b.synchronize()  # read once and reset
+    if op == "SET_ROWS":  # the good row was written, the bad one nothing (no stray write)
+        dst = g.nodes[-1].view_src
+        want = before[dst].copy()
+        want[3] = before[g.nodes[-1].src[1]][0]
+        np.testing.assert_array_equal(dst.get(), want)
+    for t in g.leafs:
+        if t.type == T.I32 or op != "SET_ROWS" or t is not g.nodes[-1].view_src:
+            np.testing.assert_array_equal(t.get(), before[t], err_msg=f"input {t.name} changed")
+    # afterwards a good compute works and is right
+    idx, vals = good[op]
+    idx.set(np.array(vals, np.int32))
+    b.compute(g)
+    out = g.nodes[-1]
+    if op == "GET_ROWS":
+        np.testing.assert_array_equal(out.get(), before[out.src[0]][[0, 3, 1]])
+    elif op == "SET_ROWS":
+        got = out.view_src.get()
+        np.testing.assert_array_equal(got[[3, 0]], before[out.src[1]])
+    else:
+        e, xv = before[out.src[0]], before[out.src[1]]
+        want = np.stack([e[2] @ xv[0, 0], e[0] @ xv[1, 0]])[:, None, :]
+        np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
+    b.free()
+    buf.free()
+
+
+def test_bad_index_error_is_per_backend_and_names_every_op(d0):
+    """Two bad ops in one graph: one error naming both; another backend of the device stays clean."""
+    ctx = Context()
+    graphs, _, bad = _index_graphs(ctx)
+    g = Graph([graphs["GET_ROWS"].nodes[-1], graphs["MUL_MAT_ID"].nodes[-1]])
+    buf = alloc_tensors([*ctx.tensors, *g.nodes], d0.buffer_type)
+    for t in g.leafs:
+        t.set(np.ones(t.shape, np.float32) if t.type == T.F32 else np.zeros(t.shape, np.int32))
+    b, other = d0.new_backend(), d0.new_backend()
+    other.compute(g)  # good indices (zeros)
+    for op in ("GET_ROWS", "MUL_MAT_ID"):
+        idx, vals = bad[op]
+        idx.set(np.array(vals, np.int32))
+    with pytest.raises(ComputeError) as e:
+        b.compute(g)
+    assert str(e.value) == f"SYCL0: {_WHAT['GET_ROWS']}; {_WHAT['MUL_MAT_ID']}"
+    other.synchronize()  # the other stream has no error of its own
+    b.graph_compute(g)
+    b.free()  # freeing never raises; the error goes with the backend
+    buf.free()
+
+
+# --- the benchmark module runs (small sizes; the numbers are in docs/benchmarks.md) ---------------------
+def test_bench_smoke(d0, d1):
+    from accelplane_sycl import bench
+
+    rows = [bench.bench_overlap(d0, "kernel", "d2d", reps=1, mkn=(64, 256, 4), copy_mb=1)]
+    assert rows[0]["two_queues_ms"] > 0 and rows[0]["copy_bytes"] == 1 << 20
+    ar = bench.bench_allreduce(d0, d1, sizes=(1000, 32768), reps=1)
+    assert [(r["elements"], r["wire"], r["bytes_per_rank"]) for r in ar] == [
+        (1000, "F32", 4000), (32768, "BF16", 65536), (32768, "F32", 131072)
+    ]  # fmt: skip
+    assert "two queues" in bench.format_overlap(rows) and "BF16" in bench.format_allreduce(ar)
