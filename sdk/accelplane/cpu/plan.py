@@ -104,7 +104,8 @@ def _unary_fn(t: Tensor) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: the result is 0
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def _gelu(x):
