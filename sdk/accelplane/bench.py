@@ -8,7 +8,7 @@ import json
 import platform
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -196,10 +196,13 @@ def to_json(results: list[PerfResult]) -> str:
 
 def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
     """Cost of one hook call three ways (µs): through pluggy's pm.hook (what the hot path
-    avoids), through a handle's dispatch table (what the SDK does), and a direct call."""
-    from .registry import get_registry
+    avoids), through a handle's dispatch table (what the SDK does), and a direct call. A
+    private registry holds only the CPU plugin, so pm.hook calls one implementation."""
+    from .cpu import plugin as cpu_plugin
+    from .registry import Registry
 
-    reg = get_registry()
+    reg = Registry()
+    reg.register(cpu_plugin, "cpu")
     dev = reg.device("CPU")
     ctx = Context()
     t = ctx.scale(ctx.new_tensor_ne(T.F32, 4), 2.0)
@@ -213,7 +216,7 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
         return (time.perf_counter() - t0) / n * 1e6
 
     return [
-        ("pm.hook.supports_op (all plugins, pluggy)", timeit(lambda: hook(device=dev, op=t))),
+        ("pm.hook.supports_op (pluggy, one plugin)", timeit(lambda: hook(device=dev, op=t))),
         ("Device.supports_op (dispatch table)", timeit(lambda: dev.supports_op(t))),
         ("plugin function called directly", timeit(lambda: fn(dev, t))),
     ]
@@ -362,3 +365,119 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
         b1.free()
         b2.free()
     return out
+
+
+# --- tensor parallelism ------------------------------------------------------------------------------
+def _tp_defaults(devices: Sequence[Device] | None) -> tuple[list[Device], list[int]]:
+    """(devices, device counts): the devices of the first plugin with two or more non-CPU
+    devices (counts 2..n), else the CPU device as 2 and 4 backends (a functional run, not a
+    speed-up)."""
+    from .hookspecs import DeviceType
+    from .registry import get_registry
+
+    if devices:
+        devs = list(devices)
+        return devs, list(range(2, len(devs) + 1)) or [1]
+    by_plugin: dict[str, list[Device]] = {}
+    for d in get_registry().devices:
+        if d.type != DeviceType.CPU:
+            by_plugin.setdefault(d.plugin.name, []).append(d)
+    for devs in by_plugin.values():
+        if len(devs) >= 2:
+            return devs, list(range(2, len(devs) + 1))
+    cpu = get_registry().device("CPU")
+    return [cpu] * 4, [2, 4]
+
+
+def bench_tp(devices: Sequence[Device] | None = None, counts: Sequence[int] | None = None,
+             sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 24),
+             algorithms: Sequence[str] = ("butterfly", "ring", "plugin"), min_time: float = 0.2,
+             layer=None, runs: int = 5,
+             progress: Callable[[str], None] | None = None) -> dict[str, list[dict]]:  # fmt: skip
+    """``accelplane bench tp``: per device count and all-reduce algorithm, the bus bandwidth
+    (nccl-tests' 2(n-1)/n × bytes / time) beside a host memcpy of the same bytes in the same run
+    (:func:`accelplane.comm.bench_allreduce`); and the tokens/s of a llama-like layer stack
+    (:func:`~accelplane.testing.graphs.llama_layer`) on the first device (split none) and
+    tensor-split over the first n devices (``MetaDevice``). Devices and counts: see
+    :func:`_tp_defaults`; ``layer``: a :class:`~accelplane.testing.tp.LayerParams` (default
+    small on CPU devices, larger on others)."""
+    from .comm import bench_allreduce
+    from .hookspecs import DeviceType
+    from .testing.tp import LayerParams, layer_values, single, tensor_parallel
+
+    devs, default_counts = _tp_defaults(devices)
+    counts = list(counts or default_counts)
+    on_cpu = devs[0].type == DeviceType.CPU
+    if layer is None:
+        small = dict(d_model=256, n_head=8, n_kv_head=4, d_ff=768, n_tokens=32, n_layers=4)
+        big = dict(d_model=2048, n_head=16, n_kv_head=8, d_ff=5632, n_tokens=128, n_layers=4)
+        layer = LayerParams(**(small if on_cpu else big))
+    ar_rows: list[dict] = []
+    for n in counts:
+        if n < 2:
+            continue
+        backends = [devs[i % len(devs)].new_backend() for i in range(n)]
+        if progress:
+            progress(f"tp: all-reduce over {n} backends")
+        try:
+            for r in bench_allreduce(backends, sizes, algorithms, min_time_s=min_time):
+                row = asdict(r)
+                row["devices"] = ",".join(b.device.name for b in backends)
+                row["vs_memcpy"] = r.busbw_gbps / r.memcpy_gbps if r.used else float("nan")
+                ar_rows.append(row)
+        finally:
+            for b in backends:
+                b.free()
+    weights, inputs = layer_values(layer.build(), seed=0)
+
+    def timed(run, label: str) -> float:
+        """Median seconds of a forward (the first run, which plans and allocates, not counted)."""
+        times = []
+        for i in range(runs + 1):
+            if progress:
+                progress(f"tp: {label} run {i + 1}/{runs + 1}")
+            t0 = time.perf_counter()
+            run(inputs)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    layer_rows: list[dict] = []
+    base = single(devs[0], layer, weights)
+    sec = timed(base, "split none")
+    base.free()
+    ref_tps = layer.n_tokens / sec
+    desc = f"{layer.n_layers} layers, d_model {layer.d_model}, {layer.n_tokens} tokens, {layer.wtype.name}"
+    layer_rows.append({"devices": devs[0].name, "n": 1, "split": "none", "layers": desc,
+                       "ms_per_forward": sec * 1e3, "tokens_per_s": ref_tps, "speedup": 1.0})  # fmt: skip
+    for n in counts:
+        run = tensor_parallel([devs[i % len(devs)] for i in range(n)], layer, weights)
+        sec = timed(run, f"split tensor x{n}")
+        names = ",".join(d.name for d in run.meta.devices)
+        layer_rows.append({"devices": names, "n": n, "split": "tensor", "layers": desc,
+                           "ms_per_forward": sec * 1e3, "tokens_per_s": layer.n_tokens / sec,
+                           "speedup": layer.n_tokens / sec / ref_tps,
+                           "allreduces": run.meta.stats.allreduces,
+                           "comm": ",".join(sorted(run.meta.stats.algorithms))})  # fmt: skip
+        run.meta.free()
+    return {"allreduce": ar_rows, "layers": layer_rows}
+
+
+def format_tp(res: dict[str, list[dict]]) -> str:
+    lines = ["all-reduce: bus bandwidth and a host memcpy of the same bytes, same run",
+             f"{'n':>2} {'algorithm':<10} {'used':<10} {'bytes':>10} {'us/call':>10} {'busbw GB/s':>11} "
+             f"{'memcpy GB/s':>12} {'ratio':>7}  devices"]  # fmt: skip
+    for r in res["allreduce"]:
+        if not r["used"]:
+            lines.append(f"{r['n']:>2} {r['algorithm']:<10} {'-':<10} {r['bytes']:>10} {'n/a':>10}"
+                         f"{'':>13}{r['memcpy_gbps']:>13.2f} {'':>7}  {r['note'][:60]}")  # fmt: skip
+            continue
+        lines.append(f"{r['n']:>2} {r['algorithm']:<10} {r['used']:<10} {r['bytes']:>10} "
+                     f"{r['us_per_call']:>10.1f} {r['busbw_gbps']:>11.2f} {r['memcpy_gbps']:>12.2f} "
+                     f"{r['vs_memcpy']:>7.3f}  {r['devices']}")  # fmt: skip
+    lines += ["", f"llama-like layer stack ({res['layers'][0]['layers']})",
+              f"{'split':<7} {'n':>2} {'ms/forward':>11} {'tokens/s':>10} {'speedup':>8}  "
+              "devices"]  # fmt: skip
+    for r in res["layers"]:
+        lines.append(f"{r['split']:<7} {r['n']:>2} {r['ms_per_forward']:>11.2f} {r['tokens_per_s']:>10.1f} "
+                     f"{r['speedup']:>8.2f}  {r['devices']}")  # fmt: skip
+    return "\n".join(lines)

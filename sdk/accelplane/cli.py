@@ -78,6 +78,13 @@ def cmd_ops(args) -> int:
                  "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]  # fmt: skip
         for op, row in matrix.items():
             lines.append(f"| {op} | " + " | ".join(_cell(*row[c]) for c in cols) + " |")
+        import accelplane
+
+        missing = accelplane.get_registry().failures
+        if missing:
+            lines += ["", "Installed plugins without a usable device where this was generated "
+                      "(no column):", ""]  # fmt: skip
+            lines += [f"- {f.name}: {f.reason}" for f in missing]
         text = "\n".join(lines) + "\n"
         if args.markdown == "-":
             print(text)
@@ -125,6 +132,15 @@ def cmd_bench(args) -> int:
         for label, us in bench.bench_dispatch():
             print(f"{label:<45} {us:8.3f} us/call")
         return 0
+    if args.what == "tp":
+        devs = [reg.device(n) for n in args.device] if args.device else None
+        res = bench.bench_tp(devs, progress=_progress)
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+        print(bench.format_tp(res))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": bench.machine(), **res}, indent=1))
+        return 0
     if args.what in ("sched", "moe"):
         dev = args.device[0] if args.device else None
         rows = (bench.bench_sched(device=dev, progress=_progress) if args.what == "sched"
@@ -166,9 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--thorough", action="store_true")
     c.add_argument("--xfails", action="append", help="extra expected-failures file")
     b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model"],
+    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "tp"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
-                        "moe: expert prefetch; model: llama-bench pp/tg tokens/s")  # fmt: skip
+                        "moe: expert prefetch; model: llama-bench pp/tg tokens/s; tp: tensor "
+                        "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
+                        "device to give it several backends)")  # fmt: skip
     b.add_argument("--set", default="default", help="case set: default, matmul, small, overhead")
     b.add_argument("-p", "--pattern", help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
