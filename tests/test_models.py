@@ -17,7 +17,7 @@ import accelplane.testing.asyncdev as asyncdev
 import gguf
 import numpy as np
 import pytest
-from accelplane.errors import DeviceError, GGUFError, ShapeError
+from accelplane.errors import GGUFError, ShapeError
 from accelplane.hookspecs import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
 from accelplane.models.gguf import MetaValue, synthetic_tensor
@@ -366,10 +366,37 @@ def test_graphs_and_plans_reused_across_tokens(reg, models):
             m.free()
 
 
+def _nmse(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sum((a - b) ** 2) / np.sum(b * b))
+
+
+def test_split_tensor_matches_split_none(reg, models):
+    """Tensor split over the two asynchronous test devices (meta device): the prefill's logits
+    for every token and a decode step through the split KV cache match split none."""
+    cpu = reg.device("CPU")
+    devs = [reg.device("ASYNC0"), reg.device("ASYNC1")]
+    toks = [3, 17, 5, 125, 9, 1, 77, 4, 120, 33, 2, 8]
+    outs = {}
+    for split, d in (("none", devs[:1]), ("tensor", devs)):
+        m = LlamaModel.from_gguf(models["f32"], d, cpu=cpu, split=split)
+        try:
+            pre = m.eval(toks, all_logits=True)
+            dec = m.eval([int(pre.ids[-1])])
+            outs[split] = (pre.logits, dec.logits, pre.ids)
+            if split == "tensor":
+                plan = "\n".join(m.describe_plan(1))
+                assert "tensor split over 2 devices" in plan and "ASYNC1" in plan
+                assert m.meta.stats.allreduces > 0
+        finally:
+            m.free()
+    for got, want in zip(outs["tensor"][:2], outs["none"][:2], strict=True):
+        assert _nmse(got, want) < 1e-8
+    assert np.array_equal(outs["tensor"][2], outs["none"][2])
+
+
 def test_split_modes(reg, models):
     cpu = reg.device("CPU")
-    with pytest.raises(DeviceError, match="tensor split|meta device"):
-        LlamaModel.from_gguf(models["f32"], [reg.device("ASYNC0")], cpu=cpu, split="tensor")
     m = LlamaModel.from_gguf(models["moe"], [reg.device("ASYNC0"), reg.device("ASYNC1")], cpu=cpu,
                              split="layer")  # fmt: skip
     try:
@@ -415,8 +442,11 @@ def test_accelplane_run_end_to_end(cli_env):
 def test_accelplane_run_split_tensor_and_bench_model(cli_env, models, tmp_path, capsys):
     from accelplane import cli
 
-    assert cli.main(["run", "--model", str(models["f32"]), "--split", "tensor"]) == 1
-    assert "meta device" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "accelplane.cli", "run", "--model", str(models["f32"]),
+                        "--split", "tensor", "--tokens", "4", "--prompt-tokens", "8"],
+                       capture_output=True, text=True, env=cli_env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tensor split over 2 devices" in r.stdout and ": OK" in r.stdout
     js = tmp_path / "bench.json"
     assert cli.main(["bench", "model", "--model", str(models["q8_0"]), "-d", "CPU", "--pp", "16",
                      "--tg", "4", "--reps", "1", "--json", str(js)]) == 0  # fmt: skip

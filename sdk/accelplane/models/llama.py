@@ -21,8 +21,9 @@ consecutive tokens and the backends' plan caches hit), unused slots hidden by th
 
 Placement (``split``): ``none`` puts every layer on ``devices[0]``; ``layer`` cuts the layers
 into contiguous, even chunks over ``devices`` (llama.cpp ``-sm layer``); the output layer goes
-with the last layer; ``tensor`` needs the meta device (not in this build: it raises
-DeviceError) — :meth:`LlamaConfig.split_role` already names each weight's tensor-parallel role.
+with the last layer; ``tensor`` runs every layer on all the devices at once through the meta
+device (accelplane.meta: weights split by :meth:`LlamaConfig.split_role`, attention heads and FFN
+columns per device, row-parallel products all-reduced).
 """
 
 from __future__ import annotations
@@ -226,14 +227,16 @@ class EvalResult:
 
 
 def check_split(split: str) -> None:
-    """DeviceError unless ``split`` is a mode this build runs (none, layer)."""
+    """DeviceError unless ``split`` is one of none, layer, tensor."""
     if split not in SPLIT_MODES:
         raise DeviceError(f"unknown split mode {split!r} (none, layer, tensor)")
-    if split == "tensor":
-        raise DeviceError(
-            "split 'tensor' (--split tensor) needs the meta device (tensor parallelism, "
-            "accelplane.meta), which this build does not have yet; use split 'none' or 'layer'"
-        )
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a tensor-split weight lives, for reports: all the meta device's devices."""
+
+    name: str
 
 
 def layer_devices(n_layers: int, n_devices: int) -> list[int]:
@@ -283,6 +286,7 @@ class LlamaModel:
         self.cache_type = parse_type(cache_type)
         if self.cache_type not in (T.F16, T.F32):
             raise ShapeError(f"KV cache type must be F16 or F32, got {self.cache_type.name}")
+        given = list(devices)
         self.devices = list(dict.fromkeys(devices))
         cpus = [d for d in self.devices if d.type == DeviceType.CPU]
         if cpu is None:
@@ -298,9 +302,19 @@ class LlamaModel:
             else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
         )  # fmt: skip
         self.output_dev = self.layer_dev[-1]
-        sched_devs = [d for d in self.devices if d.type != DeviceType.CPU] + [cpu]
-        self.backends: list[Backend] = [d.new_backend() for d in sched_devs]
-        self.sched = Scheduler(self.backends, policy=policy)
+        self.meta = None
+        if split == "tensor":
+            from ..meta import MetaDevice
+
+            # the same device may appear twice (one device as two shards): keep repeats
+            tp = [d for d in given if d.type != DeviceType.CPU] or given
+            self.meta = MetaDevice(tp, self._tp_split_state)
+            self.sched = self.meta  # the same alloc_graph / graph_compute / synchronize / free
+            self.backends: list[Backend] = list(self.meta.backends)
+        else:
+            sched_devs = [d for d in self.devices if d.type != DeviceType.CPU] + [cpu]
+            self.backends = [d.new_backend() for d in sched_devs]
+            self.sched = Scheduler(self.backends, policy=policy)
         self.n_past = 0
         self._steps: dict[tuple[int, int, bool], _Step] = {}
         self.buffers: list[Buffer] = []
@@ -336,6 +350,18 @@ class LlamaModel:
             self.cache_k.append(k)
             self.cache_v.append(v)
             cache_by_dev.setdefault(self.layer_dev[i], []).extend((k, v))
+        if self.meta is not None:
+            place = _Place("+".join(d.name for d in self.meta.devices))
+            self.placement = {name: place for name in self.w}
+            try:
+                self.buffers.append(self.meta.alloc_weights(list(self.w.values())))
+                cb = self.meta.alloc_weights(self.cache_k + self.cache_v, usage=BufferUsage.ANY)
+                cb.clear(0)
+                self.buffers.append(cb)
+            except Exception:
+                self.free()
+                raise
+            return
         try:
             for dev, ts in by_dev.items():
                 buf = alloc_tensors(ts, dev.buffer_type, BufferUsage.WEIGHTS)
@@ -363,10 +389,20 @@ class LlamaModel:
         return sum(t.nbytes for t in self.cache_k + self.cache_v)
 
     def split_state(self, t: Tensor) -> SplitRole:
-        """The tensor-parallel role of one of this model's weight or KV-cache tensors: the
-        callback a meta device (``split='tensor'``, not in this build) takes for statically
-        allocated tensors, like ggml_backend_meta_get_split_state_t."""
+        """The tensor-parallel role of one of this model's weight or KV-cache tensors (what
+        ggml_backend_meta_get_split_state_t gives for statically allocated tensors)."""
         return self.cfg.split_role(t.name)
+
+    def _tp_split_state(self, t: Tensor):
+        """The meta device's split callback: mirrored, or split along the role's axis in units
+        that keep a head (whole GQA groups for Q and the output projection) on one device."""
+        role = self.cfg.split_role(t.name)
+        if role.kind is SplitKind.MIRRORED or role.axis is None:
+            return None
+        g = role.granularity
+        if t.name.endswith(("attn_q.weight", "attn_output.weight")):
+            g = self.cfg.head_dim * (self.cfg.n_head // self.cfg.n_head_kv)
+        return self.meta.split(t, role.axis, g)
 
     def load_weights(self, source: Callable[[str], np.ndarray],
                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
@@ -474,9 +510,14 @@ class LlamaModel:
             # orders the writes before the reads
             kc, vc = self.cache_k[il], self.cache_v[il]
             k_set = cb(ctx.set_rows(kc, ctx.reshape_ne(k, e_kv, n_tok), pos), "k_cache_write")
-            v_set = cb(ctx.set_rows(ctx.reshape_ne(vc, 1, self.n_ctx * e_kv),
-                                    ctx.reshape_ne(v, 1, n_tok * e_kv), v_idx),
-                       "v_cache_write")  # fmt: skip
+            if self.meta is None:
+                v_set = cb(ctx.set_rows(ctx.reshape_ne(vc, 1, self.n_ctx * e_kv),
+                                        ctx.reshape_ne(v, 1, n_tok * e_kv), v_idx),
+                           "v_cache_write")  # fmt: skip
+            else:  # per kv channel, rows by position: indices stay local to every shard
+                v_set = cb(ctx.set_rows(ctx.view(vc, (1, self.n_ctx, e_kv), (esz, esz, self.n_ctx * esz)),
+                                        ctx.view(v, (1, n_tok, e_kv), (v.nb[0], v.nb[1], v.nb[0])), pos),
+                           "v_cache_write")  # fmt: skip
             kk = ctx.view(k_set, (hd, n_kv, n_kv_head), (esz, e_kv * esz, hd * esz))
             vv = ctx.view(v_set, (n_kv, hd, n_kv_head), (esz, self.n_ctx * esz, hd * self.n_ctx * esz))
             # grouped-query attention as one product per kv head: its g query heads' rows
@@ -567,8 +608,9 @@ class LlamaModel:
         slots = np.arange(st.n_kv)
         mask = np.where(slots[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float32)
         st.mask.set(np.repeat(mask, self.cfg.n_head // self.cfg.n_head_kv, axis=0))
-        e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
-        st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
+        if self.meta is None:
+            e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
+            st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
         self.sched.graph_compute(st.graph)
         self.sched.synchronize()
         self.n_past += n
@@ -601,6 +643,10 @@ class LlamaModel:
         lines = []
         for dev, nb in self.weight_bytes().items():
             lines.append(f"weights on {dev}: {nb / 2**20:.1f} MiB")
+        if self.meta is not None:
+            lines.append(f"tensor split over {len(self.meta.devices)} devices "
+                         f"({', '.join(d.name for d in self.meta.devices)}):")  # fmt: skip
+            return lines + [f"  {x}" for x in self.meta.describe(st.graph)]
         caches: dict[str, int] = {}
         for i, dev in enumerate(self.layer_dev):
             caches[dev.name] = caches.get(dev.name, 0) + self.cache_k[i].nbytes + self.cache_v[i].nbytes
