@@ -263,26 +263,11 @@ class Buffer:
         return [self]
 
 
-class MultiBuffer(Buffer):
-    """Several real buffers acting as one (ggml's multi_buffer). Tensors never point at the
-    multi-buffer: each is placed in, and points at, one real sub-buffer."""
+class CompositeBuffer(Buffer):
+    """A buffer made of real ``parts`` (which hold the memory): clearing, usage and freeing go
+    to every part. MultiBuffer and the meta device's buffer are composites."""
 
-    def __init__(self, buft: BufferType, parts: list[Buffer], usage: BufferUsage) -> None:
-        self._init(buft, sum(p.size for p in parts), usage)
-        self.parts = parts
-        self.name = f"{buft.name}#multi{self.uid}"
-
-    def place(self, t: Tensor, offs: int) -> None:
-        raise DeviceError("tensors are placed in a multi-buffer's parts, not in the multi-buffer")
-
-    @property
-    def host_array(self) -> np.ndarray:
-        raise DeviceError(f"{self.name}: a multi-buffer has no single host array; use its parts")
-
-    def set_tensor(self, t, data, offset, size):  # pragma: no cover - tensors use their part
-        raise DeviceError("multi-buffer: use the tensor's own buffer")
-
-    get_tensor = set_tensor
+    parts: list[Buffer]
 
     def clear(self, value: int = 0) -> None:
         for p in self.parts:
@@ -303,6 +288,28 @@ class MultiBuffer(Buffer):
     @property
     def buffers(self) -> list[Buffer]:
         return list(self.parts)
+
+
+class MultiBuffer(CompositeBuffer):
+    """Several real buffers acting as one (ggml's multi_buffer). Tensors never point at the
+    multi-buffer: each is placed in, and points at, one real sub-buffer."""
+
+    def __init__(self, buft: BufferType, parts: list[Buffer], usage: BufferUsage) -> None:
+        self._init(buft, sum(p.size for p in parts), usage)
+        self.parts = parts
+        self.name = f"{buft.name}#multi{self.uid}"
+
+    def place(self, t: Tensor, offs: int) -> None:
+        raise DeviceError("tensors are placed in a multi-buffer's parts, not in the multi-buffer")
+
+    @property
+    def host_array(self) -> np.ndarray:
+        raise DeviceError(f"{self.name}: a multi-buffer has no single host array; use its parts")
+
+    def set_tensor(self, t, data, offset, size):  # pragma: no cover - tensors use their part
+        raise DeviceError("multi-buffer: use the tensor's own buffer")
+
+    get_tensor = set_tensor
 
 
 class Event:

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .alloc import GraphAllocator, alloc_tensors
-from .backend import Backend, Buffer, BufferUsage, Device
+from .backend import Backend, Buffer, BufferUsage, CompositeBuffer, Device
 from .comm import REDUCIBLE, AllReduce
 from .errors import DeviceError, ShapeError, UnsupportedOpError
 from .graph import Context, Graph
@@ -468,7 +468,7 @@ class MetaStats:
 
 
 # --- the buffer of logical tensors ----------------------------------------------------------------------
-class MetaBuffer(Buffer):
+class MetaBuffer(CompositeBuffer):
     """The buffer logical tensors of a meta device point at: set/get scatter to and gather from
     their shards (a logical view reads its owner's logical bytes). ``buffers`` are the real
     per-device buffers (weights), freed with this one.
@@ -535,26 +535,6 @@ class MetaBuffer(Buffer):
     def memset_tensor(self, t: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
         size = t.nbytes - offset if size is None else size
         self.set_tensor(t, np.full(size, value, np.uint8), offset, size)
-
-    def clear(self, value: int = 0) -> None:
-        for p in self.parts:
-            p.clear(value)
-
-    def set_usage(self, usage: BufferUsage) -> None:
-        self.usage = usage
-        for p in self.parts:
-            p.set_usage(usage)
-
-    def free(self) -> None:
-        if self.freed:
-            return
-        self.freed = True
-        for p in self.parts:
-            p.free()
-
-    @property
-    def buffers(self) -> list[Buffer]:
-        return list(self.parts)
 
 
 # --- the planner: one logical graph -> per-device subgraphs and all-reduces ------------------------------
