@@ -31,6 +31,7 @@ T = GGMLType
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
 THREADS = 256
 MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
+MMV_SMALL = 1 << 22  # float weight matrices up to this many elements use them too
 MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp (kernels.cu: MMVQ_SEG)
 MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680}  # segments are multiples of this (and of 16)
 # tuning knobs, for measuring the alternatives side by side:
@@ -431,7 +432,11 @@ class CudaPlan:
         if a.type in QUANT and nrow_b <= MMV_MAXN and self._mmvq_ok(a):
             self._mmvq(n)
             return
-        if a.type in QUANT and nrow_b <= MMV_MAXN:
+        small_float = (a.type in FLOAT and a.ne[0] % 32 == 0 and a.ne[0] * a.ne[1] <= MMV_SMALL
+                       and _rows_contig(a))  # fmt: skip
+        if (a.type in QUANT or small_float) and nrow_b <= MMV_MAXN:
+            # small float products (attention over the KV cache) stay off cuBLAS, so a decode
+            # graph is captured whole as one CUDA graph
             xp, xnb = self._x_f32(b)
             P = self._P([a.ne[1], a.ne[0], nrow_b, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
                          *a.nb[1:], *xnb[1:], *n.nb[1:]])  # fmt: skip
