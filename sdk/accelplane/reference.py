@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .errors import DeviceError, OutOfRangeError, ShapeError
+from .errors import DeviceError, OutOfRangeError, ShapeError, UnsupportedOpError
 from .graph import Graph
 from .ops import (
     ROPE_TYPE_NEOX,
@@ -578,7 +578,7 @@ _OPS: dict[Op, Callable] = {
 def _compute(node: Tensor, srcs: list) -> np.ndarray:
     fn = _OPS.get(node.op)
     if fn is None:
-        raise NotImplementedError(f"reference: no oracle for op {node.op}")
+        raise UnsupportedOpError(f"reference: no oracle for op {node.op}")
     with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
         out = np.asarray(fn(node, srcs))
     shape = _shape4(node)
