@@ -12,7 +12,7 @@ import pytest
 
 import accelplane
 from accelplane.alloc import alloc_tensors
-from accelplane.backend import Comm, Event, MultiBuffer, tensor_copy, tensor_copy_async
+from accelplane.backend import Event, MultiBuffer, tensor_copy, tensor_copy_async
 from accelplane.errors import AccelplaneError, BufferFreedError, DeviceError, OutOfRangeError
 from accelplane.graph import Context
 from accelplane.types import GGMLType
@@ -366,32 +366,35 @@ def test_event_of_other_device_raises(ap_device, ap_backend):
 
 
 # --- comm ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", ["auto", "butterfly", "ring"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_comm_allreduce(ap_device, ap_devices, ap_rng, n):
+def test_comm_allreduce(ap_device, ap_devices, ap_rng, n, algorithm):
+    """All-reduce over n backends of the plugin equals the oracle sum: through the plugin's
+    comm where it has one ("auto"), and through the SDK's butterfly and ring, which are built
+    from the plugin's own cpy_tensor_async and ADD graphs (so they test the plugin too)."""
+    from accelplane import comm as sdk_comm
+
     devs = [ap_devices[i % len(ap_devices)] for i in range(n)]
     backends = [d.new_backend() for d in devs]
-    comm = Comm.init(backends)
+    ctx = Context()
+    ts = [ctx.new_tensor(T.F32, (1000, 3), f"p{i}") for i in range(n)]
+    bufs = [_alloc(d, t) for d, t in zip(devs, ts, strict=True)]
     try:
-        if comm is None:
-            pytest.skip("comm_init returned None: the SDK fallback serves this plugin")
-        ctx = Context()
-        ts = [ctx.new_tensor(T.F32, (1000, 3), f"p{i}") for i in range(n)]
-        bufs = [_alloc(d, t) for d, t in zip(devs, ts, strict=True)]
         vals = [ap_rng.standard_normal((1000, 3)).astype(np.float32) for _ in range(n)]
         for t, v in zip(ts, vals, strict=True):
             t.set(v)
-        if not comm.allreduce(ts):
-            pytest.skip("comm_allreduce_tensor asked for the fallback")
-        for b in backends:
-            b.synchronize()
-        want = np.sum(np.stack(vals).astype(np.float64), axis=0)
-        for i, t in enumerate(ts):
-            np.testing.assert_allclose(t.get(), want, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"all-reduce result on device {i} of {n}")  # fmt: skip
-        comm.free()
+        with sdk_comm.AllReduce(backends, algorithm=algorithm) as ar:
+            ar(ts)
+            for b in backends:
+                b.synchronize()
+            want = np.sum(np.stack(vals).astype(np.float64), axis=0)
+            for i, t in enumerate(ts):
+                np.testing.assert_allclose(t.get(), want, rtol=1e-5, atol=1e-5,
+                                           err_msg=f"{algorithm} ({ar.last_algorithm}) all-reduce "
+                                                   f"result on device {i} of {n}")  # fmt: skip
+    finally:
         for b in bufs:
             b.free()
-    finally:
         for b in backends:
             b.free()
 
