@@ -109,9 +109,10 @@ def check_product(out: np.ndarray, wf: np.ndarray, x: np.ndarray, isa: str, t: G
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "avx2" and not kernels.has_avx2():
         pytest.skip("CPU has no AVX2+FMA+F16C")
+    before = kernels.get_isa()
     assert kernels.set_isa(request.param) == request.param
     yield request.param
-    kernels.set_isa("auto")
+    kernels.set_isa(before)
 
 
 # --- mul_mat -------------------------------------------------------------------------------
@@ -148,8 +149,9 @@ def test_mul_mat_strided(t: GGMLType, n: int, strategy: str, isa: str) -> None:
     assert np.all(np.isnan(obuf[:, :2])) and np.all(np.isnan(obuf[:, 2 + m :]))
 
 
+@pytest.mark.parametrize("strategy", ["direct", "blas"])
 @pytest.mark.parametrize("t", ALL, ids=str)
-def test_mul_mat_odd_layouts(t: GGMLType, isa: str) -> None:
+def test_mul_mat_odd_layouts(t: GGMLType, strategy: str, isa: str) -> None:
     """out transposed (inner stride != 4), x Fortran-ordered, rows of x that are all zero."""
     rng = np.random.default_rng([int(t), 5])
     k, m, n = k_values(t)[1], 5, 3
@@ -157,21 +159,57 @@ def test_mul_mat_odd_layouts(t: GGMLType, isa: str) -> None:
     x = np.asfortranarray(rng.standard_normal((n, k)).astype(np.float32))
     x[1] = 0.0
     out = np.full((m, n), np.nan, np.float32).T
-    kernels.mul_mat(t, w, x, out)
+    kernels.mul_mat(t, w, x, out, strategy=strategy)  # type: ignore[arg-type]
     check_product(out, wf, x, isa, t)
     assert np.all(out[1] == 0.0)
+
+
+def test_mul_mat_empty() -> None:
+    w = make_weights(T.Q8_0, 4, 64, np.random.default_rng(1))[0]
+    x = np.ones((0, 64), np.float32)
+    assert kernels.mul_mat(T.Q8_0, w, x, np.empty((0, 4), np.float32)).shape == (0, 4)
+    out = np.full((2, 4), np.nan, np.float32)
+    kernels.mul_mat(T.F32, np.ones((4, 0), np.float32), np.ones((2, 0), np.float32), out)
+    assert np.all(out == 0.0)
+    kernels.mul_mat(T.Q8_0, w[:0], np.ones((2, 64), np.float32), np.empty((2, 0), np.float32))
+
+
+def test_bfloat16_dtype() -> None:
+    """BF16 weights may come as ml_dtypes.bfloat16 elements, not only uint16 bits."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(3)
+    w16, wf = make_weights(T.BF16, 6, 40, rng, raw=False)
+    wb = w16.view(ml_dtypes.bfloat16)
+    x = rng.standard_normal((2, 40)).astype(np.float32)
+    out = kernels.mul_mat(T.BF16, wb, x, np.empty((2, 6), np.float32))
+    check_product(out, wf, x, kernels.get_isa(), T.BF16)
+    deq = kernels.dequantize(T.BF16, wb, np.empty((6, 40), np.float32))
+    np.testing.assert_array_equal(deq, wf.astype(np.float32))
 
 
 @pytest.mark.parametrize("t", ALL, ids=str)
 def test_mul_mat_threads_agree(t: GGMLType, isa: str) -> None:
     """Rows are split over threads, each computed whole: any thread count gives the same bits."""
     rng = np.random.default_rng([int(t), 7])
-    k, m, n = k_values(t)[1] * 2, 33, 3
+    k, m = k_values(t)[1] * 8, 65  # M * K >= 65536: really threaded
     w, _ = make_weights(t, m, k, rng)
+    for n in (1, 3):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        outs = [kernels.mul_mat(t, w, x, np.empty((n, m), np.float32), nt) for nt in (1, 2, 3)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("t", ALL, ids=str)
+def test_mul_mat_many_rows_threaded(t: GGMLType, isa: str) -> None:
+    """Enough activation rows that they are quantized inside the parallel region and W is
+    walked in L2-sized row blocks; two threads."""
+    rng = np.random.default_rng([int(t), 13])
+    k, m, n = 1024, 40, 80
+    w, wf = make_weights(t, m, k, rng)
     x = rng.standard_normal((n, k)).astype(np.float32)
-    outs = [kernels.mul_mat(t, w, x, np.empty((n, m), np.float32), nt) for nt in (1, 2, 3)]
-    np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[0], outs[2])
+    out = kernels.mul_mat(t, w, x, np.empty((n, m), np.float32), 2, strategy="direct")
+    check_product(out, wf, x, isa, t)
 
 
 # --- dequantize / get_rows -----------------------------------------------------------------

@@ -65,16 +65,20 @@ ffibuilder = make_builder()
 
 if __name__ == "__main__":
     # compile into sdk/ so the module lands at sdk/accelplane/cpu/_kernels.*.so
+    import importlib.machinery
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         # compile() chdirs into tmp, so sources must be absolute here
         out = make_builder(absolute=True).compile(tmpdir=tmp, verbose=True)
-        # drop other builds (e.g. pip's _kernels.abi3.so): Python would import whichever
-        # suffix it tries first, possibly a stale one
-        for name in os.listdir(_HERE):
-            if name.startswith("_kernels.") and name.endswith((".so", ".pyd")):
-                os.remove(os.path.join(_HERE, name))
-        dest = os.path.join(_HERE, os.path.basename(out))
+        # cffi's C already targets the limited API, so take the name pip's build gives it
+        # (_kernels.abi3.so): a second build under another suffix would shadow or be shadowed
+        name = os.path.basename(out)
+        if ".abi3.so" in importlib.machinery.EXTENSION_SUFFIXES and name.endswith(".so"):
+            name = "_kernels.abi3.so"
+        for old in os.listdir(_HERE):  # drop builds under other suffixes
+            if old.startswith("_kernels.") and old.endswith((".so", ".pyd")):
+                os.remove(os.path.join(_HERE, old))
+        dest = os.path.join(_HERE, name)
         os.replace(out, dest)
         print(dest)

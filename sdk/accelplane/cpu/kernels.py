@@ -32,6 +32,11 @@ from ..types import GGMLType, parse_type
 # machine (measured: 13x slower decode at load 4.5 on 2 cores); sleep instead, unless the user
 # chose otherwise. Must be set before the OpenMP runtime starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ...but spin a little first (libgomp spin iterations, ~0.1-0.3 ms here), so back-to-back kernel
+# calls and in-region barriers find the other threads awake: a futex wake of a sleeping vCPU
+# costs tens of us. 4096x4096 Q4_0 mat-vecs in a loop, load ~1.4, median per call: passive
+# 600-690 us, passive + 10000 spins 500-530 us, fully active (default spin 300000) 530-550 us.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 try:
     from ._kernels import ffi as _ffi
@@ -65,23 +70,25 @@ _BLOCK: Final[dict[GGMLType, tuple[int, int]]] = {
 SUPPORTED_TYPES: Final[tuple[GGMLType, ...]] = tuple(_BLOCK)
 
 # N at and above which mul_mat dequantizes tiles of W and uses BLAS sgemm instead of the direct
-# kernel (measured at M=4096, K=14336 on 2 Zen 3 cores: scripts/bench_cpu_kernels.py).
+# kernel. Measured at M=4096, K=14336, 2 threads (scripts/bench_cpu_kernels.py --sweep), GFLOPS
+# direct/BLAS: F32 48/40 at N=8, 54/60 at 16; F16 65/62 at 32, 77/92 at 48; Q8_0 106/104 at
+# 128, 113/130 at 192; Q4_0 122/113 at 128, 137/149 at 192; Q4_K and Q6_K about even at 256-512.
 _CROSSOVER_N: Final[dict[GGMLType, int]] = {
-    GGMLType.F32: 8,
-    GGMLType.F16: 24,
-    GGMLType.BF16: 24,
-    GGMLType.Q4_0: 96,
-    GGMLType.Q8_0: 96,
-    GGMLType.Q4_K: 192,
-    GGMLType.Q6_K: 192,
+    GGMLType.F32: 12,
+    GGMLType.F16: 40,
+    GGMLType.BF16: 40,
+    GGMLType.Q4_0: 160,
+    GGMLType.Q8_0: 128,
+    GGMLType.Q4_K: 256,
+    GGMLType.Q6_K: 256,
 }
 # the portable C kernel has no SIMD FMA or int8 dot: dequantize + BLAS wins from N = 2 on
 _PORTABLE_CROSSOVER_N: Final = 2
-# bytes of the float32 tile of W dequantized per sgemm call: big enough that BLAS runs at full
-# speed, small enough to stay in the last-level cache between dequantize and sgemm
-_TILE_BYTES = 16 << 20
-# threads that dequantize a tile (None: the call's nthreads)
-_BLAS_DEQUANT_THREADS: int | None = None
+# bytes of the float32 tile of W dequantized per sgemm call. Larger tiles mean fewer sgemm
+# calls, each of which re-packs x: one thread, M=2048 K=14336 N=256 Q4_0 ran at 47/62/69/71/75
+# GFLOPS with 2/4/16/32/64 MiB tiles; fewer calls also suffer less when BLAS threads get
+# descheduled on a busy machine. 32 MiB bounds the temporary.
+_TILE_BYTES = 32 << 20
 
 _ISA_NAMES: Final = {0: "portable", 1: "avx2"}
 _CPU_COUNT: Final = os.cpu_count() or 1  # cached: os.cpu_count() reads sysfs, ~5 us a call
@@ -220,14 +227,15 @@ class _Rows:
             want = "uint8 (raw rows)"
             if t.is_float:
                 want += f" or {t.name} elements"
-            raise TypeMismatchError(f"{what} of type {t.name} must have dtype {want}, got {w.dtype}")
+            msg = f"{what} of type {t.name} must have dtype {want}, got {w.dtype}"
+            raise TypeMismatchError(msg)
         if k is not None and row_k != k:
-            raise ShapeError(f"{what} rows hold {row_k} elements of {t.name}, the other operand {k}")
+            msg = f"{what} rows hold {row_k} elements of {t.name}, the other operand {k}"
+            raise ShapeError(msg)
         m_stride, e_stride = w.strides
         if (m > 1 and m_stride < 0) or (inner > 1 and e_stride != w.itemsize):
-            raise ShapeError(
-                f"{what} must have contiguous rows with a non-negative row stride, got strides {w.strides}"
-            )
+            msg = f"{what} must have contiguous rows, row stride >= 0; got strides {w.strides}"
+            raise ShapeError(msg)
         self.t, self.arr, self.m, self.k = t, w, m, row_k
         self.stride = m_stride if m > 1 else 0
         self.size = _extent(w)
@@ -315,6 +323,9 @@ def mul_mat(
     out = _check_out(out, (n, m))
     if n == 0 or m == 0:
         return out
+    if k == 0:  # empty sums
+        out[...] = 0.0
+        return out
     nt = _threads(nthreads)
     if strategy not in ("auto", "direct", "blas"):
         raise ValueError(f"unknown strategy {strategy!r}")
@@ -322,7 +333,11 @@ def mul_mat(
         avx2 = _lib.ap_get_isa() == 1
         strategy = "blas" if n >= (_CROSSOVER_N[t] if avx2 else _PORTABLE_CROSSOVER_N) else "direct"
     if strategy == "blas":
-        _mul_mat_blas(rows, x, out, nt)
+        # BLAS needs a unit inner stride in out; numpy's fallback loop would be ~100x slower
+        y = out if out.strides[1] == 4 or m == 1 else np.empty((n, m), np.float32)
+        _mul_mat_blas(rows, x, y, nt)
+        if y is not out:
+            out[...] = y
         return out
     y = out if _direct_out(out, x, rows.arr) else np.empty((n, m), np.float32)
     rc = _lib.ap_mul_mat(
@@ -350,7 +365,7 @@ def _mul_mat_blas(rows: _Rows, x: np.ndarray, out: np.ndarray, nt: int) -> None:
     for m0 in range(0, m, tile_rows):
         m1 = min(m, m0 + tile_rows)
         tile = buf[: m1 - m0]
-        _dequantize_rows(rows, None, m0, m1 - m0, tile, _BLAS_DEQUANT_THREADS or nt)
+        _dequantize_rows(rows, None, m0, m1 - m0, tile, nt)
         np.matmul(x, tile.T, out=out[:, m0:m1])
 
 
