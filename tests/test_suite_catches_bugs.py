@@ -143,7 +143,9 @@ def test_faulty_tail_fails_exactly_the_add_cases(tmp):
     run = run_suite("faulty_tail", "faulty_tail=faulty.tail", tmp)
     expected = op_ids(lambda c, ne: c.op == "ADD" and ne[0] > 1)
     assert len(expected) == 36
-    assert_fails_exactly(run, expected)
+    # the SDK's all-reduce adds partials with ADD graphs on the plugin: the fault shows there too
+    comm = {f"test_comm_allreduce[{n}-{a}]" for n in (2, 3, 4) for a in ("auto", "butterfly", "ring")}
+    assert_fails_exactly(run, expected | comm)
     # rows of one element have no tail: those ADD cases pass
     assert op_ids(lambda c, ne: c.op == "ADD" and ne[0] == 1) <= run.with_status("passed")
 
@@ -184,6 +186,8 @@ def test_faulty_cpy_fails_exactly_the_cpy_tensor_async_cases(tmp):
     run = run_suite("faulty_cpy", "faulty_cpy=faulty.cpy", tmp, delay_us=ORDERING_DELAY_US)
     expected = {"test_cpy_tensor_async_two_streams", "test_cpy_tensor_async_two_devices",
                 "test_cpy_from_host_buffer"}  # fmt: skip
+    # the SDK's butterfly and ring move partials with the plugin's cpy_tensor_async
+    expected |= {f"test_comm_allreduce[{n}-{a}]" for n in (2, 3, 4) for a in ("butterfly", "ring")}
     assert_fails_exactly(run, expected)
 
 
