@@ -4,8 +4,6 @@ graph allocator, copies between buffers, and typed build-time errors."""
 
 from __future__ import annotations
 
-import types
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -22,26 +20,10 @@ from accelplane.errors import (
     ShapeError,
     TypeMismatchError,
 )
-from accelplane.hookspecs import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
 from accelplane.registry import Registry
+from accelplane.testing.plugins import host_plugin
 
 F32 = GGMLType.F32
-
-
-def host_plugin(device_name: str, **hooks) -> types.ModuleType:
-    """A plugin object with every cpu hookimpl, its own device name, ``hooks`` overridden."""
-    m = types.ModuleType(f"test_plugin_{device_name.lower()}")
-    for h in HOOK_NAMES:
-        if hasattr(cpu_plugin, h):
-            setattr(m, h, getattr(cpu_plugin, h))
-
-    def get_devices():
-        return [DeviceSpec(device_name, "test host device", DeviceType.CPU)]
-
-    m.get_devices = hookimpl(get_devices)
-    for h, f in hooks.items():
-        setattr(m, h, hookimpl(f))
-    return m
 
 
 MAX = 4096

@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 import accelplane
-import accelplane.cpu.plugin as cpu_plugin
-import accelplane.testing.asyncdev as asyncdev
 import gguf
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, writ
 from accelplane.models.gguf import MetaValue, synthetic_tensor
 from accelplane.models.llama import SplitKind, SplitRole, WeightSpec
 from accelplane.models.runner import NMSE_TOL, nmse
-from accelplane.registry import Registry
+from accelplane.testing.plugins import cpu_and_async_registry
 from accelplane.types import GGMLType, dequantize
 
 TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128, n_ctx=256)
@@ -34,11 +32,7 @@ MOE = dict(TINY, n_expert=4, n_expert_used=2)
 def reg():
     """A private registry: the CPU plugin and the asynchronous test device."""
     os.environ.setdefault("ACCELPLANE_TEST_DELAY_US", "20")
-    os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = "2"
-    r = Registry()
-    assert r.register(cpu_plugin, "cpu") is not None
-    assert r.register(asyncdev, "asynctest") is not None
-    return r
+    return cpu_and_async_registry(n_async=2)
 
 
 @pytest.fixture(scope="module")

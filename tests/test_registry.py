@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import types
 from importlib import metadata
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from accelplane.cpu import plugin as cpu_plugin
 from accelplane.errors import AccelplaneError
 from accelplane.hookspecs import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
 from accelplane.registry import Registry
+from accelplane.testing.plugins import host_plugin
 
 HEAVY = ("cffi", "accelplane.cpu._kernels", "accelplane.cpu.plan", "gguf", "ml_dtypes")
 
@@ -359,25 +359,6 @@ def test_allow_and_block_both_name_a_plugin(site):
 
 
 # --- in-process registration (fresh Registry objects) ------------------------------------------
-def host_plugin(device_name: str, **hooks) -> types.ModuleType:
-    """A plugin object with every cpu hookimpl, its own device name, ``hooks`` overridden."""
-    m = types.ModuleType(f"test_plugin_{device_name.lower()}")
-    for h in HOOK_NAMES:
-        if hasattr(cpu_plugin, h):
-            setattr(m, h, getattr(cpu_plugin, h))
-
-    def get_devices():
-        return [DeviceSpec(device_name, "test device", DeviceType.CPU)]
-
-    m.get_devices = hookimpl(get_devices)
-    for h, f in hooks.items():
-        if f is None:
-            delattr(m, h)
-        else:
-            setattr(m, h, hookimpl(f))
-    return m
-
-
 def _compute_add(dev: Device) -> None:
     ctx = accelplane.Context()
     a = ctx.new_tensor("f32", (3, 5))

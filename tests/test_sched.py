@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import os
 
-import accelplane.cpu.plugin as cpu_plugin
-import accelplane.testing.asyncdev as asyncdev
 import numpy as np
 import pytest
 from accelplane import reference
 from accelplane.alloc import alloc_tensors
 from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
 from accelplane.graph import Context
-from accelplane.registry import Registry
 from accelplane.sched import Scheduler
 from accelplane.testing.graphs import llama_layer, moe_layers
+from accelplane.testing.plugins import cpu_and_async_registry
 from accelplane.types import GGMLType
 
 SCHEDULES = int(os.environ.get("ACCELPLANE_TEST_SCHEDULES", "1000"))
@@ -25,11 +23,7 @@ SCHEDULES = int(os.environ.get("ACCELPLANE_TEST_SCHEDULES", "1000"))
 @pytest.fixture(scope="module")
 def reg():
     os.environ.setdefault("ACCELPLANE_TEST_DELAY_US", "30")
-    os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = "2"
-    r = Registry()
-    assert r.register(cpu_plugin, "cpu") is not None
-    assert r.register(asyncdev, "asynctest") is not None
-    return r
+    return cpu_and_async_registry(n_async=2)
 
 
 def _layer_setup(reg, devices, n_layers=1, seed=0):

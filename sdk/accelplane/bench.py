@@ -223,18 +223,12 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
 
 
 def _test_registry():
-    """A private registry with the CPU plugin and the asynchronous test device."""
+    """The CPU plugin and the asynchronous test device, without delays unless asked for."""
     import os
 
-    os.environ.setdefault("ACCELPLANE_TEST_DELAY_US", "0")
-    from .cpu import plugin as cpu_plugin
-    from .registry import Registry
-    from .testing import asyncdev
+    from .testing.plugins import cpu_and_async_registry
 
-    reg = Registry()
-    reg.register(cpu_plugin, "cpu")
-    reg.register(asyncdev, "asynctest")
-    return reg
+    return cpu_and_async_registry(delay_us=int(os.environ.get("ACCELPLANE_TEST_DELAY_US", "0")))
 
 
 def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: str | None = None,

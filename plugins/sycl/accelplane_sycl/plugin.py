@@ -280,8 +280,9 @@ def synchronize(backend):
     backend.ctx.sync()
 
 
-@hookimpl
-def set_tensor_async(backend, tensor, data, offset, size):
+def _queue_copy(backend, tensor, host, offset: int, size: int, to_device: bool) -> bool:
+    """Queue a copy between host memory and the tensor on the backend's queue (False: the
+    tensor is not in this backend's USM, so the SDK falls back)."""
     bs: BackendState = backend.ctx
     u = _usm(tensor.buffer, bs.dev)
     if u is None:
@@ -289,21 +290,20 @@ def set_tensor_async(backend, tensor, data, offset, size):
     if size:
         bs.delay()
         q = bs.queue
-        bs.last = q.memcpy_async(u.at(tensor.offs + offset, size, q), data[:size], size)
+        dev = u.at(tensor.offs + offset, size, q)
+        src, dst = (host[:size], dev) if to_device else (dev, host[:size])
+        bs.last = q.memcpy_async(dst, src, size)
     return True
+
+
+@hookimpl
+def set_tensor_async(backend, tensor, data, offset, size):
+    return _queue_copy(backend, tensor, data, offset, size, to_device=True)
 
 
 @hookimpl
 def get_tensor_async(backend, tensor, out, offset, size):
-    bs: BackendState = backend.ctx
-    u = _usm(tensor.buffer, bs.dev)
-    if u is None:
-        return False
-    if size:
-        bs.delay()
-        q = bs.queue
-        bs.last = q.memcpy_async(out[:size], u.at(tensor.offs + offset, size, q), size)
-    return True
+    return _queue_copy(backend, tensor, out, offset, size, to_device=False)
 
 
 @hookimpl

@@ -59,8 +59,28 @@ def layer_values(lg: LayerGraph, seed: int) -> tuple[dict[str, np.ndarray], dict
     return w, i
 
 
+class _Run:
+    """Call with the input values: allocate the layer graph, set the inputs, compute, return
+    the output. Subclasses say how to allocate and compute."""
+
+    lg: LayerGraph
+
+    @property
+    def graph(self):
+        if not hasattr(self, "_graph"):
+            self._graph = self.lg.ctx.graph(self.lg.out)
+        return self._graph
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        g = self.graph
+        self._alloc(g)
+        _set(self.lg, inputs)
+        self._compute(g)
+        return self.lg.out.get()
+
+
 @dataclass
-class SingleRun:
+class SingleRun(_Run):
     """The layer graph on one device's backend (the reference of the tensor-parallel runs)."""
 
     lg: LayerGraph
@@ -68,18 +88,11 @@ class SingleRun:
     galloc: GraphAllocator
     buffers: list = field(default_factory=list)
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        g = self.graph
+    def _alloc(self, g) -> None:
         self.galloc.alloc_graph(g)
-        _set(self.lg, inputs)
-        self.backend.compute(g)
-        return self.lg.out.get()
 
-    @property
-    def graph(self):
-        if not hasattr(self, "_graph"):
-            self._graph = self.lg.ctx.graph(self.lg.out)
-        return self._graph
+    def _compute(self, g) -> None:
+        self.backend.compute(g)
 
     def free(self) -> None:
         self.galloc.free()
@@ -97,24 +110,17 @@ def single(device: Device, p: LayerParams, weights: dict[str, np.ndarray]) -> Si
 
 
 @dataclass
-class MetaRun:
+class MetaRun(_Run):
     """The layer graph on a meta device."""
 
     lg: LayerGraph
     meta: MetaDevice
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        g = self.graph
+    def _alloc(self, g) -> None:
         self.meta.alloc_graph(g)
-        _set(self.lg, inputs)
-        self.meta.compute(g)
-        return self.lg.out.get()
 
-    @property
-    def graph(self):
-        if not hasattr(self, "_graph"):
-            self._graph = self.lg.ctx.graph(self.lg.out)
-        return self._graph
+    def _compute(self, g) -> None:
+        self.meta.compute(g)
 
 
 def tensor_parallel(devices: list, p: LayerParams, weights: dict[str, np.ndarray],

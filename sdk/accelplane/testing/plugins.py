@@ -1,0 +1,52 @@
+"""Test plugins and registries for the SDK's own tests and benchmarks (not backends).
+
+* :func:`host_plugin` — a plugin object that reuses the CPU plugin's hookimpls under its own
+  device name, with chosen hooks overridden or removed (to test registration and fallbacks);
+* :func:`cpu_and_async_registry` — a private Registry with the CPU plugin and the asynchronous
+  test device (for scheduler, comm, meta and model tests that need several "devices").
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable
+
+from ..cpu import plugin as cpu_plugin
+from ..hookspecs import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
+from ..registry import Registry
+from . import asyncdev
+
+
+def host_plugin(device_name: str, **hooks: Callable | None) -> types.ModuleType:
+    """A plugin with every CPU hookimpl and one CPU-type device ``device_name``; each keyword
+    replaces that hook (``None`` removes it)."""
+    m = types.ModuleType(f"test_plugin_{device_name.lower()}")
+    for h in HOOK_NAMES:
+        if hasattr(cpu_plugin, h):
+            setattr(m, h, getattr(cpu_plugin, h))
+
+    def get_devices():
+        return [DeviceSpec(device_name, "test host device", DeviceType.CPU)]
+
+    m.get_devices = hookimpl(get_devices)
+    for h, f in hooks.items():
+        if f is None:
+            delattr(m, h)
+        else:
+            setattr(m, h, hookimpl(f))
+    return m
+
+
+def cpu_and_async_registry(n_async: int = 2, delay_us: int | None = None) -> Registry:
+    """A fresh Registry with the CPU plugin and ``n_async`` asynchronous test devices.
+    ``delay_us``: the devices' max random queue delay (default: ACCELPLANE_TEST_DELAY_US, else
+    the device's own default); read when a backend is created."""
+    if delay_us is not None:
+        os.environ["ACCELPLANE_TEST_DELAY_US"] = str(delay_us)
+    os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = str(n_async)
+    reg = Registry()
+    for module, name in ((cpu_plugin, "cpu"), (asyncdev, "asynctest")):
+        if reg.register(module, name) is None:
+            raise RuntimeError(f"test registry: {name} failed: {reg.failures[-1].reason}")
+    return reg
