@@ -546,9 +546,17 @@ __global__ void k_argmax(const i64* __restrict__ P, char* dst, const char* src) 
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     float best = -AP_INF; int besti = -1;
-    for (i64 i = threadIdx.x; i < P[0]; i += blockDim.x) {
-        const float v = *(const float*)(s + i * P[2]);
-        if (v > best || besti < 0) { best = v; besti = (int)i; }
+    // four loads in flight per thread: a load-compare loop waits out a memory round trip per
+    // element (a 32000-entry vocabulary took 54 us on an H200 that way)
+    const int n = (int)P[0], nb0 = (int)P[2], bd = blockDim.x;
+    for (int i = threadIdx.x; i < n; i += 4 * bd) {
+        float v[4];
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = i + u * bd < n ? *(const float*)(s + (i64)(i + u * bd) * nb0) : -AP_INF;
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (i + u * bd < n && (v[u] > best || besti < 0)) { best = v[u]; besti = i + u * bd; }
+        }
     }
     bv[threadIdx.x] = best; bi[threadIdx.x] = besti;
     __syncthreads();
@@ -630,24 +638,25 @@ __global__ void k_col2im_1d(const i64* __restrict__ P, char* dst, const char* a)
     }
 }
 
-// ---- mat-vec: one warp per weight row, lanes over 32-element chunks, all N activation rows ----------
-// out[.., n, m] = sum_k W[.., m, k] * x[.., n, k]
-// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbx1, nbx2, nbx3, nbd1, nbd2, nbd3]
+// ---- mat-vec: W lanes per weight row (a power of two <= 32: short rows, like attention over a
+// KV cache, get several rows per warp instead of idle lanes), lanes over 32-element chunks, all N
+// activation rows. out[.., n, m] = sum_k W[.., m, k] * x[.., n, k]
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbx1, nbx2, nbx3, nbd1, nbd2, nbd3, W]
 #define MMV_MAXN 8
 template <int WT>
 __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* w, const char* x) {
-    const int lane = threadIdx.x & 31;
-    const i64 m = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (m >= P[0]) return;
+    const int W = (int)P[16], lane = threadIdx.x & 31, sub = lane & (W - 1);
+    const i64 m = ((i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * (32 / W) + lane / W;
+    const bool live = m < P[0];  // dead lanes still take part in the shuffles
     const i64 i2 = blockIdx.y % P[3], i3 = blockIdx.y / P[3];
     const int nch = (int)(P[1] / 32), N = (int)P[2];
-    const u8* row = (const u8*)(w + m * P[7] + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9]);
+    const u8* row = (const u8*)(w + (live ? m : 0) * P[7] + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9]);
     const char* xb = x + i2 * P[11] + i3 * P[12];
     float acc[MMV_MAXN];
     #pragma unroll
     for (int j = 0; j < MMV_MAXN; ++j) acc[j] = 0.0f;
     float y[32];
-    for (int c = lane; c < nch; c += 32) {
+    for (int c = sub; live && c < nch; c += W) {
         deq32<WT>(row, c, y);
         #pragma unroll
         for (int j = 0; j < MMV_MAXN; ++j) {
@@ -665,8 +674,9 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
     #pragma unroll
     for (int j = 0; j < MMV_MAXN; ++j) {
         if (j >= N) break;
-        const float s = warp_sum(acc[j]);
-        if (lane == 0) *(float*)(dst + m * 4 + j * P[13] + i2 * P[14] + i3 * P[15]) = s;
+        float s = acc[j];
+        for (int o = W >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (live && sub == 0) *(float*)(dst + m * 4 + j * P[13] + i2 * P[14] + i3 * P[15]) = s;
     }
 }
 // mul_mat_id: grid.y over (token, slot); one activation row each.
@@ -710,30 +720,15 @@ __global__ void k_dequant_f16(const i64* __restrict__ P, __half* dst, const char
     }
 }
 
-// ==== mat-vec for quantized weights, int8 activations, rows staged through shared memory ========
-// Activations are first quantized per 32 elements (int8 q, float d, int sum of q): the dot of a
-// weight unit with them is then integer dp4a work. Each warp owns one weight row and streams it
-// in segments through shared memory with 16-byte coalesced loads (many in flight per lane), so
-// the row is read at memory speed whatever the block size; the arithmetic reads the block from
-// shared memory. Requires 16-byte aligned rows whose size is a multiple of the segment unit.
-
-// quantize x rows: P: [K, N, nbx1]; xq int8 [N][K], xd float [N][K/32], xs int [N][K/32]
-__global__ void k_quantize_x(const i64* __restrict__ P, const char* x, signed char* xq, float* xd, int* xs) {
-    // one warp per 32-element block: lane l quantizes element l
-    const i64 K = P[0], nb = K / 32;
-    const i64 n = nb * P[1];
-    const int lane = threadIdx.x & 31;
-    for (i64 t = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; t < n; t += ((i64)gridDim.x * blockDim.x) >> 5) {
-        const i64 row = t / nb, b = t - row * nb;
-        const float v = ((const float*)(x + row * P[2]))[32 * b + lane];
-        const float amax = warp_max(fabsf(v));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const int q = __float2int_rn(v * id);
-        xq[row * K + 32 * b + lane] = (signed char)q;
-        const int sum = __reduce_add_sync(0xffffffff, q);
-        if (lane == 0) { xd[row * nb + b] = d; xs[row * nb + b] = sum; }
-    }
-}
+// ==== mat-vec (n <= MMV_MAXN) of large weight matrices: rows streamed through shared memory ====
+// Each warp owns whole weight rows (a persistent grid: a warp takes several rows) and streams them
+// in MMVP_SEG-byte stages with cp.async, MMVP_NS stages in flight, so DRAM latency is hidden
+// without spending registers on it; lanes then compute from the stage. The activations sit in
+// shared memory for the whole block: quantized per 32 elements (int8 q, float d, int sum of q)
+// for quantized weights, so the dot of a 32-element weight unit is integer dp4a work, and F32
+// for float weights. The block quantizes them itself while its first stages are in flight, which
+// saves a kernel launch and a round trip through global memory per product.
+// Rows must be 16-byte aligned with a size a multiple of 16 bytes; K a multiple of 32.
 
 __device__ __forceinline__ unsigned int ld_u16x2(const u8* p) {  // 4 bytes at a 2-aligned address
     return (unsigned int)*(const unsigned short*)p | ((unsigned int)*(const unsigned short*)(p + 2) << 16);
@@ -798,6 +793,208 @@ template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, 
     return f16at(b + 208) * dx * ((float)sc[0] * (float)(acc0 - 32 * s0) + (float)sc[1] * (float)(acc1 - 32 * s1));
 }
 
+#ifndef MMVP_SEG
+#define MMVP_SEG 4096  // bytes of a stage (plan.py passes its MMVP_SEG)
+#endif
+#ifndef MMVP_NS
+#define MMVP_NS 2      // stages per warp (plan.py passes its MMVP_NS)
+#endif
+template <int WT> struct is_quant { enum { v = WT == 2 || WT == 8 || WT == 12 || WT == 14 }; };
+
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+    const unsigned int sa = (unsigned int)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int n> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+}
+
+// N activation rows of K floats (row stride nbx1, 16-byte aligned) → shared memory, quantized:
+// xq int8 [N][K], then xd float [N][K/32], then xs int [N][K/32] (sums of the quants). Eight
+// lanes per 32-element block, four float4 loads in flight per lane (the loads come from L2:
+// latency, not bandwidth).
+__device__ void mmvp_quantize_x(char* sx, const char* x, i64 nbx1, int K, int N) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int total = N * K;
+    signed char* xq = (signed char*)sx;
+    float* xd = (float*)(sx + total);
+    int* xs = (int*)(xd + total / 32);
+    constexpr int U = 4;
+    for (int base = warp * 128 * U; base < total; base += nw * 128 * U) {
+        float4 v[U];
+        #pragma unroll
+        for (int g = 0; g < U; ++g) {
+            const int e = base + 128 * g + 4 * lane, j = e / K;
+            v[g] = e < total ? *(const float4*)(x + j * nbx1 + (i64)(e - j * K) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        #pragma unroll
+        for (int g = 0; g < U; ++g) {
+            const int e = base + 128 * g + 4 * lane;
+            float a = fmaxf(fmaxf(fabsf(v[g].x), fabsf(v[g].y)), fmaxf(fabsf(v[g].z), fabsf(v[g].w)));
+            #pragma unroll
+            for (int o = 1; o < 8; o <<= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffff, a, o));
+            const float d = a / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const int q0 = __float2int_rn(v[g].x * id), q1 = __float2int_rn(v[g].y * id);
+            const int q2 = __float2int_rn(v[g].z * id), q3 = __float2int_rn(v[g].w * id);
+            int sum = q0 + q1 + q2 + q3;
+            #pragma unroll
+            for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+            if (e < total) {  // whole 8-lane groups are in or out: total is a multiple of 32
+                *(int*)(xq + e) = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
+                if ((lane & 7) == 0) { xd[e / 32] = d; xs[e / 32] = sum; }
+            }
+        }
+    }
+}
+// N activation rows of K floats → shared memory as F32 [N][K]. With PLANES (weights of 8
+// elements per 16-byte word), each row is stored as two planes of float4: plane h holds
+// elements 8v + 4h .. 8v + 4h + 3 at index v, so lanes reading their word's 8 activations hit
+// consecutive 16-byte slots (a plain layout puts them 32 bytes apart: two-way bank conflicts).
+template <bool PLANES>
+__device__ void mmvp_copy_x(char* sx, const char* x, i64 nbx1, int K, int N) {
+    const int n4 = N * K / 4, k4 = K / 4;
+    float4* d = (float4*)sx;
+    constexpr int U = 4;
+    for (int base = threadIdx.x; base < n4; base += blockDim.x * U) {
+        float4 v[U];
+        #pragma unroll
+        for (int g = 0; g < U; ++g) {
+            const int i = base + g * blockDim.x, j = i / k4;
+            if (i < n4) v[g] = ((const float4*)(x + j * nbx1))[i - j * k4];
+        }
+        #pragma unroll
+        for (int g = 0; g < U; ++g) {
+            const int i = base + g * blockDim.x, j = i / k4, c = i - j * k4;
+            if (i < n4) d[PLANES ? j * k4 + (c & 1) * (k4 / 2) + (c >> 1) : i] = v[g];
+        }
+    }
+}
+
+// one stage (bytes [s0, s0 + nbytes) of a row) against the activations in shared memory
+template <int WT>
+__device__ __forceinline__ void mmvp_consume(const u8* stage, int s0, int nbytes, const char* sx, int K, int N,
+                                             int lane, float* acc) {
+    if constexpr (is_quant<WT>::v) {
+        // a 32-element unit per lane; two at a time (independent chains for the scheduler)
+        const int bb = qfmt<WT>::BB, upb = qfmt<WT>::UPB, nbk = K / 32;
+        const signed char* xq = (const signed char*)sx;
+        const float* xd = (const float*)(sx + N * K);
+        const int* xs = (const int*)(xd + N * nbk);
+        const int units = nbytes / bb * upb, u0 = s0 / bb * upb;
+        auto one = [&](int u, int j) -> float {
+            const int xr = j * nbk + u0 + u;
+            const int4* xv = (const int4*)(xq + 32 * xr);
+            const int4 a0 = xv[0], a1 = xv[1];
+            const int xw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            return unit_dot<WT>(stage, u, xw, xd[xr], xs[xr]);
+        };
+        for (int u = lane; u < units; u += 64) {
+            const bool two = u + 32 < units;
+            #pragma unroll
+            for (int j = 0; j < MMV_MAXN; ++j) {
+                if (j >= N) break;
+                const float r0 = one(u, j);
+                const float r1 = two ? one(u + 32, j) : 0.0f;
+                acc[j] += r0 + r1;
+            }
+        }
+    } else {
+        constexpr int EPV = WT == 0 ? 4 : 8;  // elements per 16-byte word
+        const float4* xf = (const float4*)sx;  // see mmvp_copy_x: two planes when EPV == 8
+        const int k4 = K / 4;
+        const int nvec = nbytes / 16, e0 = s0 / 16 * EPV;
+        for (int v = lane; v < nvec; v += 32) {
+            const uint4 wv = ((const uint4*)stage)[v];
+            float wf[8];
+            if constexpr (WT == 0) {
+                wf[0] = __uint_as_float(wv.x); wf[1] = __uint_as_float(wv.y);
+                wf[2] = __uint_as_float(wv.z); wf[3] = __uint_as_float(wv.w);
+            } else {
+                const unsigned int u4[4] = {wv.x, wv.y, wv.z, wv.w};
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if constexpr (WT == 1) {
+                        const float2 f = __half22float2(*(const __half2*)&u4[i]);
+                        wf[2 * i] = f.x; wf[2 * i + 1] = f.y;
+                    } else {  // BF16: the high half of an F32
+                        wf[2 * i] = __uint_as_float(u4[i] << 16); wf[2 * i + 1] = __uint_as_float(u4[i] & 0xFFFF0000u);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < MMV_MAXN; ++j) {
+                if (j >= N) break;
+                const int wi = (e0 + v * EPV) / EPV;  // the word's index in the row
+                float s = 0.0f;
+                #pragma unroll
+                for (int l = 0; l < EPV / 4; ++l) {
+                    const float4 b = xf[j * k4 + (EPV == 8 ? l * (k4 / 2) + wi : wi)];
+                    s += wf[4 * l] * b.x + wf[4 * l + 1] * b.y + wf[4 * l + 2] * b.z + wf[4 * l + 3] * b.w;
+                }
+                acc[j] += s;
+            }
+        }
+    }
+}
+
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, row_bytes, seg_bytes, nbx1, nbx2, nbx3]
+// grid: (persistent blocks over rows, ne2 * ne3); dynamic shared memory: warps * MMVP_NS *
+// MMVP_SEG bytes of stages, then the activations (plan.py: _mmvp_smem)
+template <int WT>
+__global__ void __launch_bounds__(512) k_mmv_pipe(const i64* __restrict__ P, char* dst, const char* w, const char* x) {
+    extern __shared__ uint4 smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int M = (int)P[0], K = (int)P[1], N = (int)P[2];
+    const i64 i2 = blockIdx.y % P[3], i3 = blockIdx.y / P[3];
+    const int row_bytes = (int)P[13], seg = (int)P[14];
+    const char* wb = w + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9];
+    uint4* stages = smem + warp * (MMVP_NS * MMVP_SEG / 16);
+    char* sx = (char*)(smem + nw * (MMVP_NS * MMVP_SEG / 16));
+    const int nseg = (row_bytes + seg - 1) / seg;
+    const int m0 = blockIdx.x * nw + warp, mstep = gridDim.x * nw;
+    const int nsteps = (m0 < M ? (M - 1 - m0) / mstep + 1 : 0) * nseg;  // this warp's rows × segments
+    auto issue = [&](int t) {  // stage t into slot t % MMVP_NS; an empty group past the end
+        if (t < nsteps) {
+            const int r = t / nseg, s0 = (t - r * nseg) * seg;
+            const int nvec = min(seg, row_bytes - s0) >> 4;
+            const uint4* src = (const uint4*)(wb + (i64)(m0 + r * mstep) * P[7] + s0);
+            uint4* d = stages + (t % MMVP_NS) * (MMVP_SEG / 16);
+            for (int v = lane; v < nvec; v += 32) cp_async16(d + v, src + v);
+        }
+        cp_async_commit();
+    };
+    #pragma unroll
+    for (int t = 0; t < MMVP_NS - 1; ++t) issue(t);
+    const char* xb = x + i2 * P[16] + i3 * P[17];
+    if constexpr (is_quant<WT>::v) mmvp_quantize_x(sx, xb, P[15], K, N);
+    else mmvp_copy_x<WT != 0>(sx, xb, P[15], K, N);
+    __syncthreads();
+    float acc[MMV_MAXN];
+    #pragma unroll
+    for (int j = 0; j < MMV_MAXN; ++j) acc[j] = 0.0f;
+    for (int t = 0; t < nsteps; ++t) {
+        cp_async_wait<MMVP_NS - 2>();  // stage t has landed (for this lane's copies) ...
+        __syncwarp();                   // ... and for every lane's
+        issue(t + MMVP_NS - 1);         // into the slot consumed in step t - 1
+        const int r = t / nseg, s0 = (t - r * nseg) * seg;
+        mmvp_consume<WT>((const u8*)(stages + (t % MMVP_NS) * (MMVP_SEG / 16)), s0, min(seg, row_bytes - s0), sx, K,
+                         N, lane, acc);
+        __syncwarp();
+        if (s0 + seg >= row_bytes) {
+            const i64 m = m0 + (i64)r * mstep;
+            #pragma unroll
+            for (int j = 0; j < MMV_MAXN; ++j) {
+                if (j >= N) break;
+                const float s = warp_sum(acc[j]);
+                if (lane == 0) *(float*)(dst + m * 4 + j * P[10] + i2 * P[11] + i3 * P[12]) = s;
+                acc[j] = 0.0f;
+            }
+        }
+    }
+    cp_async_wait<0>();
+}
+
 #define MMVQ_WARPS 4
 #define MMVQ_SEG 4096
 // copy nvec 16-byte words of a row segment into shared memory, all loads issued before any
@@ -818,58 +1015,9 @@ __device__ __forceinline__ void stage_segment(uint4* dst, const uint4* src, int 
     }
 }
 
-// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, row_bytes, seg_bytes]
-// xq/xd/xs: quantized activations of all (N x ne2 x ne3) rows, row r = n + N*(i2 + ne2*i3)
-template <int WT>
-__global__ void __launch_bounds__(32 * MMVQ_WARPS) k_mmvq(const i64* __restrict__ P, char* dst, const char* w,
-        const signed char* xq, const float* xd, const int* xs) {
-    __shared__ uint4 smem[MMVQ_WARPS][MMVQ_SEG / 16];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const i64 m = (i64)blockIdx.x * MMVQ_WARPS + warp;
-    if (m >= P[0]) return;
-    const i64 i2 = blockIdx.y % P[3], i3 = blockIdx.y / P[3];
-    const i64 K = P[1], nbk = K / 32;
-    const int N = (int)P[2];
-    const i64 row_bytes = P[13], seg = P[14];
-    const uint4* row = (const uint4*)(w + m * P[7] + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9]);
-    const i64 xrow0 = (i64)N * (i2 + P[3] * i3);
-    float acc[MMV_MAXN];
-    #pragma unroll
-    for (int j = 0; j < MMV_MAXN; ++j) acc[j] = 0.0f;
-    const int upb = qfmt<WT>::UPB, bb = qfmt<WT>::BB;
-    for (i64 s0 = 0; s0 < row_bytes; s0 += seg) {
-        const int nbytes = (int)min((i64)seg, row_bytes - s0);
-        const int nvec = nbytes / 16;
-        const uint4* src = row + s0 / 16;
-        stage_segment(smem[warp], src, nvec, lane);
-        __syncwarp();
-        const u8* sb = (const u8*)smem[warp];
-        const int units = nbytes / bb * upb;
-        const i64 u0 = s0 / bb * upb;  // index of the segment's first unit in the row
-        for (int u = lane; u < units; u += 32) {
-            #pragma unroll
-            for (int j = 0; j < MMV_MAXN; ++j) {
-                if (j >= N) break;
-                const i64 xr = (xrow0 + j) * nbk + u0 + u;
-                const int4* xv = (const int4*)(xq + 32 * xr);  // read-only path: x is shared by all rows
-                const int4 a0 = __ldg(xv), a1 = __ldg(xv + 1);
-                const int xw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                acc[j] += unit_dot<WT>(sb, u, xw, __ldg(xd + xr), __ldg(xs + xr));
-            }
-        }
-        __syncwarp();
-    }
-    #pragma unroll
-    for (int j = 0; j < MMV_MAXN; ++j) {
-        if (j >= N) break;
-        const float s = warp_sum(acc[j]);
-        if (lane == 0) *(float*)(dst + m * 4 + j * P[10] + i2 * P[11] + i3 * P[12]) = s;
-    }
-}
-
 // dequantize rows to packed F16 (cuBLAS path): one warp per row, the row streamed through shared
 // memory in segments with 16-byte loads, lanes dequantizing 32-element units from there.
-// P: [M, K, nbw1, row_bytes, seg_bytes]; same row conditions as k_mmvq.
+// P: [M, K, nbw1, row_bytes, seg_bytes]; same row conditions as k_mmv_pipe.
 template <int WT>
 __global__ void __launch_bounds__(32 * MMVQ_WARPS) k_dequant_staged(const i64* __restrict__ P, __half* dst,
                                                                      const char* w) {

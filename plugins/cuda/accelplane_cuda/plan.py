@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from accelplane.errors import BufferFreedError, ComputeError
+from accelplane.errors import BufferFreedError, ComputeError, DeviceError
 from accelplane.ops import (
     FLOAT,
     QUANT,
@@ -32,10 +32,28 @@ CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
 THREADS = 256
 MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
 MMV_SMALL = 1 << 22  # float weight matrices up to this many elements use them too
-MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp (kernels.cu: MMVQ_SEG)
+MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_staged
 MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680}  # segments are multiples of this (and of 16)
+
+
+def _mmvp_config() -> tuple[int, int]:
+    """k_mmv_pipe's stage bytes and stages per warp: ACCELPLANE_CUDA_MMVP=SEG,NS (tuning)."""
+    v = os.environ.get("ACCELPLANE_CUDA_MMVP", "4096,2")
+    try:
+        seg, ns = (int(x) for x in v.split(","))
+    except ValueError:
+        raise DeviceError(f"ACCELPLANE_CUDA_MMVP must be SEG,NS (e.g. 4096,2), got {v!r}") from None
+    if seg % 16 or seg < 2048 or not 2 <= ns <= 8:  # a stage holds at least one Q6_K unit (1680 B)
+        raise DeviceError(f"ACCELPLANE_CUDA_MMVP: SEG a multiple of 16 >= 2048, 2 <= NS <= 8; got {v!r}")
+    return seg, ns
+
+
+MMVP_SEG, MMVP_NS = _mmvp_config()
 # tuning knobs, for measuring the alternatives side by side:
-#   ACCELPLANE_CUDA_MMV=q8|f32    quantized mat-vec on int8 activations (default) or on f32
+#   ACCELPLANE_CUDA_MMV=pipe|f32  mat-vec by the pipelined kernel (default) or the plain one
+#   ACCELPLANE_CUDA_MMV_WARPS=16|8|4  warps per block of the pipelined kernel (default: most that fit)
+#   ACCELPLANE_CUDA_MMVP=SEG,NS  its stage bytes and stages per warp (default 4096,2: best of 2048,2,
+#     4096,2, 2048,4 and 2048,6 on an H200)
 #   ACCELPLANE_CUDA_GEMM_OUT=f32|f16   cuBLAS writes F32 directly (default) or F16 then widened
 _SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
            Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
@@ -59,10 +77,10 @@ def _names() -> list[str]:
     n += [f"k_im2col<{t}>" for t in ("float", "__half")]
     n += [f"k_mul_mat_vec<{w}>" for w in _WT] + [f"k_mul_mat_id<{w}>" for w in _WT]
     n += [f"k_dequant_f16<{w}>" for w in _WT]
-    n += [f"k_mmvq<{w}>" for w in _QT] + [f"k_dequant_staged<{w}>" for w in _QT]
+    n += [f"k_mmv_pipe<{w}>" for w in _WT] + [f"k_dequant_staged<{w}>" for w in _QT]
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
-    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32", "k_quantize_x"]
+    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
     return n
 
 
@@ -91,12 +109,19 @@ def compile_module(device: int) -> dict:
 
     src = (Path(__file__).parent / "kernels.cu").read_text()
     with cp.cuda.Device(device):
-        mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=_names())
+        opts = ("--std=c++17", f"-DMMVP_SEG={MMVP_SEG}", f"-DMMVP_NS={MMVP_NS}")
+        mod = cp.RawModule(code=src, options=opts, name_expressions=_names())
         try:
             mod.compile()
         except cp.cuda.compiler.CompileException as e:
             raise ComputeError(f"CUDA kernels failed to compile: {e}") from e
         fns = {n: mod.get_function(n) for n in _names()}
+        # the pipelined mat-vec sizes its shared memory at launch, beyond the default 48 KiB
+        optin = cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+        for w in _WT:
+            fns[f"k_mmv_pipe<{w}>"].max_dynamic_shared_size_bytes = optin
+        fns["smem_optin"] = optin
+        fns["sm_count"] = cp.cuda.Device(device).attributes["MultiProcessorCount"]
     return fns
 
 
@@ -168,6 +193,7 @@ class CudaPlan:
         self.graph_error: str | None = None  # why whole-graph capture failed, if it did
         self.segments: list | None = None  # [(cuda graph | None, steps)] when capture is partial
         self.keep: list = []  # device parameter arrays and scratch memory the steps use
+        self.kernel_names: list[str] = []  # what each launch runs, in order (tests, debugging)
         self.buffers = {}
         self.uses_index = False
         self.cublas_ok = True
@@ -205,12 +231,16 @@ class CudaPlan:
         self.keep.append(m)
         return int(m.ptr)
 
-    def _launch(self, name: str, n: int, args: tuple, block: int = THREADS, grid=None) -> None:
+    def _launch(self, name: str, n: int, args: tuple, block: int = THREADS, grid=None, smem: int = 0) -> None:
         fn = self.fns[name]
+        self.kernel_names.append(name)
         if grid is None:
             grid = (max(1, min((n + block - 1) // block, 65535)),)
         blk = (block,)
-        self.steps.append(lambda: fn(grid, blk, args))
+        if smem:
+            self.steps.append(lambda: fn(grid, blk, args, shared_mem=smem))
+        else:
+            self.steps.append(lambda: fn(grid, blk, args))
 
     def _elementwise_copy(self, src, dst, sp=None, dp=None) -> None:
         """dst (any layout) ← src (any layout), element order row-major (CPY semantics)."""
@@ -323,7 +353,7 @@ class CudaPlan:
         elif o is Op.ARGMAX:
             a = s[0]
             P = self._P([a.ne[0], a.ne[1], a.nb[0], a.nb[1], n.nb[0]])
-            self._launch("k_argmax", 0, (P, self._ptr(n), self._ptr(a)), block=256, grid=(a.ne[1],))
+            self._launch("k_argmax", 0, (P, self._ptr(n), self._ptr(a)), block=1024, grid=(a.ne[1],))
         elif o is Op.ARGSORT:
             a = s[0]
             P = self._P([*a.ne, *a.nb, *n.nb, int(n.op_params[0] == SortOrder.DESC)])
@@ -393,57 +423,70 @@ class CudaPlan:
         ptr, nb = self._contig_copy(b, T.F32)
         return np.uint64(ptr), nb
 
-    def _mmvq_ok(self, a, force: bool = False) -> bool:
-        """Rows fit the staged kernels: 16-byte aligned, a whole number of 16-byte words."""
-        if int(a.type) not in MMVQ_UNIT:
-            return False
-        if not force and os.environ.get("ACCELPLANE_CUDA_MMV", "q8") != "q8":
-            return False
+    @staticmethod
+    def _rows_aligned(a) -> bool:
+        """Rows fit the staged/pipelined kernels: 16-byte aligned, a whole number of 16-byte words."""
         aligned = (a.buffer.ctx.ptr + a.offs) % 16 == 0 and all(x % 16 == 0 for x in a.nb[1:])
-        return aligned and a.row_bytes % 16 == 0
+        return aligned and a.row_bytes % 16 == 0 and _rows_contig(a)
 
-    def _mmvq(self, n) -> None:
-        """Quantize the activations to int8 blocks, then the staged int8 mat-vec kernel."""
+    def _mmvp_plan(self, a, b) -> tuple[int, int] | None:
+        """(warps per block, dynamic shared memory bytes) for k_mmv_pipe, or None where it does
+        not apply: rows not aligned, K not a multiple of 32, or the activations too large for
+        shared memory next to the stages."""
+        if os.environ.get("ACCELPLANE_CUDA_MMV", "pipe") != "pipe" or int(a.type) not in _WT:
+            return None
+        k, n = a.ne[0], b.ne[1]
+        if k % 32 or not self._rows_aligned(a) or k * n >= 1 << 28:
+            return None
+        xbytes = n * k * 4 if a.type in FLOAT else n * k + n * (k // 32) * 8
+        forced = os.environ.get("ACCELPLANE_CUDA_MMV_WARPS")
+        choices = [int(forced)] if forced else [16, 8, 4]
+        for warps in choices:
+            smem = warps * MMVP_NS * MMVP_SEG + xbytes
+            # fewer, larger blocks share the activations' setup; but keep every SM busy
+            busy = warps == choices[-1] or -(-a.ne[1] // warps) >= self.fns["sm_count"]
+            if smem <= self.fns["smem_optin"] and busy:
+                return warps, smem
+        return None
+
+    def _mmv_pipe(self, n, warps: int, smem: int) -> None:
+        """The pipelined mat-vec (kernels.cu: k_mmv_pipe) on a persistent grid."""
+        from cupy_backends.cuda.api import driver
+
         a, b = n.src
-        k, nrow = a.ne[0], b.ne[1] * b.ne[2] * b.ne[3]
-        if b.type == T.F32 and b.is_contiguous() and (b.buffer.ctx.ptr + b.offs) % 4 == 0:
-            xp = self._ptr(b)
-        else:
-            xp = np.uint64(self._contig_copy(b, T.F32)[0])
-        xq = self._scratch(nrow * k)
-        xd = self._scratch(nrow * (k // 32) * 4)
-        xs = self._scratch(nrow * (k // 32) * 4)
-        P = self._P([k, nrow, k * 4])
-        args = (P, xp, np.uint64(xq), np.uint64(xd), np.uint64(xs))
-        self._launch("k_quantize_x", nrow * (k // 32) * 32, args)
-        unit = MMVQ_UNIT[int(a.type)]
-        seg = MMVQ_SEG // unit * unit
-        P = self._P([a.ne[1], k, b.ne[1], b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
-                     *a.nb[1:], *n.nb[1:], a.row_bytes, seg])  # fmt: skip
-        warps = 4
-        grid = ((a.ne[1] + warps - 1) // warps, b.ne[2] * b.ne[3])
-        self._launch(f"k_mmvq<{int(a.type)}>", 0,
-                     (P, self._ptr(n), self._ptr(a), np.uint64(xq), np.uint64(xd), np.uint64(xs)),
-                     block=32 * warps, grid=grid)  # fmt: skip
+        xp, xnb = self._x_f32(b)
+        unit = MMVQ_UNIT.get(int(a.type), 16)
+        seg = MMVP_SEG // unit * unit
+        P = self._P([a.ne[1], a.ne[0], b.ne[1], b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
+                     *a.nb[1:], *n.nb[1:], a.row_bytes, seg, *xnb[1:]])  # fmt: skip
+        name = f"k_mmv_pipe<{int(a.type)}>"
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fns[name].kernel.ptr, 32 * warps, smem)
+        batches = b.ne[2] * b.ne[3]
+        resident = max(1, per_sm) * self.fns["sm_count"]
+        grid = (max(1, min(-(-a.ne[1] // warps), -(-resident // batches))), batches)
+        self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xp), block=32 * warps, grid=grid, smem=smem)
 
     def _mul_mat(self, n) -> None:
         a, b = n.src
         nrow_b = b.ne[1]
-        if a.type in QUANT and nrow_b <= MMV_MAXN and self._mmvq_ok(a):
-            self._mmvq(n)
+        small_float = a.type in FLOAT and a.ne[0] * a.ne[1] <= MMV_SMALL
+        pipe = None if small_float or nrow_b > MMV_MAXN else self._mmvp_plan(a, b)
+        if pipe is not None:
+            self._mmv_pipe(n, *pipe)
             return
-        small_float = (a.type in FLOAT and a.ne[0] % 32 == 0 and a.ne[0] * a.ne[1] <= MMV_SMALL
-                       and _rows_contig(a))  # fmt: skip
+        small_float = small_float and a.ne[0] % 32 == 0 and _rows_contig(a)
         if (a.type in QUANT or small_float) and nrow_b <= MMV_MAXN:
             # small float products (attention over the KV cache) stay off cuBLAS, so a decode
             # graph is captured whole as one CUDA graph
             xp, xnb = self._x_f32(b)
+            lanes = min(32, 1 << max(0, (a.ne[0] // 32 - 1).bit_length()))  # per row: >= its chunks
             P = self._P([a.ne[1], a.ne[0], nrow_b, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
-                         *a.nb[1:], *xnb[1:], *n.nb[1:]])  # fmt: skip
-            rows_per_block = 4
+                         *a.nb[1:], *xnb[1:], *n.nb[1:], lanes])  # fmt: skip
+            warps = 4
+            rows_per_block = warps * (32 // lanes)
             grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, b.ne[2] * b.ne[3])
             self._launch(f"k_mul_mat_vec<{int(a.type)}>", 0, (P, self._ptr(n), self._ptr(a), xp),
-                         block=32 * rows_per_block, grid=grid)  # fmt: skip
+                         block=32 * warps, grid=grid)  # fmt: skip
             return
         self._gemm(n)
 
@@ -459,7 +502,7 @@ class CudaPlan:
             # dequantize each weight matrix to F16 once per run, then an F16 GEMM
             wt = T.F16
             ap = self._scratch(m * k * 2 * a.ne[2] * a.ne[3])
-            staged = self._mmvq_ok(a, force=True)
+            staged = int(a.type) in MMVQ_UNIT and self._rows_aligned(a)
             unit = MMVQ_UNIT.get(int(a.type), 16)
             for i3 in range(a.ne[3]):
                 for i2 in range(a.ne[2]):

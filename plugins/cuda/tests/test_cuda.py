@@ -157,3 +157,43 @@ def test_replays_with_library_calls():
     assert plan.cuda_graph is not None or plan.segments is not None, plan.graph_error
     be.free()
     buf.free()
+
+
+@pytest.mark.parametrize("warps", ["", "4"])
+@pytest.mark.parametrize("wtype", ["F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_pipelined_matvec(monkeypatch, wtype, warps):
+    """The pipelined mat-vec kernel (k_mmv_pipe) against float64 numpy: rows over several
+    stages, several rows per warp, 1..8 activation rows, broadcast batches, and M not a
+    multiple of the block's rows."""
+    from accelplane_cuda import plan
+
+    dev = _cuda()
+    monkeypatch.setattr(plan, "MMV_SMALL", 0)  # float weights of any size take the kernel too
+    if warps:
+        monkeypatch.setenv("ACCELPLANE_CUDA_MMV_WARPS", warps)
+    wt = T[wtype]
+    rng = np.random.default_rng(7)
+    for k, m, n, ne2, r2 in ((4096, 3000, 1, 1, 1), (1024, 37, 3, 2, 2), (512, 129, 8, 1, 1)):
+        ctx = Context()
+        a = ctx.new_tensor_ne(wt, k, m, ne2, name="a")
+        b = ctx.new_tensor_ne(T.F32, k, n, ne2 * r2, name="b")
+        y = ctx.mul_mat(a, b)
+        g = ctx.graph(y)
+        buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+        a.set(rng.uniform(-1, 1, a.shape).astype(np.float32))
+        bv = rng.uniform(-1, 1, b.shape).astype(np.float32)
+        b.set(bv)
+        be = dev.new_backend()
+        be.compute(g)
+        names = be.ctx.plans.get(g).kernel_names
+        want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
+        assert f"{want_kernel}<{int(wt)}>" in names, names
+        w = a.get().astype(np.float64)  # the weights as stored (dequantized)
+        want = np.einsum("zmk,znk->znm", np.repeat(w, r2, axis=0), bv.astype(np.float64))
+        got = y.get()
+        # quantized weights multiply int8-quantized activations: ~1% of a row's scale
+        tol = 2e-2 if wt.is_quantized else 1e-4
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < tol, (wtype, k, m, n, err)
+        be.free()
+        buf.free()
