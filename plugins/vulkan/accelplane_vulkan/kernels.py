@@ -11,10 +11,12 @@ constants holding GGUF type ids.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from accelplane.errors import DeviceError
 from accelplane.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, SortOrder, UnaryOp, rope_yarn_corr_dims
 from accelplane.tensor import Tensor
 from accelplane.types import GGMLType
@@ -52,6 +54,7 @@ LOCAL_SIZE = {  # local_size_x of each shader (workgroup size)
     "glu": 256,
     "copy": 256,
     "quantize": 64,
+    "quantize_b8": 64,
     "set_rows": 64,
     "get_rows": 256,
     "concat": 256,
@@ -67,6 +70,24 @@ class Caps:
     """What the device offers that kernels depend on."""
 
     storage16: bool = True  # storageBuffer16BitAccess: F16/BF16/quantized tensors
+    subgroup: int = 0  # subgroup size where compute shaders have subgroup arithmetic, else 0
+    int_dot: bool = False  # shaderIntegerDotProduct: packed int8 dot products (mul_mat_vec_q8)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A region of the plan's scratch buffer holding a derived copy of tensor ``src`` (int8
+    blocks of mul_mat_vec_q8's activations): bound as binding ``slot`` in place of a tensor,
+    its offset in 4-byte words written by the plan into the push constants at byte
+    ``push_at``. The writing dispatch (``write``) is recorded only while no region holds that
+    copy of ``src`` already (a plan quantizes an activation once for all its products, until
+    a node writes the activation's memory); a reading dispatch follows its writer."""
+
+    src: Tensor
+    nbytes: int
+    slot: int
+    push_at: int
+    write: bool
 
 
 @dataclass
@@ -75,9 +96,10 @@ class Dispatch:
 
     shader: str
     spec: tuple[int, ...]
-    bindings: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]  # A, B, C, D
+    bindings: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]  # A, B, C, D
     push: bytes
     groups: int
+    scratch: Scratch | None = None  # takes the place of bindings[scratch.slot]
 
 
 # --- units --------------------------------------------------------------------------------------
@@ -217,7 +239,70 @@ def _rope(t: Tensor) -> list[Dispatch]:
     return _elementwise("rope", (a.type, int(mode == ROPE_TYPE_NEOX)), (a, pos, None, t), push, n)
 
 
-def _mul_mat(t: Tensor) -> list[Dispatch]:
+# quantized weights by 1..8 columns (mul_mat_vec_q): rows per workgroup and threads per
+# workgroup; ACCELPLANE_VK_MMV_ROWS=0 keeps such products on mul_mat_vec (one row a workgroup).
+# With integer dot products the activations are quantized to int8 blocks first (quantize_b8)
+# and the products run on packed 4x8-bit dot products (mul_mat_vec_q8); ACCELPLANE_VK_MMV_Q8=0
+# keeps the float kernel.
+MMV_ROWS = (0, 1, 2, 4, 8)
+MMV_WG = (32, 64, 128, 256)
+MMV_SHARED_FLOATS = 4096  # shared-memory reduction without subgroups: 16 KiB, Vulkan's minimum
+PUSH_OFFB = 72  # byte offset of offb in mul_mat_vec's push constants (4 uvec4, K, offa, offb)
+
+
+def _env_choice(name: str, default: int, allowed: tuple[int, ...]) -> int:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not v.isdigit() or int(v) not in allowed:
+        raise DeviceError(f"{name}={v!r}: expected one of {', '.join(map(str, allowed))}")
+    return int(v)
+
+
+def _mmv_q(a: Tensor, ncols: int, id_mode: int, tb: GGMLType, caps: Caps):
+    """(shader, spec, rows per workgroup) of mul_mat_vec_q(8) for weights ``a``, or None for
+    mul_mat_vec."""
+    ta, k = a.type, a.ne[0]
+    rows = _env_choice("ACCELPLANE_VK_MMV_ROWS", 4, MMV_ROWS)
+    if ta not in QUANT or rows == 0:
+        return None
+    sg = caps.subgroup if _env_choice("ACCELPLANE_VK_MMV_SUBGROUP", 1, (0, 1)) else 0
+    q8 = bool(sg) and caps.int_dot and bool(_env_choice("ACCELPLANE_VK_MMV_Q8", 1, (0, 1)))
+    per = 16 if q8 and ta in (T.Q4_K, T.Q6_K) else 8  # values a thread takes at a time
+    wg = _env_choice("ACCELPLANE_VK_MMV_WG", 128, MMV_WG)
+    while wg > 32 and wg // 2 >= k // per:  # short rows: no idle threads
+        wg //= 2
+    # Q4_K rows that start 4-byte aligned (every block then is): 32-bit loads
+    a4 = int(ta == T.Q4_K and eoffs(a) % 2 == 0 and all(n % 2 == 0 for n in enb(a)[1:]))
+    if sg:
+        shader = "mul_mat_vec_q8" if q8 else "mul_mat_vec_q"
+        return shader, (int(ta), int(tb), ncols, id_mode, rows, sg, wg, a4), rows
+    while rows > 1 and ncols * rows * wg > MMV_SHARED_FLOATS:
+        rows //= 2
+    return "mul_mat_vec_q_sm", (int(ta), int(tb), ncols, id_mode, rows, 1, wg, a4), rows
+
+
+def _quantize_b8(b: Tensor) -> Dispatch:
+    """b's columns as int8 blocks for mul_mat_vec_q8: per column K bytes, then per column K/32
+    float scales (one region, laid out by quantize_b8.comp)."""
+    cols = b.ne[1] * b.ne[2] * b.ne[3]
+    nbytes = cols * b.ne[0] + cols * (b.ne[0] // 32) * 4
+    push = pack(b.ne, enb(b), eoffs(b), 0)  # the region's offset goes into the last word
+    scratch = Scratch(b, nbytes, 3, len(push) - 4, True)
+    groups = _groups(cols * b.ne[0] // 8, LOCAL_SIZE["quantize_b8"])  # a thread per 8 values
+    return Dispatch("quantize_b8", (int(b.type),), (b, None, None, None), push, groups, scratch)
+
+
+def _mmv_dispatches(q, a: Tensor, b: Tensor, c: Tensor | None, t: Tensor, push: bytes, groups: int):
+    shader, spec, _ = q
+    if shader != "mul_mat_vec_q8":
+        return [Dispatch(shader, spec, (a, b, c, t), push, groups)]
+    pre = _quantize_b8(b)
+    reads = Scratch(b, pre.scratch.nbytes, 1, PUSH_OFFB, False)  # type: ignore[union-attr]
+    return [pre, Dispatch(shader, spec, (a, None, c, t), push, groups, reads)]
+
+
+def _mul_mat(t: Tensor, caps: Caps) -> list[Dispatch]:
     a, b = t.src
     K = a.ne[0]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
@@ -227,13 +312,16 @@ def _mul_mat(t: Tensor) -> list[Dispatch]:
     if t.ne[1] > MUL_MAT_VEC_MAX_COLS:
         tiles = -(-t.ne[0] // 64) * -(-t.ne[1] // 64) * batches
         return [Dispatch("mul_mat", (int(a.type), int(b.type)), bind, pack(*common), tiles)]
+    push = pack(*common, 0, 0, 0, 0)
+    q = _mmv_q(a, t.ne[1], 0, b.type, caps)
+    if q is not None:  # NCOLS = n: no idle columns
+        return _mmv_dispatches(q, a, b, None, t, push, -(-t.ne[0] // q[2]) * batches)
     ncols = 1 if t.ne[1] == 1 else MUL_MAT_VEC_MAX_COLS
     groups = t.ne[0] * -(-t.ne[1] // ncols) * batches
-    push = pack(*common, 0, 0, 0, 0)
     return [Dispatch("mul_mat_vec", (int(a.type), int(b.type), ncols, 0), bind, push, groups)]
 
 
-def _mul_mat_id(t: Tensor) -> list[Dispatch]:
+def _mul_mat_id(t: Tensor, caps: Caps) -> list[Dispatch]:
     as_, b, ids = t.src
     nbi = enb(ids)
     push = pack(
@@ -252,6 +340,9 @@ def _mul_mat_id(t: Tensor) -> list[Dispatch]:
         nbi[1],
         as_.ne[2],
     )
+    q = _mmv_q(as_, 1, 1, b.type, caps)
+    if q is not None:
+        return _mmv_dispatches(q, as_, b, ids, t, push, -(-t.ne[0] // q[2]) * t.ne[1] * t.ne[2])
     groups = t.ne[0] * t.ne[1] * t.ne[2]
     return [Dispatch("mul_mat_vec", (int(as_.type), int(b.type), 1, 1), (as_, b, ids, t), push, groups)]
 
@@ -322,7 +413,7 @@ def _col2im(t: Tensor) -> list[Dispatch]:
     return _elementwise("col2im", (), (a, None, None, t), push, t.nelements)
 
 
-BUILDERS: dict[Op, Callable[[Tensor], list[Dispatch]]] = {
+BUILDERS: dict[Op, Callable[..., list[Dispatch]]] = {
     Op.ADD: _binary,
     Op.SUB: _binary,
     Op.MUL: _binary,
@@ -358,7 +449,9 @@ BUILDERS: dict[Op, Callable[[Tensor], list[Dispatch]]] = {
     Op.IM2COL: _im2col,
     Op.COL2IM_1D: _col2im,
 }
-SHADERS = tuple(sorted({*LOCAL_SIZE, "norm", "softmax", "mul_mat", "mul_mat_vec", "reduce", "argmax"}))
+NEEDS_CAPS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ID})  # builders that take the device's Caps too
+MUL_MAT_SHADERS = {"mul_mat", "mul_mat_vec", "mul_mat_vec_q", "mul_mat_vec_q_sm", "mul_mat_vec_q8"}
+SHADERS = tuple(sorted({*LOCAL_SIZE, "norm", "softmax", "reduce", "argmax"} | MUL_MAT_SHADERS))
 
 
 def supports(t: Tensor, caps: Caps) -> bool:
@@ -381,8 +474,10 @@ def supports(t: Tensor, caps: Caps) -> bool:
     return t.nelements < 2**31
 
 
-def dispatches(t: Tensor) -> list[Dispatch]:
-    """What to record for node ``t`` (nothing for empty tensors)."""
+def dispatches(t: Tensor, caps: Caps | None = None) -> list[Dispatch]:
+    """What to record for node ``t`` on a device with ``caps`` (nothing for empty tensors)."""
     if t.nelements == 0:
         return []
-    return [d for d in BUILDERS[t.op](t) if d.groups > 0]
+    build = BUILDERS[t.op]
+    ds = build(t, caps or Caps()) if t.op in NEEDS_CAPS else build(t)  # type: ignore[call-arg]
+    return [d for d in ds if d.groups > 0]

@@ -5,10 +5,15 @@ descriptor set over the four tensors' buffers (sets shared by dispatches that bi
 buffers), the push constants and the workgroup grid. A barrier goes in only where a dispatch
 touches memory that an earlier dispatch since the last barrier wrote (or writes memory one
 read), so independent nodes run together.
+
+Some kernels work on a derived copy of a source (kernels.Scratch: mul_mat_vec_q8's int8
+activations): the plan owns one scratch buffer with a region per copy, made once and shared
+by every later dispatch that wants the same copy, until a node writes the source's memory.
 """
 
 from __future__ import annotations
 
+import struct
 import weakref
 
 from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
@@ -19,6 +24,8 @@ from . import kernels
 from .runtime import N_BINDINGS, NULL, Memory, Stream, V, _new, check, cmd_barrier, ffi, lib
 
 _WHOLE = 0xFFFFFFFFFFFFFFFF  # VK_WHOLE_SIZE (the bindings spell it -1)
+_SCRATCH = object()  # stands for the plan's scratch buffer until it is allocated
+_REGION_ALIGN = 256
 
 
 def _mem(t: Tensor, node: Tensor, dev) -> Memory:
@@ -54,7 +61,9 @@ class Plan:
         dev = stream.dev
         self.stream = stream
         self.mems: dict[int, Memory] = {}
-        work: list[tuple[kernels.Dispatch, tuple[Memory, ...]]] = []
+        work: list[_Work] = []
+        regions: dict[tuple, tuple[int, tuple]] = {}  # live copies: key -> (offset, source range)
+        size = 0
         for node in graph.nodes:
             if node.op in VIEW_OPS:
                 continue
@@ -65,8 +74,47 @@ class Plan:
                 raise UnsupportedOpError(
                     f"Vulkan {dev.label}: {node.op.name} {node.type.name} ne={list(node.ne)} is not supported"
                 )
-            for d in kernels.dispatches(node):
-                work.append((d, tuple(_mem(t, node, dev) if t is not None else None for t in d.bindings)))
+            for d in kernels.dispatches(node, caps):
+                w = _Work(d, [_mem(t, node, dev) if t is not None else None for t in d.bindings], d.push)
+                w.reads = [
+                    (w.mems[i], t.offs, t.offs + t.nbytes)
+                    for i, t in enumerate(d.bindings[:3])
+                    if t is not None
+                ]
+                t = d.bindings[3]
+                w.write = (w.mems[3], t.offs, t.offs + t.nbytes) if t is not None else None
+                sc = d.scratch
+                if sc is not None:
+                    src = sc.src
+                    sm = _mem(src, node, dev)
+                    key = (id(sm), src.offs, tuple(src.ne), tuple(src.nb), src.type, sc.nbytes)
+                    if sc.write:
+                        if key in regions:
+                            continue  # this copy was made earlier and its source is unchanged
+                        off = -(-size // _REGION_ALIGN) * _REGION_ALIGN
+                        size = off + sc.nbytes
+                        regions[key] = (off, (sm, src.offs, src.offs + src.nbytes))
+                    off = regions[key][0]
+                    w.mems[sc.slot] = _SCRATCH
+                    rng = (_SCRATCH, off, off + sc.nbytes)
+                    if sc.write:
+                        w.write = rng
+                    else:
+                        w.reads.append(rng)
+                    w.push = d.push[: sc.push_at] + struct.pack("<I", off // 4) + d.push[sc.push_at + 4 :]
+                if w.write is not None and w.write[0] is not _SCRATCH:  # copies of what it overwrites
+                    for k in [k for k, (_, r) in regions.items() if _overlap([r], [w.write])]:
+                        del regions[k]
+                work.append(w)
+        # one buffer for every region; freed once the work queued before the plan's end is done
+        self.scratch = Memory(dev, size, host=False) if size else None
+        if self.scratch is not None:
+            weakref.finalize(self, self.scratch.free)
+            for w in work:
+                w.mems = [self.scratch if m is _SCRATCH else m for m in w.mems]
+                w.reads = [(self.scratch if r[0] is _SCRATCH else r[0], r[1], r[2]) for r in w.reads]
+                if w.write is not None and w.write[0] is _SCRATCH:
+                    w.write = (self.scratch, w.write[1], w.write[2])
         self.n_dispatches = len(work)
         self._last = [0]  # value of the last submit (a cell shared with the finalizer)
         self.pool, sets = self._descriptor_sets(dev, work)
@@ -77,7 +125,7 @@ class Plan:
         stream.stats["dispatches_recorded"] += len(work)
 
     def _descriptor_sets(self, dev, work) -> tuple[object, dict]:
-        keys = list(dict.fromkeys(self._set_key(mems) for _, mems in work))
+        keys = list(dict.fromkeys(self._set_key(w.mems) for w in work))
         if not keys:
             return None, {}
         n = len(keys)
@@ -132,13 +180,10 @@ class Plan:
         bound_pipe = bound_set = None
         reads: list[tuple[int, int, int]] = []  # (buffer id, start, end) since the last barrier
         writes: list[tuple[int, int, int]] = []
-        for d, mems in work:
-            rr = [
-                (id(m), t.offs, t.offs + t.nbytes)
-                for t, m in zip(d.bindings[:3], mems[:3], strict=True)
-                if t is not None
-            ]
-            ww = [(id(mems[3]), d.bindings[3].offs, d.bindings[3].offs + d.bindings[3].nbytes)]
+        for w in work:
+            d, mems = w.d, w.mems
+            rr = [(id(m), a, b) for m, a, b in w.reads]
+            ww = [(id(w.write[0]), w.write[1], w.write[2])]
             if _overlap(rr, writes) or _overlap(ww, writes) or _overlap(ww, reads):
                 cmd_barrier(
                     cmd,
@@ -159,8 +204,8 @@ class Plan:
                 arr = ffi.new("VkDescriptorSet[1]", [ds])
                 lib.vkCmdBindDescriptorSets(cmd, V.VK_PIPELINE_BIND_POINT_COMPUTE, layout, 0, 1, arr, 0, NULL)
                 bound_set = ds
-            pc = ffi.new("char[]", d.push)
-            lib.vkCmdPushConstants(cmd, layout, V.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(d.push), pc)
+            pc = ffi.new("char[]", w.push)
+            lib.vkCmdPushConstants(cmd, layout, V.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(w.push), pc)
             lib.vkCmdDispatch(cmd, *grid(d.groups, limits))
         # the error word is read by the host after the stream's value completes
         cmd_barrier(
@@ -181,7 +226,19 @@ class Plan:
         return v
 
 
-def _overlap(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> bool:
+class _Work:
+    """A dispatch as recorded: its memories (scratch resolved), push constants (region offset
+    written in), and the ranges (memory, start, end) it reads and writes."""
+
+    __slots__ = ("d", "mems", "push", "reads", "write")
+
+    def __init__(self, d: kernels.Dispatch, mems: list, push: bytes) -> None:
+        self.d, self.mems, self.push = d, mems, push
+        self.reads: list[tuple] = []
+        self.write: tuple | None = None
+
+
+def _overlap(a: list[tuple], b: list[tuple]) -> bool:
     return any(x[0] == y[0] and x[1] < y[2] and y[1] < x[2] for x in a for y in b)
 
 

@@ -101,7 +101,15 @@ def get_devices():
         dtype = DeviceType.IGPU if p.type == 1 else DeviceType.GPU
         caps = DeviceCaps(async_=True, host_buffer=True, events=True)
         specs.append(
-            DeviceSpec(f"Vulkan{n}", desc, dtype, caps, DeviceCtx(f"Vulkan{n}", p, Caps(p.storage16)))
+            DeviceSpec(
+                f"Vulkan{n}",
+                desc,
+                dtype,
+                caps,
+                DeviceCtx(
+                    f"Vulkan{n}", p, Caps(p.storage16, p.subgroup_size if p.subgroup_arith else 0, p.int_dot)
+                ),
+            )
         )
     return specs
 

@@ -109,6 +109,8 @@ class PhysInfo:
     heap_size: int
     extensions: frozenset[str]
     subgroup_size: int
+    subgroup_arith: bool = False  # subgroupAdd & co. in compute shaders
+    int_dot: bool = False  # shaderIntegerDotProduct (Vulkan 1.3): packed 4x8-bit dot products
 
     @property
     def usable(self) -> str:
@@ -165,7 +167,7 @@ def _phys_info(h) -> PhysInfo:
         "maxMemoryAllocationSize": 1 << 30,
         "maxBufferSize": 1 << 62,
     }
-    driver, storage16, int16, timeline, subgroup = "", False, False, False, 0
+    driver, storage16, int16, timeline, subgroup, arith, int_dot = "", False, False, False, 0, False, False
     if api >= (1, 2):
         p11 = _new(
             "VkPhysicalDeviceVulkan11Properties", V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_PROPERTIES
@@ -188,6 +190,9 @@ def _phys_info(h) -> PhysInfo:
             limits["maxBufferSize"] = m4.maxBufferSize
         driver = f"{_cstr(p12.driverName)} {_cstr(p12.driverInfo)}".strip()
         subgroup = p11.subgroupSize
+        arith = bool(p11.subgroupSupportedStages & V.VK_SHADER_STAGE_COMPUTE_BIT) and bool(
+            p11.subgroupSupportedOperations & V.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT
+        )
         f11 = _new(
             "VkPhysicalDeviceVulkan11Features", V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES
         )
@@ -195,11 +200,18 @@ def _phys_info(h) -> PhysInfo:
             "VkPhysicalDeviceVulkan12Features", V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES
         )
         f11.pNext = f12
+        f13 = None
+        if api >= (1, 3):
+            f13 = _new(
+                "VkPhysicalDeviceVulkan13Features", V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES
+            )
+            f12.pNext = f13
         f2 = _new("VkPhysicalDeviceFeatures2", V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=f11)
         lib.vkGetPhysicalDeviceFeatures2(h, f2)
         storage16 = bool(f11.storageBuffer16BitAccess)
         int16 = bool(f2.features.shaderInt16)
         timeline = bool(f12.timelineSemaphore)
+        int_dot = f13 is not None and bool(f13.shaderIntegerDotProduct)
     mp = ffi.new("VkPhysicalDeviceMemoryProperties*")
     lib.vkGetPhysicalDeviceMemoryProperties(h, mp)
     heap = max(
@@ -228,6 +240,8 @@ def _phys_info(h) -> PhysInfo:
         heap,
         names,
         subgroup,
+        arith,
+        int_dot,
     )
 
 
@@ -316,6 +330,13 @@ class LogicalDevice:
             V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
             timelineSemaphore=1,
         )
+        f13 = _new(  # kept referenced until vkCreateDevice: pNext does not own it
+            "VkPhysicalDeviceVulkan13Features",
+            V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
+            shaderIntegerDotProduct=1,
+        )
+        if phys.int_dot:  # mul_mat_vec_q8's OpSDotKHR / OpSUDotKHR
+            f12.pNext = f13
         f11 = _new(
             "VkPhysicalDeviceVulkan11Features",
             V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,

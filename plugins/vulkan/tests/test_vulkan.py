@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from accelplane.alloc import alloc_tensors
 from accelplane.backend import tensor_copy_async
-from accelplane.errors import AccelplaneError, KernelCompileError
+from accelplane.errors import AccelplaneError, DeviceError, KernelCompileError
 from accelplane.graph import Context
 from accelplane.registry import reset_registry
 from accelplane.types import GGMLType, quantize
@@ -209,6 +209,163 @@ def test_supports_op_without_16bit_storage():
         node = ctx.mul_mat(a, b)
         assert kernels.supports(node, kernels.Caps(storage16=False)) is want
         assert kernels.supports(node, kernels.Caps(storage16=True))
+
+
+def _mm_case(ta, k, m, n, batch=((1, 1), (1, 1)), tb=T.F32, noncont=False):
+    from accelplane.conformance.cases import OpCase, leaf
+
+    def build(ctx):
+        (a2, a3), (b2, b3) = batch
+        a = leaf(ctx, ta, (k, m, a2, a3), "a", strided=noncont)
+        b = leaf(ctx, tb, (k, n, b2, b3), "b", perm=(0, 2, 1, 3) if noncont else None)
+        return ctx.mul_mat(a, b)
+
+    params = {"type_a": ta, "type_b": tb, "k": k, "m": m, "n": n, "bs": batch, "nc": noncont}
+    return OpCase("MUL_MAT", params, build, 5e-4)
+
+
+def _mm_id_case(ta, k, m, n_exp, n_used, n_tok, b1):
+    from accelplane.conformance.cases import OpCase, leaf, perm_rows
+
+    def build(ctx):
+        a = leaf(ctx, ta, (k, m, n_exp), "as")
+        b = leaf(ctx, T.F32, (k, b1, n_tok), "b")
+        ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
+        return ctx.mul_mat_id(a, b, ids)
+
+    params = {"type_a": ta, "k": k, "m": m, "n_exp": n_exp, "n_used": n_used, "n_tok": n_tok, "b1": b1}
+    return OpCase("MUL_MAT_ID", params, build, 5e-4, {"ids": perm_rows(n_exp)})
+
+
+def _mmv_q_cases(types, all_n=()):
+    """Shapes of mul_mat_vec_q that the conformance cases leave out: M not a multiple of the
+    rows per workgroup, n in 2..8 (every n for the types in ``all_n``: each n is a pipeline of
+    its own), rows that take several loop iterations (and the odd one out), batch broadcast
+    with n > 1, F16 and permuted activations with strided weight rows, and MUL_MAT_ID with
+    several rows per workgroup."""
+    for ta in types:
+        bs = ta.blck_size
+        long_k = 4096 if bs == 32 else 2816  # 2 slices a thread and a tail at 128 threads
+        yield _mm_case(ta, long_k, 17, 1)
+        yield _mm_case(ta, bs * 8, 19, 3)
+        for m, n in ((13, 2), (6, 4), (9, 5), (3, 6), (11, 7), (10, 8)) if ta in all_n else ((13, 3),):
+            yield _mm_case(ta, bs * 3, m, n)
+        yield _mm_case(ta, bs * 4, 7, 3, ((2, 1), (4, 3)))
+        yield _mm_case(ta, bs * 2, 11, 3, tb=T.F16)
+        yield _mm_case(ta, bs * 2, 12, 3, noncont=True)
+        yield _mm_id_case(ta, bs * 2 if bs > 32 else 64, 18, 8, 3, 2, 3)
+
+
+MMV_SETTINGS = {  # ACCELPLANE_VK_MMV_* knobs: the defaults, and the other kernel shapes
+    "defaults": {},  # int8 activations and integer dot products where the device has them
+    "float": {"Q8": "0"},
+    "float-rows1-wg64": {"Q8": "0", "ROWS": "1", "WG": "64"},
+    "rows2-wg32": {"ROWS": "2", "WG": "32"},
+    "rows8-wg256": {"ROWS": "8", "WG": "256"},
+    "shared-memory": {"SUBGROUP": "0", "ROWS": "8"},
+    "legacy": {"ROWS": "0"},
+}
+
+
+@pytest.mark.parametrize("setting", list(MMV_SETTINGS))
+def test_quantized_mul_mat_vec_settings(vk_devices, monkeypatch, setting):
+    """mul_mat_vec_q against the float64 oracle under each knob setting (guards around every
+    tensor catch stray writes, NaN-filled outputs unwritten elements)."""
+    from accelplane.conformance.runner import PASSED, run_op_case
+
+    for k, v in MMV_SETTINGS[setting].items():
+        monkeypatch.setenv(f"ACCELPLANE_VK_MMV_{k}", v)
+    dev = vk_devices()[0]
+    be = dev.new_backend()
+    rng = np.random.default_rng(11)
+    full = setting in ("defaults", "float")
+    types = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K) if full else (T.Q4_0, T.Q4_K)
+    failed = []
+    try:
+        for case in _mmv_q_cases(types, all_n=(T.Q4_0,) if full else ()):
+            r = run_op_case(case, dev, be, rng)
+            if r.status != PASSED:
+                failed.append(f"{case.id}: {r.status} {r.message}")
+    finally:
+        be.free()
+    assert not failed, "\n".join(failed)
+
+
+def test_mul_mat_vec_q_dispatch(monkeypatch):
+    """Which kernel a few-column product gets, with how many workgroups, under the knobs."""
+    ctx = Context()
+    b = ctx.new_tensor_ne(T.F32, 4096, 3)
+    sg = kernels.Caps(subgroup=32)
+    q = ctx.mul_mat(ctx.new_tensor_ne(T.Q4_0, 4096, 17), b)
+    (d,) = kernels.dispatches(q, sg)
+    assert (d.shader, d.spec, d.groups) == ("mul_mat_vec_q", (T.Q4_0, T.F32, 3, 0, 4, 32, 128, 0), 5)
+    pre, d = kernels.dispatches(q, kernels.Caps(subgroup=32, int_dot=True))
+    assert (pre.shader, pre.groups, pre.scratch.write) == ("quantize_b8", 3 * 4096 // 512, True)
+    assert pre.scratch.nbytes == 3 * 4096 + 3 * 128 * 4 == d.scratch.nbytes and not d.scratch.write
+    assert (d.shader, d.spec, d.bindings[1]) == ("mul_mat_vec_q8", (T.Q4_0, T.F32, 3, 0, 4, 32, 128, 0), None)
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_Q8", "0")
+    (d,) = kernels.dispatches(q, kernels.Caps(subgroup=32, int_dot=True))
+    assert d.shader == "mul_mat_vec_q"
+    monkeypatch.delenv("ACCELPLANE_VK_MMV_Q8")
+    (d,) = kernels.dispatches(q, kernels.Caps())  # no subgroup arithmetic: shared memory
+    assert (d.shader, d.spec[4:]) == ("mul_mat_vec_q_sm", (4, 1, 128, 0))
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_ROWS", "8")
+    (d,) = kernels.dispatches(q, kernels.Caps())  # 8 rows x 3 columns x 128 threads: 12 KiB
+    assert d.spec[4] == 8 and d.groups == 3
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_WG", "256")
+    (d,) = kernels.dispatches(q, kernels.Caps())  # 24 KiB would exceed 16: fewer rows
+    assert d.spec[4:] == (4, 1, 256, 0) and d.groups == 5
+    b512 = ctx.new_tensor_ne(T.F32, 512, 1)
+    q4k = ctx.mul_mat(ctx.new_tensor_ne(T.Q4_K, 512, 16), b512)
+    (d,) = kernels.dispatches(q4k, sg)
+    assert d.spec[6:] == (64, 1), "64 slices of 8 values: 64 threads; aligned rows: 32-bit loads"
+    _, d = kernels.dispatches(q4k, kernels.Caps(subgroup=32, int_dot=True))
+    assert d.spec[6] == 32, "int8 K-quant slices take 16 values"
+    (d,) = kernels.dispatches(ctx.mul_mat(ctx.new_tensor_ne(T.F16, 4096, 16), b), sg)
+    assert d.shader == "mul_mat_vec", "float weights keep their kernel"
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_ROWS", "0")
+    (d,) = kernels.dispatches(q, sg)
+    assert d.shader == "mul_mat_vec" and d.groups == 17
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_ROWS", "3")
+    with pytest.raises(DeviceError, match="ACCELPLANE_VK_MMV_ROWS"):
+        kernels.dispatches(q, sg)
+
+
+def test_mul_mat_vec_q8_quantizes_each_activation_once(vk_devices):
+    """Products of one activation share its int8 copy (one quantize_b8 in the plan); a node
+    that overwrites the activation in between makes the next product quantize it again."""
+    from accelplane.types import dequantize
+
+    dev = vk_devices()[0]
+    if not (dev.ctx.caps.int_dot and dev.ctx.caps.subgroup):
+        pytest.skip("no integer dot products or subgroup arithmetic: no mul_mat_vec_q8")
+    ctx = Context()
+    k, m = 256, 20
+    w = [ctx.new_tensor_ne(T.Q4_0, k, m, name=f"w{i}") for i in range(3)]
+    x = ctx.new_tensor_ne(T.F32, k, 2, name="x")
+    x2 = ctx.new_tensor_ne(T.F32, k, 2, name="x2")
+    y0, y1 = ctx.mul_mat(w[0], x), ctx.mul_mat(w[1], x)
+    over = ctx.cpy(x2, x)  # x's memory rewritten after y0 and y1 read it
+    y2 = ctx.mul_mat(w[2], over)
+    g = ctx.graph(y0, y1, y2)
+    buf = alloc_tensors([*ctx.tensors, *g.nodes], dev.buffer_type)
+    rng = np.random.default_rng(3)
+    vals = [rng.uniform(-1, 1, (m, k)).astype(np.float32) for _ in w]
+    for t, v in zip(w, vals, strict=True):
+        t.set_bytes(quantize(T.Q4_0, v).reshape(-1))
+    xv, x2v = rng.uniform(-1, 1, (2, 2, k)).astype(np.float32)
+    x.set(xv)
+    x2.set(x2v)
+    be = dev.new_backend()
+    be.compute(g)
+    assert be.ctx.plans.get(g).n_dispatches == 6  # quantize, y0, y1, copy, quantize, y2
+    for y, t, xin in ((y0, w[0], xv), (y1, w[1], xv), (y2, w[2], x2v)):
+        wd = dequantize(T.Q4_0, t.get_bytes(), k).reshape(m, k)
+        want = xin.astype(np.float64) @ wd.T.astype(np.float64)
+        got = y.get().reshape(2, m)
+        assert np.sum((got - want) ** 2) / np.sum(want**2) < 5e-4
+    be.free()
+    buf.free()
 
 
 # --- failures are loud, and isolated ----------------------------------------------------------------------
