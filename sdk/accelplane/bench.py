@@ -61,13 +61,14 @@ def random_rows(t: Tensor, rng: np.random.Generator) -> None:
     t.set_bytes(raw.reshape(-1))
 
 
-def matmul_case(ta: GGMLType, m: int, n: int, k: int) -> PerfCase:
+def matmul_case(ta: GGMLType, m: int, n: int, k: int, tb: GGMLType = T.F32) -> PerfCase:
     def build(ctx: Context) -> Tensor:
         a = ctx.new_tensor_ne(ta, k, m, name="a")
-        b = ctx.new_tensor_ne(T.F32, k, n, name="b")
+        b = ctx.new_tensor_ne(tb, k, n, name="b")
         return ctx.mul_mat(a, b)
 
-    return PerfCase(f"MUL_MAT(type_a={ta.name.lower()},m={m},n={n},k={k})", build)
+    tbs = "" if tb == T.F32 else f",type_b={tb.name.lower()}"
+    return PerfCase(f"MUL_MAT(type_a={ta.name.lower()}{tbs},m={m},n={n},k={k})", build)
 
 
 def overhead_case(n_nodes: int = 1000, ne0: int = 16) -> PerfCase:
@@ -90,6 +91,8 @@ SETS: dict[str, Callable[[], list[PerfCase]]] = {
     "small": lambda: [matmul_case(t, 4096, n, 4096) for n in (1, 32)
                       for t in (T.F32, T.Q8_0, T.Q4_0)] + [overhead_case()],
     "overhead": lambda: [overhead_case()],
+    # the F16 GEMM as cuBLAS sees it (activations already F16: no conversion)
+    "gemm": lambda: [matmul_case(T.F16, 4096, 512, 14336, T.F16)],
 }  # fmt: skip
 SETS["default"] = lambda: SETS["matmul"]() + [overhead_case()]
 

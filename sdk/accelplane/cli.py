@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "moe: expert prefetch; model: llama-bench pp/tg tokens/s; tp: tensor "
                         "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
                         "device to give it several backends)")  # fmt: skip
-    b.add_argument("--set", default="default", help="case set: default, matmul, small, overhead")
+    b.add_argument("--set", default="default", help="case set: default, matmul, gemm, small, overhead")
     b.add_argument("-p", "--pattern", help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
     b.add_argument("--time", type=float, default=1.0, help="seconds per case (default 1)")
@@ -209,6 +209,8 @@ def _model_args(sub, b) -> None:
                         "non-CPU devices when there are several); model: -d takes a comma list "
                         "as one device set")  # fmt: skip
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
+    b.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
     r = sub.add_parser("run", help="run a llama model (default: a small synthetic one) on the best "
                        "devices, print tokens/s and check the logits against the CPU plugin")  # fmt: skip
     r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")

@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -80,6 +81,7 @@ class _Plan:
         self.clones: list[Tensor] = []
         self.node_graphs: dict[tuple, Graph] = {}
         self.layout: tuple[int, ...] = ()  # alloc graphs' layout versions at the last alloc
+        self.views_placed = False  # clones' views placed for this layout
 
     def graphs(self):
         for sp in self.splits:
@@ -144,6 +146,7 @@ class Scheduler:
         self.cur_copy = 0
         self.next_copy = 0
         self._plans: dict[tuple, _Plan] = {}
+        self._key_memo: dict[int, tuple[list, tuple]] = {}  # graph uid → (leaf placements, key)
         self._allocated: _Plan | None = None
         self.prefetch_experts = (_env_int("ACCELPLANE_SCHED_PREFETCH_EXPERTS", 0)
                                  if prefetch_experts is None else prefetch_experts)  # fmt: skip
@@ -429,14 +432,18 @@ class Scheduler:
         self.next_copy = (self.next_copy + 1) % self.n_copies
         for k, g in enumerate(plan.alloc_graphs):
             self.galloc[k].alloc_graph(g, plan.keep[k])
-        for cl in plan.clones:
-            cl.view_src.buffer.init_view(cl)
         layout = tuple(g.layout_version for g in plan.alloc_graphs)
-        if layout != plan.layout:
-            # tensors moved: plugins must re-plan the split graphs they cached
-            plan.layout = layout
-            for g in plan.graphs():
-                g.layout_version += 1
+        if layout != plan.layout or not plan.views_placed:
+            # tensors moved (or first use): place the views on their sources again, and make
+            # plugins re-plan the split graphs they cached. Unmoved, nothing needs redoing: a
+            # decode step would otherwise re-place hundreds of views per token.
+            for cl in plan.clones:
+                cl.view_src.buffer.init_view(cl)
+            plan.views_placed = True
+            if layout != plan.layout:
+                plan.layout = layout
+                for g in plan.graphs():
+                    g.layout_version += 1
         self._allocated = plan
         self.stats.splits = len(plan.splits)
         self.stats.copies = sum(len(sp.inputs) for sp in plan.splits)
@@ -478,12 +485,21 @@ class Scheduler:
 
     def _key(self, graph: Graph) -> tuple:
         # re-plan when a leaf placed outside the scheduler moved (e.g. weights went to another
-        # buffer type: re-reservation); leaves the scheduler placed itself don't count
+        # buffer type: re-reservation); leaves the scheduler placed itself don't count. A
+        # decode step asks every token: when no leaf's (buffer, offset) changed since the last
+        # call, the last key stands (a buffer's owner never changes), at a tenth of the cost.
+        raw = list(map(_BUF_OFFS, graph.leafs))
+        memo = self._key_memo.get(graph.uid)
+        if memo is not None and memo[0] == raw:
+            return memo[1]
+
         def placed_outside(t: Tensor) -> bool:
             return t.buffer is not None and not any(g.owns(t.buffer) for g in self.galloc)
 
-        return (graph.uid, tuple((id(t.buffer), t.offs) if placed_outside(t) else None
-                                 for t in graph.leafs))  # fmt: skip
+        key = (graph.uid, tuple((id(t.buffer), t.offs) if placed_outside(t) else None
+                                for t in graph.leafs))  # fmt: skip
+        self._key_memo[graph.uid] = (raw, key)
+        return key
 
     # --- execution ---------------------------------------------------------------------------------
     def _sync(self, b: Backend) -> None:
@@ -712,6 +728,9 @@ class Scheduler:
                 for n in sp.nodes:
                     why = plan.cause.get(id(n), "")
                     print(f"    {op_desc(n):<12} {n.name or n.uid!s:<20} ({why})", file=out)
+
+
+_BUF_OFFS = attrgetter("buffer", "offs")
 
 
 def _check_threshold(n: Tensor) -> float:

@@ -241,8 +241,10 @@ def bench_configs(
 
 
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
-                reps: int = 2, progress: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
-    """llama-bench's pp and tg tests per config; one dict per (config, test)."""
+                reps: int = 2, progress: Callable[[str], None] | None = None,
+                profiler=None) -> list[dict]:  # fmt: skip
+    """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
+    cProfile.Profile enabled around the timed tg runs (where the host time of a token goes)."""
     rows = []
     n_ctx = -(-(max(pp, tg) + 1) // 256) * 256
     wbytes = total_bytes(f)
@@ -262,6 +264,9 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                     if progress:
                         progress(f"{label} split={split} {test}{n}: run {rep + 1}/{reps + 1}")
                     model.reset()
+                    prof = profiler if rep and test == "tg" else None
+                    if prof is not None:
+                        prof.enable()
                     t0 = time.perf_counter()
                     if test == "pp":
                         model.eval(toks, want_logits=False)
@@ -269,6 +274,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                         tok = toks[0]
                         for _ in range(n):
                             tok = int(model.eval([tok], want_logits=False).ids[-1])
+                    if prof is not None:
+                        prof.disable()
                     if rep:
                         times.append(time.perf_counter() - t0)
                 tps = [n / t for t in times]
@@ -344,10 +351,20 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
             sys.stderr.write(f"\r\033[K{msg}")
             sys.stderr.flush()
 
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, progress)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, progress, prof)
     if tty:
         sys.stderr.write("\r\033[K")
     print(format_bench(rows), file=out)
+    if prof is not None:
+        import pstats
+
+        print(f"host time of the timed tg runs, top {args.profile} functions by own time:", file=out)
+        pstats.Stats(prof, stream=out or sys.stdout).sort_stats("tottime").print_stats(args.profile)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "model": str(path),
                                                "results": rows}, indent=1))  # fmt: skip
