@@ -239,10 +239,12 @@ def _mul_mat() -> Iterator[OpCase]:
         bs = ta.blck_size
         ks = (bs * 8, bs * 3) if bs > 1 else (256, 67, 1)
         for k in ks:
-            for m, n in ((16, 1), (17, 9), (33, 64), (1, 5)):
-                for batch in (((1, 1), (1, 1)), ((2, 1), (4, 3))) if (m, n) == (16, 1) else \
+            # (19, 3): a few activation rows (the mat-vec kernels' range), rows not a multiple
+            # of a workgroup's, broadcast batches
+            for m, n in ((16, 1), (17, 9), (33, 64), (1, 5), (19, 3)):
+                for batch in (((1, 1), (1, 1)), ((2, 1), (4, 3))) if (m, n) in ((16, 1), (19, 3)) else \
                         (((1, 1), (1, 1)),):  # fmt: skip
-                    for tb in (T.F32, T.F16) if (m, n) == (17, 9) else (T.F32,):
+                    for tb in (T.F32, T.F16) if (m, n) in ((17, 9), (19, 3)) else (T.F32,):
 
                         def build(ctx, ta=ta, tb=tb, k=k, m=m, n=n, batch=batch):
                             (a2, a3), (b2, b3) = batch
@@ -253,8 +255,8 @@ def _mul_mat() -> Iterator[OpCase]:
                         yield OpCase("MUL_MAT", {"type_a": ta, "type_b": tb, "m": m, "n": n,
                                                  "k": k, "bs": batch}, build, 5e-4)  # fmt: skip
     # non-contiguous activations and strided weight rows
-    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0):
-        k = 64
+    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+        k = 256 if ta.blck_size == 256 else 64
 
         def build_nc(ctx, ta=ta, k=k):
             a = leaf(ctx, ta, (k, 12, 1, 1), "a", strided=True)
@@ -265,7 +267,7 @@ def _mul_mat() -> Iterator[OpCase]:
 
 
 def _mul_mat_id() -> Iterator[OpCase]:
-    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K):
+    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
         k = 256 if ta.blck_size == 256 else 64
         for n_exp, n_used, n_tok, b1 in ((4, 2, 5, 1), (8, 3, 2, 3), (4, 1, 1, 1)):
 
