@@ -482,6 +482,7 @@ class Scheduler:
             pb.free()
         for g in self.galloc:
             g.free()
+        self._key_memo.clear()  # it holds the leaves' buffers
 
     def _key(self, graph: Graph) -> tuple:
         # re-plan when a leaf placed outside the scheduler moved (e.g. weights went to another
