@@ -237,10 +237,7 @@ class CudaPlan:
         if grid is None:
             grid = (max(1, min((n + block - 1) // block, 65535)),)
         blk = (block,)
-        if smem:
-            self.steps.append(lambda: fn(grid, blk, args, shared_mem=smem))
-        else:
-            self.steps.append(lambda: fn(grid, blk, args))
+        self.steps.append(lambda: fn(grid, blk, args, shared_mem=smem))
 
     def _elementwise_copy(self, src, dst, sp=None, dp=None) -> None:
         """dst (any layout) ← src (any layout), element order row-major (CPY semantics)."""
@@ -433,13 +430,18 @@ class CudaPlan:
         """(warps per block, dynamic shared memory bytes) for k_mmv_pipe, or None where it does
         not apply: rows not aligned, K not a multiple of 32, or the activations too large for
         shared memory next to the stages."""
-        if os.environ.get("ACCELPLANE_CUDA_MMV", "pipe") != "pipe" or int(a.type) not in _WT:
+        mode = os.environ.get("ACCELPLANE_CUDA_MMV", "pipe")
+        if mode not in ("pipe", "f32"):
+            raise DeviceError(f"ACCELPLANE_CUDA_MMV must be pipe or f32, got {mode!r}")
+        if mode != "pipe" or int(a.type) not in _WT:
             return None
         k, n = a.ne[0], b.ne[1]
         if k % 32 or not self._rows_aligned(a) or k * n >= 1 << 28:
             return None
         xbytes = n * k * 4 if a.type in FLOAT else n * k + n * (k // 32) * 8
         forced = os.environ.get("ACCELPLANE_CUDA_MMV_WARPS")
+        if forced and forced not in ("16", "8", "4"):  # the kernel's launch bounds: 512 threads
+            raise DeviceError(f"ACCELPLANE_CUDA_MMV_WARPS must be 16, 8 or 4, got {forced!r}")
         choices = [int(forced)] if forced else [16, 8, 4]
         for warps in choices:
             smem = warps * MMVP_NS * MMVP_SEG + xbytes
