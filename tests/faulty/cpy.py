@@ -1,9 +1,6 @@
-"""faulty_cpy: the asynchronous test device, whose cpy_tensor_async returns True at once and
-copies later, on a thread of its own after a short delay, ordered with neither stream."""
-
-import os
-import threading
-import time
+"""faulty_cpy: the asynchronous test device, whose cpy_tensor_async returns True at once but
+copies only at the destination backend's next synchronize, after everything queued on its
+stream has run: work ordered after the copy reads the old destination, every time."""
 
 from accelplane.hookspecs import hookimpl
 from accelplane.testing import asyncdev as _base
@@ -28,13 +25,13 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
         s = src.buffer.host_array[src.offs : src.offs + src.nbytes]
     else:
         return False
-    # twice the streams' largest random delay (at least 1 ms): the copy usually lands after
-    # the destination stream has already read dst
-    delay = max(2e-6 * float(os.environ.get("ACCELPLANE_TEST_DELAY_US", "100")), 1e-3)
-
-    def late_copy() -> None:
-        time.sleep(delay)
-        d[...] = s
-
-    threading.Thread(target=late_copy, name="faulty-late-copy", daemon=True).start()
+    # deferred deterministically (a timer thread raced the stream's random delays)
+    backend_dst.ctx.__dict__.setdefault("late_copies", []).append((d, s))
     return True
+
+
+@hookimpl
+def synchronize(backend):
+    backend.ctx.stream.synchronize()
+    for d, s in backend.ctx.__dict__.pop("late_copies", []):
+        d[...] = s
