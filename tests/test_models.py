@@ -360,6 +360,29 @@ def test_graphs_and_plans_reused_across_tokens(reg, models):
             m.free()
 
 
+def test_merged_projections(reg, models):
+    """Merged Q/K/V and gate/up matrices: a decode step runs 6 products per layer, not 9, and
+    no CONT (either way); the logits equal the unmerged model's (prefill and decode)."""
+    from accelplane.ops import Op
+
+    cpu = reg.device("CPU")
+    tokens = np.random.default_rng(8).integers(0, TINY["n_vocab"], 12)
+    out, counts = [], []
+    for merge in (True, False):
+        m = LlamaModel.from_gguf(models["q8_0"], [cpu], n_ctx=32, kv_pad=16, merge=merge)
+        try:
+            assert bool(m.merged) is merge
+            got = [m.eval(tokens[:6], all_logits=True).logits] + [m.eval([t]).logits for t in tokens[6:]]
+            out.append(np.concatenate(got))
+            ops = [n.op for n in m.step(1, 16).graph.nodes]
+            counts.append((ops.count(Op.MUL_MAT), ops.count(Op.CONT)))
+        finally:
+            m.free()
+    L = TINY["n_layers"]
+    assert counts == [(6 * L + 1, 0), (9 * L + 1, 0)]  # single-token permutes need no copy
+    assert _nmse(out[0], out[1]) < 1e-10
+
+
 def _nmse(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.sum((a - b) ** 2) / np.sum(b * b))

@@ -29,6 +29,7 @@ columns per device, row-parallel products all-reduced).
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -226,6 +227,12 @@ class EvalResult:
     logits: np.ndarray | None
 
 
+def _packed(ctx: Context, cb: _Namer, t: Tensor, name: str) -> Tensor:
+    """``t`` packed: a CONT where its layout needs one; a permute that moves only dimensions
+    of size 1 (every single-token step) is already packed, and costs no copy."""
+    return t if t.is_contiguous() else cb(ctx.cont(t), name)
+
+
 def check_split(split: str) -> None:
     """DeviceError unless ``split`` is one of none, layer, tensor."""
     if split not in SPLIT_MODES:
@@ -258,7 +265,11 @@ class LlamaModel:
     ``devices``, or the global registry's "CPU"), which holds the inputs and the token
     embeddings. ``types``: weight type by GGUF name (default F32). ``n_ctx``: KV cache size;
     ``cache_type``: F16 or F32; ``kv_pad``: attention window granularity (see the module
-    docstring). Call :meth:`load_weights` (or use :meth:`from_gguf`) before :meth:`eval`.
+    docstring). ``merge``: store each layer's Q, K and V (and FFN gate and up) projections as
+    one matrix when their types match, so a decode step runs one product where it ran three
+    (two); the GGUF names stay as views of it. Default: on, unless ACCELPLANE_MODEL_MERGE=0;
+    never with ``split='tensor'`` (the shards cut per projection). Call :meth:`load_weights`
+    (or use :meth:`from_gguf`) before :meth:`eval`.
     """
 
     def __init__(
@@ -273,6 +284,7 @@ class LlamaModel:
         types: Mapping[str, GGMLType | str | int] | None = None,
         cpu: Device | None = None,
         policy: str = "strict",
+        merge: bool | None = None,
     ) -> None:
         check_split(split)
         if not devices:
@@ -318,6 +330,9 @@ class LlamaModel:
         self.n_past = 0
         self._steps: dict[tuple[int, int, bool], _Step] = {}
         self.buffers: list[Buffer] = []
+        if merge is None:
+            merge = os.environ.get("ACCELPLANE_MODEL_MERGE", "1") != "0"
+        self.merge = bool(merge) and self.meta is None
         self._build_weights(types or {})
 
     # --- weights and cache ---------------------------------------------------------------------
@@ -333,10 +348,28 @@ class LlamaModel:
         self.wctx = Context("llama-weights")
         self.w: dict[str, Tensor] = {}
         self.placement: dict[str, Device] = {}
+        self.merged: dict[str, Tensor] = {}  # "blk.i.attn_qkv" / "blk.i.ffn_gate_up" → matrix
         by_dev: dict[Device, list[Tensor]] = {}
-        for spec in cfg.weights():
-            ty = parse_type(types.get(spec.name, T.F32))
-            t = self.wctx.new_tensor(ty, spec.shape, spec.name).set_param()
+        specs = {s.name: s for s in cfg.weights()}
+        tys = {n: parse_type(types.get(n, T.F32)) for n in specs}
+        views: dict[str, Tensor] = {}
+        if self.merge:
+            for merged, parts in self._merge_groups():
+                if any(p not in specs for p in parts) or len({tys[p] for p in parts}) != 1:
+                    continue
+                rows = [specs[p].shape[0] for p in parts]
+                k = specs[parts[0]].shape[1]
+                m = self.wctx.new_tensor(tys[parts[0]], (sum(rows), k), merged + ".weight").set_param()
+                self.merged[merged] = m
+                by_dev.setdefault(self._device_of(specs[parts[0]]), []).append(m)
+                r0 = 0
+                for p, r in zip(parts, rows, strict=True):
+                    views[p] = self.wctx.view(m, (k, r), None, r0 * m.nb[1]).set_name(p)
+                    r0 += r
+        for spec in specs.values():
+            t = views.get(spec.name)
+            if t is None:
+                t = self.wctx.new_tensor(tys[spec.name], spec.shape, spec.name).set_param()
             self.w[spec.name] = t
             dev = self._device_of(spec)
             self.placement[spec.name] = dev
@@ -376,6 +409,17 @@ class LlamaModel:
         except Exception:
             self.free()
             raise
+
+    def _merge_groups(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(merged name, its parts in row order) per layer: the projections that read the same
+        activations. Gate rows come before up rows: SWIGLU of one tensor gates its first half."""
+        out = []
+        for i in range(self.cfg.n_layers):
+            p = f"blk.{i}."
+            out.append((p + "attn_qkv", (p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")))
+            if not self.cfg.is_moe:
+                out.append((p + "ffn_gate_up", (p + "ffn_gate.weight", p + "ffn_up.weight")))
+        return out
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights per device name."""
@@ -499,9 +543,18 @@ class LlamaModel:
             inp = cur
             x = cb(ctx.mul(cb(ctx.rms_norm(cur, cfg.rms_eps), "norm"), w[p + "attn_norm.weight"]),
                    "attn_norm")  # fmt: skip
-            q = cb(ctx.mul_mat(w[p + "attn_q.weight"], x), "Qcur")
-            k = cb(ctx.mul_mat(w[p + "attn_k.weight"], x), "Kcur")
-            v = cb(ctx.mul_mat(w[p + "attn_v.weight"], x), "Vcur")
+            qkv_w = self.merged.get(p + "attn_qkv")
+            if qkv_w is not None and n_tok == 1:
+                # one product; Q, K, V are contiguous slices of its single row
+                qkv = cb(ctx.mul_mat(qkv_w, x), "QKVcur")
+                nq, fsz = n_head * hd, qkv.nb[0]
+                q = ctx.view(qkv, (nq, 1), None, 0)
+                k = ctx.view(qkv, (e_kv, 1), None, nq * fsz)
+                v = ctx.view(qkv, (e_kv, 1), None, (nq + e_kv) * fsz)
+            else:
+                q = cb(ctx.mul_mat(w[p + "attn_q.weight"], x), "Qcur")
+                k = cb(ctx.mul_mat(w[p + "attn_k.weight"], x), "Kcur")
+                v = cb(ctx.mul_mat(w[p + "attn_v.weight"], x), "Vcur")
             q = cb(ctx.rope(ctx.reshape_ne(q, hd, n_head, n_tok), pos, cfg.rot, cfg.rope_mode,
                             **rope_kw), "Qrope")  # fmt: skip
             k = cb(ctx.rope(ctx.reshape_ne(k, hd, n_kv_head, n_tok), pos, cfg.rot, cfg.rope_mode,
@@ -522,14 +575,14 @@ class LlamaModel:
             vv = ctx.view(v_set, (n_kv, hd, n_kv_head), (esz, self.n_ctx * esz, hd * self.n_ctx * esz))
             # grouped-query attention as one product per kv head: its g query heads' rows
             # (token-major, head-minor) form one [g * n_tok, hd] matrix
-            qg = cb(ctx.cont(ctx.permute(ctx.reshape_ne(q, hd, g, n_kv_head, n_tok), 0, 1, 3, 2)),
-                    "q_grouped")  # [n_head_kv, n_tok, g, hd]  # fmt: skip
+            qg = _packed(ctx, cb, ctx.permute(ctx.reshape_ne(q, hd, g, n_kv_head, n_tok), 0, 1, 3, 2),
+                         "q_grouped")  # [n_head_kv, n_tok, g, hd]  # fmt: skip
             qg = ctx.reshape_ne(qg, hd, g * n_tok, n_kv_head)
             kq = cb(ctx.mul_mat(kk, qg), "kq")  # [n_head_kv, n_tok * g, n_kv]
             kq = cb(ctx.soft_max(kq, mask, kq_scale), "kq_soft_max")
             kqv = cb(ctx.mul_mat(vv, kq), "kqv")  # [n_head_kv, n_tok * g, hd]
             o = ctx.permute(ctx.reshape_ne(kqv, hd, g, n_tok, n_kv_head), 0, 1, 3, 2)
-            o = cb(ctx.cont(o), "kqv_merged")  # [n_tok, n_head_kv, g, hd] = [n_tok, n_head, hd]
+            o = _packed(ctx, cb, o, "kqv_merged")  # [n_tok, n_head_kv, g, hd] = [n_tok, n_head, hd]
             o = cb(ctx.mul_mat(w[p + "attn_output.weight"], ctx.reshape_ne(o, n_head * hd, n_tok)),
                    "attn_out")  # fmt: skip
             ffn_inp = cb(ctx.add(o, inp), "ffn_inp")
@@ -551,6 +604,10 @@ class LlamaModel:
 
     def _ffn(self, ctx: Context, cb: _Namer, x: Tensor, p: str) -> Tensor:
         w = self.w
+        gu_w = self.merged.get(p + "ffn_gate_up")
+        if gu_w is not None:  # SWIGLU of one tensor: silu(first half) * second half, per row
+            a = cb(ctx.swiglu(cb(ctx.mul_mat(gu_w, x), "ffn_gate_up")), "ffn_swiglu")
+            return cb(ctx.mul_mat(w[p + "ffn_down.weight"], a), "ffn_out")
         g = cb(ctx.mul_mat(w[p + "ffn_gate.weight"], x), "ffn_gate")
         u = cb(ctx.mul_mat(w[p + "ffn_up.weight"], x), "ffn_up")
         return cb(ctx.mul_mat(w[p + "ffn_down.weight"], cb(ctx.swiglu(g, u), "ffn_swiglu")), "ffn_out")
