@@ -389,16 +389,20 @@ class Graph:
     ``layout_version`` changes whenever the allocator (re)places its tensors.
     """
 
-    __slots__ = ("nodes", "leafs", "uid", "layout_version", "__weakref__")
+    __slots__ = ("nodes", "leafs", "uid", "layout_version", "keep", "__weakref__")
 
     def __init__(self, outputs: Iterable[Tensor]) -> None:
         self.nodes: list[Tensor] = []
         self.leafs: list[Tensor] = []
+        outputs = list(outputs)
         seen: set[int] = set()
         for out in outputs:
             self._visit(out, seen)
         self.uid = next(_graph_ids)
         self.layout_version = 0
+        # memory a plugin's fused kernels must still write although a node of this graph
+        # reads it (accelplane.fusion): here the outputs asked for; None = unknown, fuse nothing
+        self.keep: frozenset[int] | None = frozenset(id(o.view_src or o) for o in outputs)
 
     def _visit(self, root: Tensor, seen: set[int]) -> None:
         # iterative post-order DFS over src (deep graphs must not hit the recursion limit)
@@ -421,13 +425,17 @@ class Graph:
             (self.leafs if t.op is None else self.nodes).append(t)
 
     @classmethod
-    def from_nodes(cls, nodes: Sequence[Tensor], leafs: Sequence[Tensor] = ()) -> Graph:
-        """A graph of given nodes (already in a valid order), e.g. a scheduler split."""
+    def from_nodes(cls, nodes: Sequence[Tensor], leafs: Sequence[Tensor] = (),
+                   keep: frozenset[int] | None = None) -> Graph:  # fmt: skip
+        """A graph of given nodes (already in a valid order), e.g. a scheduler split. ``keep``:
+        ids of the tensors (memory owners) read outside these nodes or wanted by the caller;
+        None (unknown) lets no plugin fuse a node away."""
         g = cls.__new__(cls)
         g.nodes = list(nodes)
         g.leafs = list(leafs)
         g.uid = next(_graph_ids)
         g.layout_version = 0
+        g.keep = keep
         return g
 
     @property

@@ -57,6 +57,7 @@ class Split:
     nodes: list[Tensor] = field(default_factory=list)
     inputs: list[SplitInput] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)  # one per copy slot
+    keep: frozenset[int] | None = None  # memory read outside the split (accelplane.fusion)
 
 
 @dataclass
@@ -348,6 +349,16 @@ class Scheduler:
                 if inp not in cur.inputs:
                     cur.inputs.append(inp)
         plan.splits = splits
+        # what each split's plugin must still write if it fuses nodes (accelplane.fusion):
+        # memory read by any other split, and what the caller asked for
+        reads = [{id(s.view_src or s) for n in sp.nodes for s in (*n.src, n.view_src) if s is not None}
+                 for sp in splits]  # fmt: skip
+        base_keep = graph.keep
+        for si, sp in enumerate(splits):
+            if base_keep is None:
+                sp.keep = None
+            else:
+                sp.keep = frozenset(base_keep.union(*(r for j, r in enumerate(reads) if j != si)))
         # per-slot split graphs: nodes whose sources were copied get a clone that reads the
         # copy and writes the original's memory (the clone is a view of the original)
         for sp in splits:
@@ -367,7 +378,7 @@ class Scheduler:
                         nodes.append(cl)
                     else:
                         nodes.append(n)
-                sp.graphs.append(Graph.from_nodes(nodes))
+                sp.graphs.append(Graph.from_nodes(nodes, keep=sp.keep))
         # allocation: one graph per backend with its nodes in graph order (views included, so
         # they get bound) and the input copies of its splits as leafs (allocated first)
         keep_ids = frozenset(id(i.src) for sp in splits for i in sp.inputs)

@@ -239,8 +239,10 @@ __global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const
 }
 
 // ---- row norms (F32): one block per row -------------------------------------------------------------
-// P: [ne0..3, nbs0..3, nbd0..3, op(0 norm,1 rms,2 l2), eps]
-__global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src) {
+// P: [ne0..3, nbs0..3, nbd0..3, op(0 norm,1 rms,2 l2), eps, has_w, wne0..3, wnb0..3]
+// With has_w the result is multiplied by w broadcast over the rows (a NORM/RMS_NORM/L2_NORM
+// fused with the MUL that reads it, accelplane.fusion); dst is then the MUL's tensor.
+__global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, const char* w) {
     const i64 ne0 = P[0];
     i64 r = blockIdx.x;
     const i64 i1 = r % P[1]; r /= P[1];
@@ -249,6 +251,8 @@ __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src) {
     char* d = dst + i1 * P[9] + i2 * P[10] + i3 * P[11];
     const int op = (int)P[12];
     const float eps = (float)pf(P, 13);
+    const bool has_w = P[14] != 0;
+    const char* wr = has_w ? w + (i1 % P[16]) * P[20] + (i2 % P[17]) * P[21] + (i3 % P[18]) * P[22] : nullptr;
     float mean = 0.0f;
     if (op == 0) {
         float acc = 0.0f;
@@ -264,8 +268,11 @@ __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src) {
     float scale;
     if (op == 2) scale = 1.0f / fmaxf(sqrtf(ss), eps);
     else scale = rsqrtf(ss / (float)ne0 + eps);
-    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x)
-        *(float*)(d + i * P[8]) = (*(const float*)(s + i * P[4]) - mean) * scale;
+    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
+        float y = (*(const float*)(s + i * P[4]) - mean) * scale;
+        if (has_w) y *= *(const float*)(wr + (i % P[15]) * P[19]);
+        *(float*)(d + i * P[8]) = y;
+    }
 }
 
 // ---- soft_max with scale, optional mask (broadcast over ne2/ne3) and ALiBi slopes -------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from accelplane.errors import BufferFreedError, ComputeError, DeviceError
+from accelplane.fusion import Fusion
 from accelplane.ops import (
     FLOAT,
     QUANT,
@@ -194,6 +195,7 @@ class CudaPlan:
         self.segments: list | None = None  # [(cuda graph | None, steps)] when capture is partial
         self.keep: list = []  # device parameter arrays and scratch memory the steps use
         self.kernel_names: list[str] = []  # what each launch runs, in order (tests, debugging)
+        self.fused: list[tuple[str, ...]] = []  # the ops of each fused launch (tests, debugging)
         self.buffers = {}
         self.uses_index = False
         self.cublas_ok = True
@@ -202,16 +204,23 @@ class CudaPlan:
         self.graph_failed = os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0"
         with cp.cuda.Device(sctx.device):
             self.fns = kernels(sctx.device)
-            for n in graph.nodes:
+            fusion = Fusion(graph)
+            covered = 0  # nodes still to skip: computed by the last fused kernel
+            for i, n in enumerate(graph.nodes):
                 for t in (n, *n.src):
                     if t is not None:
                         if t.buffer is None:
                             raise ComputeError(f"{n.op.name} {n.name or n.uid}: tensor {t.name or t.uid} "
                                                "is not allocated")  # fmt: skip
                         self.buffers[id(t.buffer)] = t.buffer
+                if covered:
+                    covered -= 1
+                    continue
                 if n.op in VIEW_OPS:
                     continue
-                self._node(n)
+                covered = max(0, self._fuse(fusion, i, graph.nodes) - 1)
+                if not covered:
+                    self._node(n)
             # parameter uploads went through the legacy stream: finish them before any replay
             cp.cuda.runtime.deviceSynchronize()
         sctx.check_err = sctx.check_err or self.uses_index
@@ -300,10 +309,7 @@ class CudaPlan:
             args = (P, self._ptr(n), np.uint64(xp), np.uint64(gp))
             self._launch(f"k_glu<{CTYPE[n.type]}>", n.nelements, args)
         elif o in (Op.NORM, Op.RMS_NORM, Op.L2_NORM):
-            a = s[0]
-            code = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[o]
-            P = self._P([*a.ne, *a.nb, *n.nb, code, _f(n.op_params[0])])
-            self._launch("k_norm", 0, (P, self._ptr(n), self._ptr(a)), block=256, grid=(a.nrows,))
+            self._norm(n)
         elif o is Op.SOFT_MAX:
             self._soft_max(n)
         elif o is Op.ROPE:
@@ -366,6 +372,30 @@ class CudaPlan:
             self._launch("k_col2im_1d", n.nelements, (P, self._ptr(n), self._ptr(a)))
         else:  # pragma: no cover - supports() keeps these out
             raise ComputeError(f"CUDA plugin has no kernel for {o.name}")
+
+    def _norm(self, n, mul=None) -> None:
+        """A row norm; with ``mul`` (the MUL reading it, fused) times its other operand,
+        written to the MUL's tensor."""
+        a = n.src[0]
+        code = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[n.op]
+        out, w = (n, None) if mul is None else (mul, mul.src[1])
+        wp = [1, 1, 1, 1, 1, 0, 0, 0, 0] if w is None else [1, *w.ne, *w.nb]
+        P = self._P([*a.ne, *a.nb, *out.nb, code, _f(n.op_params[0]), *wp])
+        args = (P, self._ptr(out), self._ptr(a), self._ptr(w) if w is not None else np.uint64(0))
+        self._launch("k_norm", 0, args, block=256, grid=(a.nrows,))
+
+    def _fuse(self, fusion: Fusion, i: int, nodes) -> int:
+        """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
+        accelplane.fusion allows it; returns how many nodes that covered (0: none)."""
+        n = nodes[i]
+        if n.op in (Op.NORM, Op.RMS_NORM, Op.L2_NORM) and fusion.match(i, (n.op, Op.MUL)):
+            m = nodes[i + 1]
+            w = m.src[1]
+            if m.src[0] is n and m.type == T.F32 and w.type == T.F32 and tuple(m.ne) == tuple(n.ne):
+                self._norm(n, m)
+                self.fused.append((n.op.name, "MUL"))
+                return 2
+        return 0
 
     def _soft_max(self, n) -> None:
         a, mask = n.src

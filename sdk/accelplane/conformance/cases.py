@@ -196,6 +196,25 @@ def _norms() -> Iterator[OpCase]:
                     yield OpCase(name, {"ne": ne, "v": variant, "eps": eps}, build, thr)
 
 
+def _norm_mul() -> Iterator[OpCase]:
+    """A norm read only by a MUL (the norm's own result is not an output): the run plugins
+    fuse into one kernel (accelplane.fusion), with broadcast and permuted operands."""
+    for name in ("NORM", "RMS_NORM", "L2_NORM"):
+        for ne, ne_w, perm in (
+            ((64, 5, 4, 3), (64, 1, 1, 1), None),
+            ((4097, 2, 1, 1), (4097, 2, 1, 1), None),
+            ((64, 5, 4, 3), (64, 5, 1, 3), None),
+            ((64, 5, 4, 3), (64, 1, 1, 1), (0, 2, 1, 3)),
+        ):
+
+            def build(ctx, name=name, ne=ne, ne_w=ne_w, perm=perm):
+                a = leaf(ctx, T.F32, ne, "a", perm)
+                f = {"NORM": ctx.norm, "RMS_NORM": ctx.rms_norm, "L2_NORM": ctx.l2_norm}
+                return ctx.mul(f[name](a, 1e-6), leaf(ctx, T.F32, ne_w, "w"))
+
+            yield OpCase(f"{name}_MUL", {"ne": ne, "ne_w": ne_w, "perm": perm}, build)
+
+
 def _soft_max() -> Iterator[OpCase]:
     for ne in ((16, 5, 4, 1), (33, 7, 2, 3), (1, 1, 1, 1), (1500, 2, 1, 1)):
         for mask in (None, T.F32, T.F16):
@@ -437,7 +456,7 @@ def _col2im() -> Iterator[OpCase]:
 
 
 GENERATORS = (
-    _binary, _unary, _glu, _norms, _soft_max, _rope, _mul_mat, _mul_mat_id, _get_set_rows,
+    _binary, _unary, _glu, _norms, _norm_mul, _soft_max, _rope, _mul_mat, _mul_mat_id, _get_set_rows,
     _copies, _concat, _reductions, _im2col, _col2im,
 )  # fmt: skip
 

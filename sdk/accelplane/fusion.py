@@ -1,0 +1,66 @@
+"""Node fusion: which runs of consecutive nodes a plugin may compute as one kernel.
+
+ggml's backends fuse inside graph_compute (``ggml_can_fuse``: RMS_NORM then MUL, ROPE then
+SET_ROWS, …), each with its own idea of when that is safe. Here the rule is written once, and
+every plugin asks it:
+
+A run of nodes ``i .. i+k`` with the given ops may be computed as one kernel when every node
+but the last owns its memory (is not a view of another tensor), is read by exactly one node
+of the graph, the next one in the run, directly (not through a view), and is in nobody's
+``keep`` set: not a tensor the caller asked for
+or flagged OUTPUT, not read by another scheduler split (the scheduler passes those as the
+split graph's ``keep``). The skipped nodes' memory is then left unwritten. A graph whose
+``keep`` is None (unknown, e.g. ``Graph.from_nodes`` without it) fuses nothing.
+
+``ACCELPLANE_FUSION=0`` turns fusion off everywhere (for bisecting a wrong result).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from .graph import Graph
+from .ops import Op
+from .tensor import Tensor, TensorFlag
+
+
+def enabled() -> bool:
+    return os.environ.get("ACCELPLANE_FUSION", "1") != "0"
+
+
+def _owner(t: Tensor) -> Tensor:
+    return t.view_src or t
+
+
+class Fusion:
+    """Use counts of one graph's nodes, for :meth:`match`; build once per plan."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.nodes = graph.nodes
+        self.keep = graph.keep if enabled() else None
+        self.uses: dict[int, int] = {}  # id(memory owner) → reading nodes, views included
+        if self.keep is None:
+            return
+        for n in graph.nodes:
+            srcs = {id(_owner(s)) for s in n.src if s is not None}
+            if n.view_src is not None:
+                srcs.add(id(n.view_src))
+            for k in srcs:
+                self.uses[k] = self.uses.get(k, 0) + 1
+
+    def match(self, i: int, ops: Sequence[Op]) -> bool:
+        """Nodes ``i .. i+len(ops)-1`` have these ops and may run as one kernel (module
+        docstring); the caller still checks the types and shapes its kernel handles."""
+        if self.keep is None or i + len(ops) > len(self.nodes):
+            return False
+        run = self.nodes[i : i + len(ops)]
+        if any(n.op is not o for n, o in zip(run, ops, strict=True)):
+            return False
+        for n, nxt in zip(run, run[1:], strict=False):
+            own = _owner(n)
+            if n.view_src is not None or id(own) in self.keep or own.flags & TensorFlag.OUTPUT:
+                return False
+            if self.uses.get(id(own), 0) != 1 or not any(s is n for s in nxt.src):
+                return False
+        return True

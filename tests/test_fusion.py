@@ -1,0 +1,136 @@
+"""accelplane.fusion: when a run of nodes may be computed as one kernel, including the keep
+sets the scheduler hands to each split's plugin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from accelplane.alloc import alloc_tensors
+from accelplane.fusion import Fusion
+from accelplane.graph import Context, Graph
+from accelplane.ops import Op
+from accelplane.sched import Scheduler
+from accelplane.testing.plugins import cpu_and_async_registry
+from accelplane.types import GGMLType
+
+T = GGMLType
+NM = (Op.RMS_NORM, Op.MUL)
+
+
+def _norm_mul(ctx: Context):
+    x = ctx.new_tensor(T.F32, (3, 64), "x")
+    w = ctx.new_tensor(T.F32, (64,), "w")
+    n = ctx.rms_norm(x, 1e-6)
+    return n, ctx.mul(n, w)
+
+
+def _index(g: Graph, t) -> int:
+    return next(i for i, n in enumerate(g.nodes) if n is t)
+
+
+def test_norm_then_mul_fuses():
+    ctx = Context()
+    n, y = _norm_mul(ctx)
+    g = ctx.graph(ctx.scale(y, 2.0))
+    f = Fusion(g)
+    assert f.match(_index(g, n), NM)
+    assert not f.match(_index(g, n), (Op.RMS_NORM, Op.ADD))  # ops differ
+    assert not f.match(_index(g, y), NM)
+    assert not f.match(len(g.nodes) - 1, NM)  # runs past the end
+
+
+@pytest.mark.parametrize("why", ["output", "flagged", "second_reader", "view_reader", "no_keep", "env"])
+def test_norm_is_kept(why, monkeypatch):
+    ctx = Context()
+    n, y = _norm_mul(ctx)
+    outs = [y]
+    if why == "output":
+        outs.append(n)  # the caller asked for the intermediate too
+    elif why == "flagged":
+        n.set_output()
+    elif why == "second_reader":
+        outs.append(ctx.scale(n, 3.0))
+    elif why == "view_reader":
+        outs.append(ctx.cont(ctx.view(n, (32, 3), None, 0)))
+    elif why == "env":
+        monkeypatch.setenv("ACCELPLANE_FUSION", "0")
+    g = Graph(outs)
+    if why == "no_keep":
+        g = Graph.from_nodes(g.nodes, g.leafs)  # keep unknown
+    assert not Fusion(g).match(_index(g, n), NM)
+
+
+def test_intermediate_must_feed_the_next_node_directly():
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (3, 64), "x")
+    w = ctx.new_tensor(T.F32, (64,), "w")
+    n = ctx.rms_norm(x, 1e-6)
+    other = ctx.mul(ctx.scale(x, 2.0), w)  # a MUL right after the norm, not reading it
+    g = Graph.from_nodes([n, other], [x, w], keep=frozenset())
+    assert not Fusion(g).match(0, NM)
+
+
+def test_scheduler_keeps_what_other_splits_read():
+    """A norm computed on one backend and read by a node pinned to another is in the first
+    split's keep set, so its plugin may not fuse it away; the computed result stays right."""
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    bd, bc = dev.new_backend(), cpu.new_backend()
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (3, 64), "x")
+    w = ctx.new_tensor(T.F32, (64,), "w")
+    bufs = [alloc_tensors([x, w], dev.buffer_type)]  # leaves on the device: no input copies
+    n = ctx.rms_norm(x, 1e-6)
+    y = ctx.mul(n, w)
+    z = ctx.scale(n, 3.0)  # the other reader, on the CPU
+    out = ctx.add(y, z)
+    g = ctx.graph(out)
+    s = Scheduler([bd, bc])
+    try:
+        for t in (n, y, out):
+            s.set_tensor_backend(t, bd)
+        s.set_tensor_backend(z, bc)
+        s.alloc_graph(g)
+        plan = s._allocated
+        first = next(sp for sp in plan.splits if n in sp.nodes)
+        assert id(n) in first.keep
+        assert not Fusion(first.graphs[0]).match(first.graphs[0].nodes.index(n), NM)
+        rng = np.random.default_rng(0)
+        xv, wv = rng.standard_normal((3, 64)), rng.standard_normal(64)
+        x.set(xv.astype(np.float32))
+        w.set(wv.astype(np.float32))
+        s.graph_compute(g)
+        s.synchronize()
+        nv = xv / np.sqrt(np.mean(xv * xv, -1, keepdims=True) + 1e-6)
+        np.testing.assert_allclose(out.get(), nv * wv + 3 * nv, rtol=1e-5, atol=1e-5)
+    finally:
+        s.free()
+        bd.free()
+        bc.free()
+        bufs[0].free()
+
+
+def test_a_split_without_outside_readers_may_fuse():
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    dev, cpu = reg.device("ASYNC0"), reg.device("CPU")
+    bd, bc = dev.new_backend(), cpu.new_backend()
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (3, 64), "x")
+    w = ctx.new_tensor(T.F32, (64,), "w")
+    bufs = [alloc_tensors([x, w], dev.buffer_type)]  # leaves on the device: no input copies
+    n = ctx.rms_norm(x, 1e-6)
+    y = ctx.mul(n, w)
+    g = ctx.graph(ctx.scale(y, 2.0))
+    s = Scheduler([bd, bc])
+    try:
+        for t in g.nodes:
+            s.set_tensor_backend(t, bd)
+        s.alloc_graph(g)
+        sp = next(sp for sp in s._allocated.splits if n in sp.nodes)
+        sg = sp.graphs[0]
+        assert Fusion(sg).match(sg.nodes.index(n), NM)
+    finally:
+        s.free()
+        bd.free()
+        bc.free()
+        bufs[0].free()
