@@ -134,3 +134,20 @@ def test_a_split_without_outside_readers_may_fuse():
         bd.free()
         bc.free()
         bufs[0].free()
+
+
+def test_written_nodes_may_have_other_readers():
+    """ADD → RMS_NORM → MUL with the sum still written (the residual path reads it again)."""
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (3, 64), "a")
+    b = ctx.new_tensor(T.F32, (3, 64), "b")
+    w = ctx.new_tensor(T.F32, (64,), "w")
+    s = ctx.add(a, b)
+    y = ctx.mul(ctx.rms_norm(s, 1e-6), w)
+    g = ctx.graph(ctx.add(ctx.scale(y, 2.0), s))
+    f = Fusion(g)
+    i = _index(g, s)
+    ops = (Op.ADD, Op.RMS_NORM, Op.MUL)
+    assert not f.match(i, ops)  # the sum has a second reader
+    assert f.match(i, ops, written=(0,))
+    assert not f.match(i, ops, written=(1,))

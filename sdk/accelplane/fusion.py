@@ -49,18 +49,24 @@ class Fusion:
             for k in srcs:
                 self.uses[k] = self.uses.get(k, 0) + 1
 
-    def match(self, i: int, ops: Sequence[Op]) -> bool:
+    def match(self, i: int, ops: Sequence[Op], written: Sequence[int] = ()) -> bool:
         """Nodes ``i .. i+len(ops)-1`` have these ops and may run as one kernel (module
-        docstring); the caller still checks the types and shapes its kernel handles."""
+        docstring); the caller still checks the types and shapes its kernel handles.
+        ``written``: positions in the run whose results the kernel still writes to memory;
+        those may have other readers (each node still feeds the next one directly)."""
         if self.keep is None or i + len(ops) > len(self.nodes):
             return False
         run = self.nodes[i : i + len(ops)]
         if any(n.op is not o for n, o in zip(run, ops, strict=True)):
             return False
-        for n, nxt in zip(run, run[1:], strict=False):
+        for j, (n, nxt) in enumerate(zip(run, run[1:], strict=False)):
+            if not any(s is n for s in nxt.src):
+                return False
+            if j in written:
+                continue
             own = _owner(n)
             if n.view_src is not None or id(own) in self.keep or own.flags & TensorFlag.OUTPUT:
                 return False
-            if self.uses.get(id(own), 0) != 1 or not any(s is n for s in nxt.src):
+            if self.uses.get(id(own), 0) != 1:
                 return False
         return True

@@ -239,10 +239,13 @@ __global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const
 }
 
 // ---- row norms (F32): one block per row -------------------------------------------------------------
-// P: [ne0..3, nbs0..3, nbd0..3, op(0 norm,1 rms,2 l2), eps, has_w, wne0..3, wnb0..3]
-// With has_w the result is multiplied by w broadcast over the rows (a NORM/RMS_NORM/L2_NORM
-// fused with the MUL that reads it, accelplane.fusion); dst is then the MUL's tensor.
-__global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, const char* w) {
+// P: [ne0..3, nbs0..3, nbd0..3, op(0 norm,1 rms,2 l2), eps, has_w, wne0..3, wnb0..3, has_add, nbb0..3,
+//     nbsum0..3]
+// Fused runs (accelplane.fusion): with has_w the result is multiplied by w broadcast over the
+// rows (NORM/RMS_NORM/L2_NORM + MUL; dst is the MUL's tensor); with has_add the rows normed are
+// src + b, also written to sum (ADD + norm [+ MUL], the ADD's result kept for its other readers).
+__global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, const char* w,
+                       const char* b, char* sum) {
     const i64 ne0 = P[0];
     i64 r = blockIdx.x;
     const i64 i1 = r % P[1]; r /= P[1];
@@ -253,15 +256,25 @@ __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, co
     const float eps = (float)pf(P, 13);
     const bool has_w = P[14] != 0;
     const char* wr = has_w ? w + (i1 % P[16]) * P[20] + (i2 % P[17]) * P[21] + (i3 % P[18]) * P[22] : nullptr;
+    i64 sn0 = P[4];
+    if (P[23] != 0) {
+        // every loop below visits the same indices per thread, so each reads back its own sums
+        const char* br = b + i1 * P[25] + i2 * P[26] + i3 * P[27];
+        char* sr = sum + i1 * P[29] + i2 * P[30] + i3 * P[31];
+        for (i64 i = threadIdx.x; i < ne0; i += blockDim.x)
+            *(float*)(sr + i * P[28]) = *(const float*)(s + i * sn0) + *(const float*)(br + i * P[24]);
+        s = sr;
+        sn0 = P[28];
+    }
     float mean = 0.0f;
     if (op == 0) {
         float acc = 0.0f;
-        for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) acc += *(const float*)(s + i * P[4]);
+        for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) acc += *(const float*)(s + i * sn0);
         mean = block_sum(acc) / (float)ne0;
     }
     float acc = 0.0f;
     for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
-        const float v = *(const float*)(s + i * P[4]) - mean;
+        const float v = *(const float*)(s + i * sn0) - mean;
         acc += v * v;
     }
     const float ss = block_sum(acc);
@@ -269,7 +282,7 @@ __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, co
     if (op == 2) scale = 1.0f / fmaxf(sqrtf(ss), eps);
     else scale = rsqrtf(ss / (float)ne0 + eps);
     for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
-        float y = (*(const float*)(s + i * P[4]) - mean) * scale;
+        float y = (*(const float*)(s + i * sn0) - mean) * scale;
         if (has_w) y *= *(const float*)(wr + (i % P[15]) * P[19]);
         *(float*)(d + i * P[8]) = y;
     }

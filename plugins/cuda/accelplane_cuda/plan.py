@@ -373,29 +373,49 @@ class CudaPlan:
         else:  # pragma: no cover - supports() keeps these out
             raise ComputeError(f"CUDA plugin has no kernel for {o.name}")
 
-    def _norm(self, n, mul=None) -> None:
+    def _norm(self, n, mul=None, add=None) -> None:
         """A row norm; with ``mul`` (the MUL reading it, fused) times its other operand,
-        written to the MUL's tensor."""
-        a = n.src[0]
+        written to the MUL's tensor; with ``add`` (the ADD it reads, fused) of that sum, which
+        is written too."""
+        a = n.src[0] if add is None else add.src[0]
         code = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[n.op]
         out, w = (n, None) if mul is None else (mul, mul.src[1])
         wp = [1, 1, 1, 1, 1, 0, 0, 0, 0] if w is None else [1, *w.ne, *w.nb]
-        P = self._P([*a.ne, *a.nb, *out.nb, code, _f(n.op_params[0]), *wp])
-        args = (P, self._ptr(out), self._ptr(a), self._ptr(w) if w is not None else np.uint64(0))
+        ap = [0] * 9 if add is None else [1, *add.src[1].nb, *add.nb]
+        P = self._P([*a.ne, *a.nb, *out.nb, code, _f(n.op_params[0]), *wp, *ap])
+        ptr = [np.uint64(0) if t is None else self._ptr(t) for t in (w, add and add.src[1], add)]
+        args = (P, self._ptr(out), self._ptr(a), *ptr)
         self._launch("k_norm", 0, args, block=256, grid=(a.nrows,))
 
     def _fuse(self, fusion: Fusion, i: int, nodes) -> int:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
         accelplane.fusion allows it; returns how many nodes that covered (0: none)."""
         n = nodes[i]
-        if n.op in (Op.NORM, Op.RMS_NORM, Op.L2_NORM) and fusion.match(i, (n.op, Op.MUL)):
-            m = nodes[i + 1]
-            w = m.src[1]
-            if m.src[0] is n and m.type == T.F32 and w.type == T.F32 and tuple(m.ne) == tuple(n.ne):
-                self._norm(n, m)
-                self.fused.append((n.op.name, "MUL"))
-                return 2
+        norms = (Op.NORM, Op.RMS_NORM, Op.L2_NORM)
+        if n.op is Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op in norms:
+            a, b = n.src
+            same = tuple(a.ne) == tuple(b.ne) == tuple(n.ne)
+            if same and T.F32 == a.type == b.type == n.type:
+                nrm = nodes[i + 1]
+                three = fusion.match(i, (Op.ADD, nrm.op, Op.MUL), written=(0,))
+                if three and self._mul_fits(nrm, nodes[i + 2]):
+                    self._norm(nrm, nodes[i + 2], add=n)
+                    self.fused.append(("ADD", nrm.op.name, "MUL"))
+                    return 3
+                if fusion.match(i, (Op.ADD, nrm.op), written=(0,)):
+                    self._norm(nrm, add=n)
+                    self.fused.append(("ADD", nrm.op.name))
+                    return 2
+        if n.op in norms and fusion.match(i, (n.op, Op.MUL)) and self._mul_fits(n, nodes[i + 1]):
+            self._norm(n, nodes[i + 1])
+            self.fused.append((n.op.name, "MUL"))
+            return 2
         return 0
+
+    @staticmethod
+    def _mul_fits(n, m) -> bool:
+        """MUL ``m`` scales norm ``n``'s rows by an F32 operand broadcast to them."""
+        return m.src[0] is n and m.type == T.F32 and m.src[1].type == T.F32 and tuple(m.ne) == tuple(n.ne)
 
     def _soft_max(self, n) -> None:
         a, mask = n.src

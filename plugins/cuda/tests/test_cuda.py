@@ -239,3 +239,33 @@ def test_norm_mul_fused(op, keep_norm):
     finally:
         be.free()
         buf.free()
+
+
+def test_add_norm_mul_fused():
+    """A residual ADD, the RMS_NORM of its sum and the MUL by the norm weights run as one
+    launch that also writes the sum, which the next residual ADD reads."""
+    dev = _cuda()
+    rng = np.random.default_rng(4)
+    ctx = Context()
+    a = ctx.new_tensor_ne(T.F32, 2048, 2, name="a")
+    b = ctx.new_tensor_ne(T.F32, 2048, 2, name="b")
+    w = ctx.new_tensor_ne(T.F32, 2048, name="w")
+    s = ctx.add(a, b)
+    y = ctx.add(ctx.mul(ctx.rms_norm(s, 1e-5), w), s)
+    g = ctx.graph(y)
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    vals = {t: rng.standard_normal(t.shape).astype(np.float32) for t in (a, b, w)}
+    for t, v in vals.items():
+        t.set(v)
+    be = dev.new_backend()
+    try:
+        be.compute(g)
+        plan = be.ctx.plans.get(g)
+        assert plan.fused == [("ADD", "RMS_NORM", "MUL")]
+        assert plan.kernel_names == ["k_norm", "k_binary<float,float>"], plan.kernel_names
+        sd = vals[a].astype(np.float64) + vals[b]
+        want = sd / np.sqrt((sd * sd).mean(-1, keepdims=True) + 1e-5) * vals[w] + sd
+        np.testing.assert_allclose(y.get(), want, rtol=1e-4, atol=1e-5)
+    finally:
+        be.free()
+        buf.free()

@@ -213,6 +213,15 @@ def _norm_mul() -> Iterator[OpCase]:
                 return ctx.mul(f[name](a, 1e-6), leaf(ctx, T.F32, ne_w, "w"))
 
             yield OpCase(f"{name}_MUL", {"ne": ne, "ne_w": ne_w, "perm": perm}, build)
+    for ne in ((64, 5, 4, 3), (4097, 2, 1, 1)):
+        # a residual block: the sum is normed, scaled, and added again (so it has two readers)
+
+        def build_res(ctx, ne=ne):
+            s = ctx.add(leaf(ctx, T.F32, ne, "a"), leaf(ctx, T.F32, ne, "b"))
+            y = ctx.mul(ctx.rms_norm(s, 1e-6), leaf(ctx, T.F32, (ne[0], 1, 1, 1), "w"))
+            return ctx.add(y, s)
+
+        yield OpCase("ADD_RMS_NORM_MUL", {"ne": ne}, build_res)
 
 
 def _soft_max() -> Iterator[OpCase]:
