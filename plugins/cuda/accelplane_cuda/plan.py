@@ -380,7 +380,7 @@ class CudaPlan:
         a = n.src[0] if add is None else add.src[0]
         code = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[n.op]
         out, w = (n, None) if mul is None else (mul, mul.src[1])
-        wp = [1, 1, 1, 1, 1, 0, 0, 0, 0] if w is None else [1, *w.ne, *w.nb]
+        wp = [0, 1, 1, 1, 1, 0, 0, 0, 0] if w is None else [1, *w.ne, *w.nb]
         ap = [0] * 9 if add is None else [1, *add.src[1].nb, *add.nb]
         P = self._P([*a.ne, *a.nb, *out.nb, code, _f(n.op_params[0]), *wp, *ap])
         ptr = [np.uint64(0) if t is None else self._ptr(t) for t in (w, add and add.src[1], add)]
