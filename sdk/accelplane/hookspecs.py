@@ -237,7 +237,9 @@ class Specs:
     def graph_compute(self, backend, graph) -> None:
         """*Required.* Queue the computation of every node of ``graph`` (nodes whose op is a
         view op compute nothing). May return before completion if caps.async_. A plugin
-        should plan once per (graph.uid, graph.layout_version) and replay. Raise
+        should plan once per (graph.uid, graph.layout_version) and replay. It may run
+        several nodes as one kernel where accelplane.fusion.Fusion(graph).match allows it
+        (leaving the skipped nodes' memory unwritten), never otherwise. Raise
         accelplane.errors.ComputeError on failure."""
 
     @hookspec

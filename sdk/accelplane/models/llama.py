@@ -12,6 +12,10 @@ The forward pass is llama.cpp's ``llm_build_llama`` written as accelplane graph 
   the renormalized router probabilities) → residual;
 * RMS_NORM · output_norm → output head (logits) → ARGMAX (greedy sampling on the device).
 
+Each layer's Q, K and V matrices (and the FFN's gate and up) are stored as one matrix when
+their types match (``merge``), so a decode step runs one product per group; prefill batches
+multiply by the per-projection views of it, which keep the GGUF names.
+
 The KV cache persists across calls: K is stored as rows ``[n_ctx, n_head_kv * head_dim]``,
 V transposed ``[n_head_kv * head_dim, n_ctx]`` (llama.cpp's non-flash-attention layout, so
 ``kq · v`` is a plain MUL_MAT); both F16 or F32. A graph is built once per
