@@ -70,70 +70,62 @@ def test_intermediate_must_feed_the_next_node_directly():
     assert not Fusion(g).match(0, NM)
 
 
-def test_scheduler_keeps_what_other_splits_read():
-    """A norm computed on one backend and read by a node pinned to another is in the first
-    split's keep set, so its plugin may not fuse it away; the computed result stays right."""
+@pytest.fixture
+def sched_norm():
+    """x, w on the asynchronous test device, n = rms_norm(x), y = n * w, and a scheduler over
+    that device and the CPU: (ctx, x, w, n, y, scheduler, device backend, CPU backend)."""
     reg = cpu_and_async_registry(n_async=1, delay_us=0)
     cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
     bd, bc = dev.new_backend(), cpu.new_backend()
     ctx = Context()
     x = ctx.new_tensor(T.F32, (3, 64), "x")
     w = ctx.new_tensor(T.F32, (64,), "w")
-    bufs = [alloc_tensors([x, w], dev.buffer_type)]  # leaves on the device: no input copies
+    buf = alloc_tensors([x, w], dev.buffer_type)  # leaves on the device: no input copies
     n = ctx.rms_norm(x, 1e-6)
-    y = ctx.mul(n, w)
+    s = Scheduler([bd, bc])
+    yield ctx, x, w, n, ctx.mul(n, w), s, bd, bc
+    s.free()
+    bd.free()
+    bc.free()
+    buf.free()
+
+
+def _split_graph(s: Scheduler, n) -> Graph:
+    return next(sp for sp in s._allocated.splits if n in sp.nodes).graphs[0]
+
+
+def test_scheduler_keeps_what_other_splits_read(sched_norm):
+    """A norm computed on one backend and read by a node pinned to another is in the first
+    split's keep set, so its plugin may not fuse it away; the computed result stays right."""
+    ctx, x, w, n, y, s, bd, bc = sched_norm
     z = ctx.scale(n, 3.0)  # the other reader, on the CPU
     out = ctx.add(y, z)
     g = ctx.graph(out)
-    s = Scheduler([bd, bc])
-    try:
-        for t in (n, y, out):
-            s.set_tensor_backend(t, bd)
-        s.set_tensor_backend(z, bc)
-        s.alloc_graph(g)
-        plan = s._allocated
-        first = next(sp for sp in plan.splits if n in sp.nodes)
-        assert id(n) in first.keep
-        assert not Fusion(first.graphs[0]).match(first.graphs[0].nodes.index(n), NM)
-        rng = np.random.default_rng(0)
-        xv, wv = rng.standard_normal((3, 64)), rng.standard_normal(64)
-        x.set(xv.astype(np.float32))
-        w.set(wv.astype(np.float32))
-        s.graph_compute(g)
-        s.synchronize()
-        nv = xv / np.sqrt(np.mean(xv * xv, -1, keepdims=True) + 1e-6)
-        np.testing.assert_allclose(out.get(), nv * wv + 3 * nv, rtol=1e-5, atol=1e-5)
-    finally:
-        s.free()
-        bd.free()
-        bc.free()
-        bufs[0].free()
+    for t in (n, y, out):
+        s.set_tensor_backend(t, bd)
+    s.set_tensor_backend(z, bc)
+    s.alloc_graph(g)
+    sg = _split_graph(s, n)
+    assert id(n) in sg.keep
+    assert not Fusion(sg).match(sg.nodes.index(n), NM)
+    rng = np.random.default_rng(0)
+    xv, wv = rng.standard_normal((3, 64)), rng.standard_normal(64)
+    x.set(xv.astype(np.float32))
+    w.set(wv.astype(np.float32))
+    s.graph_compute(g)
+    s.synchronize()
+    nv = xv / np.sqrt(np.mean(xv * xv, -1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(out.get(), nv * wv + 3 * nv, rtol=1e-5, atol=1e-5)
 
 
-def test_a_split_without_outside_readers_may_fuse():
-    reg = cpu_and_async_registry(n_async=1, delay_us=0)
-    dev, cpu = reg.device("ASYNC0"), reg.device("CPU")
-    bd, bc = dev.new_backend(), cpu.new_backend()
-    ctx = Context()
-    x = ctx.new_tensor(T.F32, (3, 64), "x")
-    w = ctx.new_tensor(T.F32, (64,), "w")
-    bufs = [alloc_tensors([x, w], dev.buffer_type)]  # leaves on the device: no input copies
-    n = ctx.rms_norm(x, 1e-6)
-    y = ctx.mul(n, w)
+def test_a_split_without_outside_readers_may_fuse(sched_norm):
+    ctx, x, w, n, y, s, bd, bc = sched_norm
     g = ctx.graph(ctx.scale(y, 2.0))
-    s = Scheduler([bd, bc])
-    try:
-        for t in g.nodes:
-            s.set_tensor_backend(t, bd)
-        s.alloc_graph(g)
-        sp = next(sp for sp in s._allocated.splits if n in sp.nodes)
-        sg = sp.graphs[0]
-        assert Fusion(sg).match(sg.nodes.index(n), NM)
-    finally:
-        s.free()
-        bd.free()
-        bc.free()
-        bufs[0].free()
+    for t in g.nodes:
+        s.set_tensor_backend(t, bd)
+    s.alloc_graph(g)
+    sg = _split_graph(s, n)
+    assert Fusion(sg).match(sg.nodes.index(n), NM)
 
 
 def test_written_nodes_may_have_other_readers():
