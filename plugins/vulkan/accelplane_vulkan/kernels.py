@@ -190,11 +190,29 @@ def _rows(t: Tensor, shader: str, spec, push, bindings) -> list[Dispatch]:
     return [Dispatch(shader, tuple(int(x) for x in spec), bindings, push, t.src[0].nrows)]
 
 
-def _norm(t: Tensor) -> list[Dispatch]:
+def _norm(t: Tensor, mul: Tensor | None = None) -> list[Dispatch]:
+    """A row norm; with ``mul`` (the MUL that reads it, fused) times the MUL's other operand,
+    written to the MUL's tensor."""
     (a,) = t.src
     code = {Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[t.op]
-    push = pack(a.ne, enb(a), enb(t), eoffs(a), eoffs(t), float(t.op_params[0]))
-    return _rows(t, "norm", (code,), push, (a, None, None, t))
+    out, w = (t, None) if mul is None else (mul, mul.src[1])
+    wq = (w.ne, enb(w), eoffs(w)) if w is not None else ((1, 1, 1, 1), (0, 0, 0, 0), 0)
+    push = pack(a.ne, enb(a), enb(out), wq[0], wq[1], eoffs(a), eoffs(out), wq[2], float(t.op_params[0]))
+    return _rows(t, "norm", (code, int(w is not None)), push, (a, w, None, out))
+
+
+NORMS = (Op.NORM, Op.RMS_NORM, Op.L2_NORM)
+
+
+def fused_dispatches(nodes, i: int, fusion) -> tuple[int, list[Dispatch]]:
+    """Nodes ``i ..`` as one dispatch where a fused shader exists and accelplane.fusion allows
+    it: (how many nodes it covers, its dispatches); (0, []) where none applies."""
+    t = nodes[i]
+    if t.op in NORMS and fusion.match(i, (t.op, Op.MUL)):
+        m = nodes[i + 1]
+        if m.src[0] is t and m.type == T.F32 and m.src[1].type == T.F32 and tuple(m.ne) == tuple(t.ne):
+            return 2, _norm(t, m)
+    return 0, []
 
 
 def _soft_max(t: Tensor) -> list[Dispatch]:

@@ -17,6 +17,7 @@ import struct
 import weakref
 
 from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
+from accelplane.fusion import Fusion
 from accelplane.ops import VIEW_OPS
 from accelplane.tensor import Tensor
 
@@ -64,7 +65,13 @@ class Plan:
         work: list[_Work] = []
         regions: dict[tuple, tuple[int, tuple]] = {}  # live copies: key -> (offset, source range)
         size = 0
-        for node in graph.nodes:
+        fusion = Fusion(graph)
+        self.fused: list[tuple[str, ...]] = []  # the ops of each fused dispatch (tests, debugging)
+        covered = 0  # nodes still to skip: computed by the last fused dispatch
+        for i, node in enumerate(graph.nodes):
+            if covered:
+                covered -= 1
+                continue
             if node.op in VIEW_OPS:
                 continue
             mems = [_mem(t, node, dev) for t in (node, *node.src) if t is not None]
@@ -74,7 +81,18 @@ class Plan:
                 raise UnsupportedOpError(
                     f"Vulkan {dev.label}: {node.op.name} {node.type.name} ne={list(node.ne)} is not supported"
                 )
-            for d in kernels.dispatches(node, caps):
+            n_fused, ds = kernels.fused_dispatches(graph.nodes, i, fusion)
+            if n_fused:
+                covered = n_fused - 1
+                self.fused.append(tuple(n.op.name for n in graph.nodes[i : i + n_fused]))
+                for n in graph.nodes[i + 1 : i + n_fused]:
+                    for t in (n, *n.src):
+                        if t is not None:
+                            m = _mem(t, n, dev)
+                            self.mems[id(m)] = m
+            else:
+                ds = kernels.dispatches(node, caps)
+            for d in ds:
                 w = _Work(d, [_mem(t, node, dev) if t is not None else None for t in d.bindings], d.push)
                 w.reads = [
                     (w.mems[i], t.offs, t.offs + t.nbytes)
