@@ -383,6 +383,28 @@ def test_merged_projections(reg, models):
     assert _nmse(out[0], out[1]) < 1e-10
 
 
+def test_merge_skips_groups_of_mixed_types(reg, models):
+    """A V projection of another type than Q and K (as in llama.cpp's Q4_K_M files) leaves that
+    layer's Q/K/V unmerged; gate/up of one type still merge; the logits equal merge=False."""
+    from accelplane.models.gguf import read_gguf
+
+    cfg = read_gguf(models["f32"]).llama_config()
+    w, _ = _np_weights(models["f32"])
+    types = {n: ("f32" if n.endswith("attn_v.weight") or w[n].ndim == 1 else "q8_0") for n in w}
+    tokens = [3, 1, 4, 1, 5]
+    out = []
+    for merge in (True, False):
+        m = LlamaModel(cfg, [reg.device("CPU")], types=types, n_ctx=16, kv_pad=16, merge=merge)
+        try:
+            m.set_weights({n: v.astype(np.float32) for n, v in w.items()})
+            if merge:
+                assert sorted(m.merged) == sorted(f"blk.{i}.ffn_gate_up" for i in range(TINY["n_layers"]))
+            out.append(np.concatenate([m.eval([t]).logits for t in tokens]))
+        finally:
+            m.free()
+    assert _nmse(out[0], out[1]) < 1e-10
+
+
 def _nmse(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.sum((a - b) ** 2) / np.sum(b * b))
