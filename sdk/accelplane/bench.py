@@ -155,6 +155,46 @@ def run_case(
     return PerfResult(dev.name, case.name, runs, us, gflops, gbps)
 
 
+def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 0.3) -> float | None:
+    """Bytes per second read plus written (STREAM's convention: copying N bytes moves 2N) by a
+    blocking copy of ``nbytes`` between two tensors in ``device``'s memory: the plugin's own
+    device copy (buffer_cpy_tensor) where it has one, else the SDK's fallback. The peer that
+    memory-bound results (a decode's weight reads) are held against in the same run. Best of
+    three batches of copies, each batch ended by a 4-byte read back (which waits for them).
+    None when the device cannot hold the two tensors."""
+    from .alloc import alloc_tensors
+    from .backend import tensor_copy
+    from .errors import AccelplaneError
+
+    free, _ = device.memory()
+    nbytes = min(nbytes, max(free // 4, 0)) // 4 * 4
+    if nbytes < 1 << 20:
+        return None
+    ctx = Context("copy-bandwidth")
+    src = ctx.new_tensor(T.F32, (nbytes // 4,), "src")
+    dst = ctx.new_tensor(T.F32, (nbytes // 4,), "dst")
+    try:
+        buf = alloc_tensors([src, dst], device.buffer_type)
+    except AccelplaneError:
+        return None
+    try:
+        src.set_bytes(np.full(nbytes, 1, np.uint8))
+        tensor_copy(src, dst)  # warm-up
+        dst.get_bytes(0, 4)
+        k, best = 1, float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                tensor_copy(src, dst)
+            dst.get_bytes(0, 4)
+            dt = time.perf_counter() - t0
+            best = min(best, dt / k)
+            k = max(k, int(min_time_s / max(dt / k, 1e-9)))
+        return 2 * nbytes / best
+    finally:
+        buf.free()
+
+
 def machine() -> dict:
     import os
 

@@ -24,6 +24,7 @@ from typing import TextIO
 import numpy as np
 
 from ..backend import Device
+from ..bench import copy_bandwidth
 from ..errors import DeviceError
 from ..hookspecs import DeviceType
 from ..plancache import cache_dir
@@ -251,8 +252,13 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     rng = np.random.default_rng(0)
     cfg = f.llama_config()
+    copy_bw: dict[str, float | None] = {}  # device name → its copy bandwidth, measured once
     for devs, split in configs:
         label = ",".join(d.name for d in devs)
+        if len(devs) == 1 and label not in copy_bw and tg > 0:
+            if progress:
+                progress(f"{label}: copy bandwidth")
+            copy_bw[label] = copy_bandwidth(devs[0])
         model = load(f, devs, cpu, split, n_ctx, show=False)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
@@ -285,6 +291,10 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
                 if test == "tg":  # every weight is read once per token
                     row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
+                    bw = copy_bw.get(label)
+                    if bw:  # the same run's device copy (read + written) as the limit
+                        row["copy_gb_per_s"] = bw / 1e9
+                        row["weights_frac_of_copy"] = row["weights_gb_per_s"] * 1e9 / bw
                 rows.append(row)
         finally:
             model.free()
@@ -292,16 +302,21 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
 
 
 def format_bench(rows: list[dict]) -> str:
-    """llama-bench's markdown table (with the weights' read rate for tg)."""
+    """llama-bench's markdown table (with the weights' read rate for tg, and that rate as a
+    fraction of the same run's device copy bandwidth, read + written)."""
     cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
-            ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">")]  # fmt: skip
+            ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">"),
+            ("copy GB/s", 10, ">"), ("% of copy", 9, ">")]  # fmt: skip
     rule = "|".join("-" * (w + 1) + (":" if a == ">" else "-") for _, w, a in cols)
     lines = ["| " + " | ".join(f"{c:{a}{w}}" for c, w, a in cols) + " |", f"|{rule}|"]
     for r in rows:
         vals = [r["model"][:28], f"{r['size_bytes'] / 2**20:.1f} MiB", f"{r['params'] / 1e6:.1f} M",
                 r["devices"], r["split"], r["test"],
                 f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_std']:.2f}",
-                f"{r['weights_gb_per_s']:.2f}" if "weights_gb_per_s" in r else ""]  # fmt: skip
+                f"{r['weights_gb_per_s']:.2f}" if "weights_gb_per_s" in r else "",
+                f"{r['copy_gb_per_s']:.1f}" if "copy_gb_per_s" in r else "",
+                f"{100 * r['weights_frac_of_copy']:.1f} %" if "weights_frac_of_copy" in r
+                else ""]  # fmt: skip
         lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")
     return "\n".join(lines)
 
