@@ -132,6 +132,35 @@ def test_mul_mat(t: GGMLType, kind: int, m: int, n: int, isa: str) -> None:
     check_product(out, wf, x, isa, t)
 
 
+@pytest.mark.parametrize("layout", ["packed", "strided_x", "f16_x", "strided_out", "many_rows"])
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0, T.Q4_K, T.F16], ids=str)
+def test_prepared_mul_mat(t: GGMLType, layout: str, isa: str) -> None:
+    """A prepared product reads its operands' memory at every call (x rewritten in place between
+    calls is seen), on the fast path and on the per-call fallbacks (x strided or not float32,
+    out strided, N on the BLAS path)."""
+    rng = np.random.default_rng([int(t), len(layout)])
+    k = k_values(t)[1]
+    m, n = 19, (64 if layout == "many_rows" else 3)
+    w, wf = make_weights(t, m, k, rng)
+    xbuf = np.zeros((n, 2 * k), np.float32 if layout != "f16_x" else np.float16)
+    x = xbuf[:, ::2] if layout == "strided_x" else xbuf[:, :k]
+    obuf = np.full((n, 2 * m), np.nan, np.float32)
+    out = obuf[:, ::2] if layout == "strided_out" else obuf[:, :m]
+    call = kernels.prepare_mul_mat(t, w, x, out)
+    for _ in range(2):
+        x[...] = rng.standard_normal((n, k))
+        call()
+        check_product(out, wf, x.astype(np.float32), isa, t)
+
+
+def test_prepared_mul_mat_checks_once() -> None:
+    w, _ = make_weights(T.Q8_0, 4, 64, np.random.default_rng(0))
+    with pytest.raises(ShapeError):
+        kernels.prepare_mul_mat(T.Q8_0, w, np.zeros((2, 96), np.float32), np.zeros((2, 4), np.float32))
+    with pytest.raises(ShapeError):
+        kernels.prepare_mul_mat(T.Q8_0, w, np.zeros((2, 64), np.float32), np.zeros((2, 5), np.float32))
+
+
 @pytest.mark.parametrize("strategy", ["direct", "blas"])
 @pytest.mark.parametrize("n", [1, 7, 64])
 @pytest.mark.parametrize("t", ALL, ids=str)

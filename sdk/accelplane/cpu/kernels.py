@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Final, Literal
 
 import numpy as np
@@ -350,6 +351,46 @@ def mul_mat(
     if y is not out:
         out[...] = y
     return out
+
+
+def prepare_mul_mat(
+    wtype: GGMLType | str | int, w: np.ndarray, x: np.ndarray, out: np.ndarray, nthreads: int | None = None
+) -> Callable[[], None]:
+    """``mul_mat(wtype, w, x, out)`` as a call to repeat on the same memory (a plan's step):
+    the operands are validated, the strategy picked and the C arguments (pointers and byte
+    extents, which the kernel still bounds-checks) built once, so a decode step's hundreds of
+    small products pay one C call each, not the Python checks. Where x is not float32 with
+    contiguous rows, out cannot be written in place, or N takes the BLAS path, every call is
+    a plain :func:`mul_mat` (x converted each time: it may change between calls)."""
+    t = _wtype(wtype)
+    nt = _threads(nthreads)
+
+    def plain() -> None:
+        xx = x if x.dtype == np.float32 else x.astype(np.float32)
+        mul_mat(t, w, xx, out, nt)
+
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or _as_x(x) is not x:
+        return plain
+    n, k = x.shape
+    rows = _Rows(t, w, k, "w")
+    m = rows.m
+    out = _check_out(out, (n, m))
+    avx2 = _lib.ap_get_isa() == 1
+    if n == 0 or m == 0 or k == 0 or n >= (_CROSSOVER_N[t] if avx2 else _PORTABLE_CROSSOVER_N):
+        return plain
+    if not _direct_out(out, x, rows.arr):
+        return plain
+    args = (int(t), rows.ptr, rows.stride, rows.size, m, k,
+            _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
+            _ptr(out, "float[]", True), _row_stride(out), _extent(out) // 4, nt)  # fmt: skip
+    fn = _lib.ap_mul_mat
+
+    def call() -> None:
+        rc = fn(*args)
+        if rc:
+            _raise(rc, f"mul_mat {t.name} [{m}x{k}] x [{n}x{k}]")
+
+    return call
 
 
 def _mul_mat_blas(rows: _Rows, x: np.ndarray, out: np.ndarray, nt: int) -> None:

@@ -261,7 +261,10 @@ def _mul_mat(t: Tensor, view: View) -> Step:
         return lambda: [np.matmul(x, w.T, out=o) for w, x, o in jobs] and None
     from . import kernels
 
-    return lambda: [kernels.mul_mat(wt, w, _f32c(x), o) for w, x, o in jobs] and None
+    calls = [kernels.prepare_mul_mat(wt, w, x, o) for w, x, o in jobs]
+    if len(calls) == 1:
+        return calls[0]
+    return lambda: [c() for c in calls] and None
 
 
 def _f32c(x: np.ndarray) -> np.ndarray:
