@@ -457,7 +457,7 @@ AP_INLINE AP_AVX2 void dot_q8_0(const int nr, int64_t nb, const uint8_t *w, cons
  * keep more DRAM reads in flight (see DEF_DOT_FLOAT_2W); 4096x14336 measured ~+10% (2 threads,
  * noisy machine). Q4_0 and the K-quants are bound by int8 arithmetic at n=1, not memory. */
 AP_INLINE AP_AVX2 void dot2_q8_0(int64_t nb, const uint8_t *w0, const uint8_t *w1,
-                                 const act_t *a, float *out) {
+                                 const uint8_t *p0, const uint8_t *p1, const act_t *a, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->q;
     const float *xd = a->d;
@@ -468,6 +468,14 @@ AP_INLINE AP_AVX2 void dot2_q8_0(int64_t nb, const uint8_t *w0, const uint8_t *w
         _mm256_maddubs_epi16(_mm256_sign_epi8(QV, QV), _mm256_sign_epi8(XV, QV)), ones))
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
+        /* the next pair's bytes at the same offset: short rows (K = 2048: 2 KiB) end before the
+         * hardware prefetcher has ramped up on them; 136 bytes per row per step, 3 lines */
+        _mm_prefetch((const char *)(p0 + b * 34), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p0 + b * 34 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p0 + b * 34 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + b * 34), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + b * 34 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + b * 34 + 128), _MM_HINT_T0);
         const __m128 xd4 = _mm_loadu_ps(xd + b);
         const __m256 sc0 = _mm256_castps128_ps256(_mm_mul_ps(ld_f16x4(w0 + b * 34, 34), xd4));
         const __m256 sc1 = _mm256_castps128_ps256(_mm_mul_ps(ld_f16x4(w1 + b * 34, 34), xd4));
@@ -719,11 +727,19 @@ static inline int64_t row_block(int64_t N, int64_t rows, int64_t row_bytes) {
     return mb < 1 ? 1 : mb;
 }
 
+/* Ask for a whole row ahead of its use (to L2): rows of a few KiB end before the hardware
+ * prefetcher has ramped up on them. A prefetch never faults; callers stay inside the matrix. */
+#define PREFETCH_ROW_MAX 4096 /* longer rows: the hardware prefetcher does better alone */
+AP_INLINE AP_AVX2 void prefetch_row(const uint8_t *p, int64_t nbytes) {
+    for (int64_t o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
+}
+
 /* One function per type so each nr (1..NR_MAX) gets its own unrolled, register-resident copy. */
 #define DEF_ROWS_Q(NAME, DOT, BSZ, BLK)                                                        \
     static AP_AVX2 void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,             \
                              const act_t *a, int64_t N, float *y, int64_t ys) {                \
         const int64_t nb = a->K / (BLK), mb = row_block(N, m1 - m0, nb * (BSZ));               \
+        const int short_rows = nb * (BSZ) <= PREFETCH_ROW_MAX;                                 \
         float res[NR_MAX];                                                                     \
         for (int64_t mc = m0; mc < m1; mc += mb) {                                             \
             const int64_t me = mc + mb < m1 ? mc + mb : m1;                                    \
@@ -732,6 +748,7 @@ static inline int64_t row_block(int64_t N, int64_t rows, int64_t row_bytes) {
                 const int nr = left < NR_MAX ? (int)left : NR_MAX;                             \
                 for (int64_t m = mc; m < me; m++) {                                            \
                     const uint8_t *row = w + m * ws;                                           \
+                    if (short_rows && m + 2 < me) prefetch_row(w + (m + 2) * ws, nb * (BSZ));  \
                     switch (nr) {                                                              \
                     case 1: DOT(1, nb, row, a, r0, res); break;                                \
                     case 2: DOT(2, nb, row, a, r0, res); break;                                \
@@ -755,7 +772,10 @@ static AP_AVX2 void rows_q8_0(const uint8_t *w, int64_t ws, int64_t m0, int64_t 
     }
     float res[2];
     for (int64_t m = m0; m < m1; m += 2) { /* a lone row is paired with itself (same bits) */
-        dot2_q8_0(a->K / QK, w + m * ws, w + (m + 1 < m1 ? m + 1 : m) * ws, a, res);
+        /* prefetch the next pair (a prefetch past the matrix does not fault, but stay inside) */
+        const int64_t n0 = m + 2 < m1 ? m + 2 : m, n1 = m + 3 < m1 ? m + 3 : n0;
+        dot2_q8_0(a->K / QK, w + m * ws, w + (m + 1 < m1 ? m + 1 : m) * ws, w + n0 * ws, w + n1 * ws,
+                  a, res);
         y[m] = res[0];
         if (m + 1 < m1) y[m + 1] = res[1];
     }
