@@ -160,7 +160,7 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
     blocking copy of ``nbytes`` between two tensors in ``device``'s memory: the plugin's own
     device copy (buffer_cpy_tensor) where it has one, else the SDK's fallback. The peer that
     memory-bound results (a decode's weight reads) are held against in the same run. Best of
-    three batches of copies, each batch ended by a 4-byte read back (which waits for them).
+    five batches of copies, each batch ended by a 4-byte read back (which waits for them).
     None when the device cannot hold the two tensors."""
     from .alloc import alloc_tensors
     from .backend import tensor_copy
@@ -182,7 +182,7 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
         tensor_copy(src, dst)  # warm-up
         dst.get_bytes(0, 4)
         k, best = 1, float("inf")
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(k):
                 tensor_copy(src, dst)
