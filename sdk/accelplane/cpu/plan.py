@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import BufferFreedError, ComputeError
+from ..fusion import Fusion
 from ..ops import (
     ROPE_TYPE_NEOX,
     VIEW_OPS,
@@ -149,17 +150,32 @@ def _glu(t: Tensor, view: View) -> Step:
             x, g = g, x
     else:
         x, g = av, view(b)
+    if op is GluOp.SWIGLU and t.type == GGMLType.F32:
+
+        def swiglu() -> None:  # x / (1 + exp(-x)) * g with one temporary
+            xf = _f32(x)
+            tmp = np.negative(xf)
+            with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0: the result is 0
+                np.exp(tmp, out=tmp)
+            tmp += 1.0
+            np.divide(xf, tmp, out=tmp)
+            np.multiply(tmp, g, out=dv, casting="unsafe")
+
+        return swiglu
     return lambda: dv.__setitem__(Ellipsis, f(_f32(x)) * _f32(g))
 
 
-def _norm(t: Tensor, view: View) -> Step:
+def _norm(t: Tensor, view: View, mul: Tensor | None = None) -> Step:
+    """A row norm (sums in float64); with ``mul`` (the MUL reading it, fused) times the MUL's
+    other operand, written to the MUL's tensor."""
     (a,) = t.src
     eps = t.op_params[0]
-    av, dv = view(a), view(t)
     op = t.op
+    av = view(a)
+    dv, wv = (view(t), None) if mul is None else (view(mul), view(mul.src[1]))
 
     def step() -> None:
-        x = av.astype(np.float64)
+        x = av.astype(np.float64)  # one cast: float64 ops after it take numpy's fast loops
         if op is Op.NORM:
             x = x - x.mean(axis=-1, keepdims=True)
             y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
@@ -167,9 +183,25 @@ def _norm(t: Tensor, view: View) -> Step:
             y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
         else:
             y = x / np.maximum(np.sqrt((x * x).sum(axis=-1, keepdims=True)), eps)
-        dv[...] = y
+        if wv is None:
+            dv[...] = y
+        else:
+            np.multiply(y, wv, out=dv, casting="unsafe")
 
     return step
+
+
+def fused_step(nodes: list[Tensor], i: int, fusion, view: View) -> tuple[int, Step | None]:
+    """Nodes ``i ..`` as one step where accelplane.fusion allows it: (nodes covered, step);
+    (0, None) where nothing applies. A norm and the MUL scaling it: one pass over the rows."""
+    n = nodes[i]
+    if n.op in (Op.NORM, Op.RMS_NORM, Op.L2_NORM) and fusion.match(i, (n.op, Op.MUL)):
+        m = nodes[i + 1]
+        w = m.src[1]
+        numpy_bcast = all(w.ne[k] in (1, n.ne[k]) for k in range(4))
+        if m.src[0] is n and m.type == w.type == GGMLType.F32 and tuple(m.ne) == tuple(n.ne) and numpy_bcast:
+            return 2, _norm(n, view, m)
+    return 0, None
 
 
 def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
@@ -208,6 +240,9 @@ def _soft_max(t: Tensor, view: View) -> Step:
     return step
 
 
+_ROPE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (params, positions) → cos, sin
+
+
 def _rope(t: Tensor, view: View) -> Step:
     a, pos = t.src
     (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
@@ -226,13 +261,22 @@ def _rope(t: Tensor, view: View) -> Step:
         ramp = np.zeros(half)
     neox = mode == ROPE_TYPE_NEOX
 
+    params = (n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig)
+
     def step() -> None:
-        p = pv.reshape(-1).astype(np.float64)  # one per token (ne2)
-        te = p[:, None] * inv_freq[None, :]
-        ti = freq_scale * te
-        th = ti * (1 - ramp) + te * ramp
-        c = (np.cos(th) * mscale).astype(F32)[None, :, None, :]  # [1, ne2, 1, half]
-        s = (np.sin(th) * mscale).astype(F32)[None, :, None, :]
+        key = (params, pv.tobytes())  # a step's Q and K ropes, every layer: the same angles
+        cs = _ROPE_CACHE.get(key)
+        if cs is None:
+            p = pv.reshape(-1).astype(np.float64)  # one per token (ne2)
+            te = p[:, None] * inv_freq[None, :]
+            ti = freq_scale * te
+            th = ti * (1 - ramp) + te * ramp
+            cs = ((np.cos(th) * mscale).astype(F32)[None, :, None, :],  # [1, ne2, 1, half]
+                  (np.sin(th) * mscale).astype(F32)[None, :, None, :])  # fmt: skip
+            if len(_ROPE_CACHE) >= 64:
+                _ROPE_CACHE.clear()
+            _ROPE_CACHE[key] = cs
+        c, s = cs
         x = _f32(av)
         if neox:
             x0, x1 = x[..., :half], x[..., half:n_dims]
@@ -478,7 +522,7 @@ class Plan:
     """A graph bound to memory: ``steps`` replay it. Valid while the graph's layout version
     is unchanged (accelplane.plancache.PlanCache rebuilds it otherwise)."""
 
-    __slots__ = ("steps", "buffers", "nodes")
+    __slots__ = ("steps", "buffers", "nodes", "fused")
 
     def __init__(self, graph, memory: Callable[[object], np.ndarray] | None = None) -> None:
         """``memory(buffer)``: the uint8 array of a buffer's bytes (default: host_array)."""
@@ -487,16 +531,29 @@ class Plan:
             return host_view(t, memory)
 
         self.steps: list[Step] = []
-        self.nodes: list[Tensor] = []
+        self.nodes: list[Tensor] = []  # the last node each step computes
+        self.fused: list[tuple[str, ...]] = []  # the ops of each fused step (tests, debugging)
         bufs = {}
-        for n in graph.nodes:
+        fusion = Fusion(graph)
+        covered = 0  # nodes still to skip: computed by the last fused step
+        for i, n in enumerate(graph.nodes):
             for s in (n, *n.src):
                 if s is not None:
                     if s.buffer is None:
                         raise ComputeError(f"{n.op.name} {n.name or n.uid}: tensor "
                                            f"{s.name or s.uid} is not allocated")  # fmt: skip
                     bufs[id(s.buffer)] = s.buffer
+            if covered:
+                covered -= 1
+                continue
             if n.op in VIEW_OPS:
+                continue
+            k, step = fused_step(graph.nodes, i, fusion, view)
+            if step is not None:
+                covered = k - 1
+                self.steps.append(step)
+                self.nodes.append(graph.nodes[i + k - 1])
+                self.fused.append(tuple(x.op.name for x in graph.nodes[i : i + k]))
                 continue
             self.steps.append(BUILDERS[n.op](n, view))
             self.nodes.append(n)
