@@ -145,33 +145,14 @@ def test_written_nodes_may_have_other_readers():
     assert not f.match(i, ops, written=(1,))
 
 
+@pytest.mark.parametrize("op", ["NORM", "RMS_NORM", "L2_NORM"])
 @pytest.mark.parametrize("keep_norm", [False, True])
-def test_cpu_plugin_fuses_norm_and_mul(keep_norm):
+def test_cpu_plugin_fuses_norm_and_mul(op, keep_norm):
     """The CPU plugin runs a norm read only by a MUL as one step, against float64 numpy; a
     norm asked for as an output too runs as its own step and is written."""
     import accelplane
+    from accelplane.testing.fusion import run_norm_mul
 
-    cpu = accelplane.device("CPU")
-    ctx = Context()
-    x = ctx.new_tensor(T.F32, (2, 3, 64), "x")
-    w = ctx.new_tensor(T.F32, (1, 1, 64), "w")
-    n = ctx.rms_norm(x, 1e-6)
-    y = ctx.mul(n, w)
-    g = ctx.graph(y, n) if keep_norm else ctx.graph(y)
-    buf = alloc_tensors([x, w, *g.nodes], cpu.buffer_type)
-    rng = np.random.default_rng(1)
-    xv, wv = rng.standard_normal((2, 3, 64)), rng.standard_normal((1, 1, 64))
-    x.set(xv.astype(np.float32))
-    w.set(wv.astype(np.float32))
-    be = cpu.new_backend()
-    try:
-        be.compute(g)
-        plan = be.ctx.get(g)  # the CPU plugin's backend context is its plan cache
-        assert plan.fused == ([] if keep_norm else [("RMS_NORM", "MUL")])
-        nv = xv / np.sqrt(np.mean(xv * xv, -1, keepdims=True) + 1e-6)
-        np.testing.assert_allclose(y.get(), nv * wv, rtol=1e-5, atol=1e-6)
-        if keep_norm:
-            np.testing.assert_allclose(n.get(), nv, rtol=1e-5, atol=1e-6)
-    finally:
-        be.free()
-        buf.free()
+    # the CPU plugin's backend context is its plan cache
+    plan = run_norm_mul(accelplane.device("CPU"), lambda be, g: be.ctx.get(g), op, keep_norm, ne0=64)
+    assert plan.fused == ([] if keep_norm else [(op, "MUL")])

@@ -204,41 +204,12 @@ def test_pipelined_matvec(monkeypatch, wtype, warps):
 def test_norm_mul_fused(op, keep_norm):
     """A norm read only by the MUL after it runs as one launch (accelplane.fusion), broadcast
     weights included; asked for as an output too, it runs as two. Against float64 numpy."""
-    dev = _cuda()
-    rng = np.random.default_rng(3)
-    ctx = Context()
-    x = ctx.new_tensor_ne(T.F32, 2048, 3, 2, name="x")
-    w = ctx.new_tensor_ne(T.F32, 2048, 1, 2, name="w")
-    fn = {"NORM": ctx.norm, "RMS_NORM": ctx.rms_norm, "L2_NORM": ctx.l2_norm}[op]
-    nrm = fn(x, 1e-6)
-    y = ctx.mul(nrm, w)
-    g = ctx.graph(y, nrm) if keep_norm else ctx.graph(y)
-    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
-    xv = rng.standard_normal(x.shape).astype(np.float32)
-    wv = rng.standard_normal(w.shape).astype(np.float32)
-    x.set(xv)
-    w.set(wv)
-    be = dev.new_backend()
-    try:
-        be.compute(g)
-        plan = be.ctx.plans.get(g)
-        assert plan.kernel_names.count("k_norm") == 1
-        assert len(plan.kernel_names) == (2 if keep_norm else 1), plan.kernel_names
-        assert plan.fused == ([] if keep_norm else [(op, "MUL")])
-        xd = xv.astype(np.float64)
-        if op == "NORM":
-            xd = xd - xd.mean(-1, keepdims=True)
-            want = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6)
-        elif op == "RMS_NORM":
-            want = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6)
-        else:
-            want = xd / np.maximum(np.sqrt((xd * xd).sum(-1, keepdims=True)), 1e-6)
-        np.testing.assert_allclose(y.get(), want * wv, rtol=1e-4, atol=1e-5)
-        if keep_norm:
-            np.testing.assert_allclose(nrm.get(), want, rtol=1e-4, atol=1e-5)
-    finally:
-        be.free()
-        buf.free()
+    from accelplane.testing.fusion import run_norm_mul
+
+    plan = run_norm_mul(_cuda(), lambda be, g: be.ctx.plans.get(g), op, keep_norm)
+    assert plan.kernel_names.count("k_norm") == 1
+    assert len(plan.kernel_names) == (2 if keep_norm else 1), plan.kernel_names
+    assert plan.fused == ([] if keep_norm else [(op, "MUL")])
 
 
 def test_add_norm_mul_fused():
