@@ -388,3 +388,81 @@ def test_report_worst_nmse() -> None:
     for (isa_name, tname), err in sorted(WORST.items()):
         print(f"  {isa_name:8s} {tname:5s} {err:.2e}")
     assert max(WORST.values()) <= NMSE_MAX
+
+
+# --- row kernels (norm, soft_max, swiglu, rope) -----------------------------------------------
+
+
+def _padded_rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """rows x n float32 with a row stride of n + 5 (evenly spaced, not contiguous)."""
+    return rng.standard_normal((rows, n + 5)).astype(np.float32)[:, :n]
+
+
+@pytest.mark.parametrize("op", [0, 1, 2])
+@pytest.mark.parametrize("w_rows", [0, 1, 6])
+def test_norm_rows(op: int, w_rows: int) -> None:
+    from accelplane.testing.fusion import norm_oracle
+
+    rng = np.random.default_rng([op, w_rows])
+    x = _padded_rows(rng, 6, 67)
+    y = np.full((6, 67), np.nan, np.float32)
+    w = _padded_rows(rng, w_rows, 67) if w_rows else None
+    call = kernels.prepare_norm(op, x, y, 1e-6, w)
+    assert call is not None
+    call()
+    want = norm_oracle(["NORM", "RMS_NORM", "L2_NORM"][op], x, 1e-6) * (w if w is not None else 1.0)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_soft_max_rows() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 3, 5, 40)).astype(np.float32)  # mask rows repeat over 2 x 3
+    mask = _padded_rows(rng, 7, 40)
+    mask[:, 30:] = -np.inf
+    y = np.empty_like(x)
+    kernels.prepare_soft_max(x, y, 0.5, mask, 5)()
+    z = x.astype(np.float64) * 0.5 + mask[:5]
+    e = np.exp(z - z.max(-1, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+def test_swiglu_rows() -> None:
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((4, 2 * 33)).astype(np.float32) * 8  # exp(-x) overflows for some
+    y = np.empty((4, 33), np.float32)
+    kernels.prepare_swiglu(a[:, :33], a[:, 33:], y)()
+    x, g = a[:, :33].astype(np.float64), a[:, 33:]
+    np.testing.assert_allclose(y, x / (1 + np.exp(-x)) * g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_rows(neox: bool) -> None:
+    rng = np.random.default_rng(4)
+    ntok, nhead, hd, n_dims = 3, 4, 24, 16
+    x = rng.standard_normal((ntok, nhead, hd + 8)).astype(np.float32)[:, :, :hd]  # padded heads
+    y = np.empty((ntok, nhead, hd), np.float32)
+    th = rng.uniform(0, 6, (ntok, n_dims // 2))
+    c, s = np.cos(th).astype(np.float32), np.sin(th).astype(np.float32)
+    kernels.prepare_rope(x, y, n_dims, neox)(c, s)
+    want = x.astype(np.float64).copy()
+    cc, ss = c[:, None, :], s[:, None, :]
+    i0, i1 = (
+        (slice(0, n_dims // 2), slice(n_dims // 2, n_dims))
+        if neox
+        else (slice(0, n_dims, 2), slice(1, n_dims, 2))
+    )
+    a, b = x[..., i0].astype(np.float64), x[..., i1].astype(np.float64)
+    want[..., i0], want[..., i1] = a * cc - b * ss, a * ss + b * cc
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ShapeError):
+        kernels.prepare_rope(x, y, n_dims, neox)(c[:1], s[:1])  # angles for one token of three
+
+
+def test_row_kernels_decline_other_layouts() -> None:
+    x = np.zeros((4, 8), np.float32)
+    assert kernels.rows_view(x[:, ::2]) is None  # inner stride 2
+    assert kernels.rows_view(np.zeros((4, 8), np.float64)) is None
+    assert kernels.rows_view(np.zeros((3, 4, 8), np.float32)[:, :2]) is None  # uneven rows
+    assert kernels.prepare_norm(1, x[:, ::2], np.zeros((4, 4), np.float32), 1e-6) is None
+    assert kernels.prepare_swiglu(x, x[:3], np.zeros((4, 8), np.float32)) is None
+    assert kernels.prepare_rope(np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32), 8, False) is None

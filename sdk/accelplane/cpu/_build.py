@@ -41,6 +41,17 @@ int ap_mul_mat(int type, const void *w, int64_t w_stride, int64_t w_size, int64_
 int ap_dequantize(int type, const void *w, int64_t w_stride, int64_t w_size, int64_t M,
                   int64_t K, const int64_t *rows, int64_t R, float *y, int64_t y_stride,
                   int64_t y_size, int nthreads);
+int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
+                 float *y, int64_t ys, int64_t y_size, const float *w, int64_t wrows, int64_t ws,
+                 int64_t w_size, float eps);
+int ap_soft_max_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size, float *y,
+                     int64_t ys, int64_t y_size, const float *mask, int64_t mrows, int64_t ms,
+                     int64_t m_size, float scale);
+int ap_swiglu_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
+                   const float *g, int64_t gs, int64_t g_size, float *y, int64_t ys, int64_t y_size);
+int ap_rope_rows(int64_t ntok, int64_t nhead, int64_t hd, int64_t n_dims, int neox, const float *x,
+                 int64_t xs_tok, int64_t xs_head, int64_t x_size, float *y, int64_t ys_tok,
+                 int64_t ys_head, int64_t y_size, const float *cs, const float *sn, int64_t cs_size);
 """
 
 _openmp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no -fopenmp
@@ -52,11 +63,12 @@ def make_builder(absolute: bool = False) -> FFI:
     ffi.set_source(
         "accelplane.cpu._kernels",
         '#include "_kernels.h"',
-        sources=[_src("_kernels.c", absolute)],
+        sources=[_src("_kernels.c", absolute), _src("_rowops.c", absolute)],
         include_dirs=[_src(".", absolute)],
         depends=[_src("_kernels.h", absolute)],
         extra_compile_args=["-O3", "-std=gnu11", *_openmp],
         extra_link_args=_openmp,
+        libraries=[] if sys.platform == "win32" else ["m"],
     )
     return ffi
 

@@ -393,6 +393,174 @@ def prepare_mul_mat(
     return call
 
 
+# --- row kernels (the decode path's small ops) ------------------------------------------------
+
+
+def rows_view(a: np.ndarray) -> np.ndarray | None:
+    """``a``'s float32 elements as a 2-D [rows, last axis] view (no copy), or None when its rows
+    are not evenly spaced with a unit inner stride (the row kernels' layout)."""
+    if a.dtype != np.float32 or a.ndim == 0 or not a.flags.aligned or a.size == 0:
+        return None
+    n = a.shape[-1]
+    if n > 1 and a.strides[-1] != 4:
+        return None
+    r = a.reshape(-1, n)
+    if not np.may_share_memory(r, a) or (r.shape[0] > 1 and (r.strides[0] < 0 or r.strides[0] % 4)):
+        return None  # reshape had to copy: the rows are not evenly spaced
+    return r
+
+
+def _fptr(a: np.ndarray, writable: bool = False):
+    return _ptr(a, "float[]", writable)
+
+
+def _stride(a: np.ndarray) -> int:
+    return a.strides[0] // 4 if a.shape[0] > 1 else 0
+
+
+def prepare_norm(
+    op: int, x: np.ndarray, y: np.ndarray, eps: float, w: np.ndarray | None = None
+) -> Callable[[], None] | None:
+    """y = norm(x) (op 0 NORM, 1 RMS_NORM, 2 L2_NORM) per row, times w's row (one row for all,
+    or one per row) when given; None where a layout is not the row kernels' (rows_view)."""
+    xr, yr = rows_view(x), rows_view(y)
+    wr = rows_view(w) if w is not None else None
+    if xr is None or yr is None or xr.shape != yr.shape or (w is not None and wr is None):
+        return None
+    if wr is not None and (wr.shape[1] != xr.shape[1] or wr.shape[0] not in (1, xr.shape[0])):
+        return None
+    nrows, n = xr.shape
+    args = (
+        op,
+        nrows,
+        n,
+        _fptr(xr),
+        _stride(xr),
+        _extent(xr) // 4,
+        _fptr(yr, True),
+        _stride(yr),
+        _extent(yr) // 4,
+        _fptr(wr) if wr is not None else _ffi.NULL,
+        wr.shape[0] if wr is not None else 1,
+        _stride(wr) if wr is not None else 0,
+        _extent(wr) // 4 if wr is not None else 0,
+        float(eps),
+    )
+    return _checked(_lib.ap_norm_rows, args, "norm rows")
+
+
+def prepare_soft_max(
+    x: np.ndarray, y: np.ndarray, scale: float, mask: np.ndarray | None = None, mask_rows: int = 1
+) -> Callable[[], None] | None:
+    """y = softmax(x * scale + mask row r % mask_rows) per row; None where a layout is not the
+    row kernels' (``mask``: float32, its first ``mask_rows`` rows used)."""
+    xr, yr = rows_view(x), rows_view(y)
+    mr = rows_view(mask) if mask is not None else None
+    if xr is None or yr is None or xr.shape != yr.shape or (mask is not None and mr is None):
+        return None
+    if mr is not None and (mr.shape[1] != xr.shape[1] or mr.shape[0] < mask_rows):
+        return None
+    nrows, n = xr.shape
+    args = (
+        nrows,
+        n,
+        _fptr(xr),
+        _stride(xr),
+        _extent(xr) // 4,
+        _fptr(yr, True),
+        _stride(yr),
+        _extent(yr) // 4,
+        _fptr(mr) if mr is not None else _ffi.NULL,
+        mask_rows if mr is not None else 1,
+        _stride(mr) if mr is not None else 0,
+        _extent(mr) // 4 if mr is not None else 0,
+        float(scale),
+    )
+    return _checked(_lib.ap_soft_max_rows, args, "soft_max rows")
+
+
+def prepare_swiglu(x: np.ndarray, g: np.ndarray, y: np.ndarray) -> Callable[[], None] | None:
+    """y = silu(x) * g per row; None where a layout is not the row kernels'."""
+    xr, gr, yr = rows_view(x), rows_view(g), rows_view(y)
+    if xr is None or gr is None or yr is None or not xr.shape == gr.shape == yr.shape:
+        return None
+    nrows, n = xr.shape
+    args = (
+        nrows,
+        n,
+        _fptr(xr),
+        _stride(xr),
+        _extent(xr) // 4,
+        _fptr(gr),
+        _stride(gr),
+        _extent(gr) // 4,
+        _fptr(yr, True),
+        _stride(yr),
+        _extent(yr) // 4,
+    )
+    return _checked(_lib.ap_swiglu_rows, args, "swiglu rows")
+
+
+def prepare_rope(
+    x: np.ndarray, y: np.ndarray, n_dims: int, neox: bool
+) -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """A call ``f(cos, sin)`` rotating x [tokens, heads, hd] (float32, unit inner stride) into y
+    by the angles' cos and sin [tokens, n_dims / 2] (float32, packed); None where a layout is
+    not the kernel's."""
+    if x.ndim != 3 or y.shape != x.shape or x.dtype != np.float32 or y.dtype != np.float32:
+        return None
+    if any(
+        a.strides[2] != 4
+        or a.strides[0] < 0
+        or a.strides[1] < 0
+        or a.strides[0] % 4
+        or a.strides[1] % 4
+        or not a.flags.aligned
+        for a in (x, y)
+    ):
+        return None
+    ntok, nhead, hd = x.shape
+
+    def ext(a: np.ndarray) -> int:
+        return ((a.shape[0] - 1) * a.strides[0] + (a.shape[1] - 1) * a.strides[1]) // 4 + hd
+
+    head = (
+        ntok,
+        nhead,
+        hd,
+        n_dims,
+        int(neox),
+        _ptr(x[:1, :1], "float[]"),
+        x.strides[0] // 4,
+        x.strides[1] // 4,
+        ext(x),
+        _ptr(y[:1, :1], "float[]", True),
+        y.strides[0] // 4,
+        y.strides[1] // 4,
+        ext(y),
+    )
+    need = ntok * (n_dims // 2)
+    fn = _lib.ap_rope_rows
+
+    def call(c: np.ndarray, s: np.ndarray) -> None:
+        if c.size < need or s.size < need or not (c.flags.c_contiguous and s.flags.c_contiguous):
+            raise ShapeError(f"rope: cos/sin hold {c.size}/{s.size} packed floats, {need} needed")
+        rc = fn(*head, _ffi.from_buffer("float[]", c), _ffi.from_buffer("float[]", s), min(c.size, s.size))
+        if rc:
+            _raise(rc, "rope rows")
+
+    return call
+
+
+def _checked(fn, args: tuple, what: str) -> Callable[[], None]:
+    def call() -> None:
+        rc = fn(*args)
+        if rc:
+            _raise(rc, what)
+
+    return call
+
+
 def _mul_mat_blas(rows: _Rows, x: np.ndarray, out: np.ndarray, nt: int) -> None:
     """Large N: dequantize W in row tiles, then sgemm each tile (x @ tile.T) into out."""
     w, m, k = rows.arr, rows.m, rows.k

@@ -151,6 +151,11 @@ def _glu(t: Tensor, view: View) -> Step:
     else:
         x, g = av, view(b)
     if op is GluOp.SWIGLU and t.type == GGMLType.F32:
+        from . import kernels
+
+        fast = kernels.prepare_swiglu(x, g, dv)
+        if fast is not None:
+            return fast
 
         def swiglu() -> None:  # x / (1 + exp(-x)) * g with one temporary
             xf = _f32(x)
@@ -173,6 +178,12 @@ def _norm(t: Tensor, view: View, mul: Tensor | None = None) -> Step:
     op = t.op
     av = view(a)
     dv, wv = (view(t), None) if mul is None else (view(mul), view(mul.src[1]))
+    if a.type == GGMLType.F32:
+        from . import kernels
+
+        fast = kernels.prepare_norm({Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[op], av, dv, eps, wv)
+        if fast is not None:
+            return fast
 
     def step() -> None:
         x = av.astype(np.float64)  # one cast: float64 ops after it take numpy's fast loops
@@ -227,6 +238,14 @@ def _soft_max(t: Tensor, view: View) -> Step:
         slopes = _alibi_slopes(a.ne[2], max_bias)[None, :, None, None]
     else:
         slopes = None
+    simple_mask = mask is None or (mask.type == GGMLType.F32 and mask.ne[2] == mask.ne[3] == 1)
+    if a.type == t.type == GGMLType.F32 and max_bias == 0 and simple_mask:
+        from . import kernels
+
+        m2 = view(mask)[0, 0] if mask is not None else None  # its rows repeat over ne2, ne3
+        fast = kernels.prepare_soft_max(av, dv, float(scale), m2, a.ne[1])
+        if fast is not None:
+            return fast
 
     def step() -> None:
         x = _f32(av) * scale
@@ -263,7 +282,8 @@ def _rope(t: Tensor, view: View) -> Step:
 
     params = (n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig)
 
-    def step() -> None:
+    def angles() -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [tokens, half], packed float32, times mscale."""
         key = (params, pv.tobytes())  # a step's Q and K ropes, every layer: the same angles
         cs = _ROPE_CACHE.get(key)
         if cs is None:
@@ -271,12 +291,21 @@ def _rope(t: Tensor, view: View) -> Step:
             te = p[:, None] * inv_freq[None, :]
             ti = freq_scale * te
             th = ti * (1 - ramp) + te * ramp
-            cs = ((np.cos(th) * mscale).astype(F32)[None, :, None, :],  # [1, ne2, 1, half]
-                  (np.sin(th) * mscale).astype(F32)[None, :, None, :])  # fmt: skip
+            cs = ((np.cos(th) * mscale).astype(F32), (np.sin(th) * mscale).astype(F32))
             if len(_ROPE_CACHE) >= 64:
                 _ROPE_CACHE.clear()
             _ROPE_CACHE[key] = cs
-        c, s = cs
+        return cs
+
+    if a.type == t.type == GGMLType.F32 and a.ne[3] == 1:
+        from . import kernels
+
+        fast = kernels.prepare_rope(av[0], dv[0], n_dims, neox)
+        if fast is not None:
+            return lambda: fast(*angles())
+
+    def step() -> None:
+        c, s = (v[None, :, None, :] for v in angles())  # [1, ne2, 1, half]
         x = _f32(av)
         if neox:
             x0, x1 = x[..., :half], x[..., half:n_dims]
