@@ -11,6 +11,7 @@ No -march flags: the AVX2/FMA/F16C code is compiled per function with
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from cffi import FFI
@@ -30,29 +31,15 @@ def _src(name: str, absolute: bool = False) -> str:
     return path if rel.startswith("..") else rel
 
 
-CDEF = """
-int ap_cpu_has_avx2(void);
-int ap_set_isa(int isa);
-int ap_get_isa(void);
-int ap_max_threads(void);
-int ap_mul_mat(int type, const void *w, int64_t w_stride, int64_t w_size, int64_t M, int64_t K,
-               const float *x, int64_t x_stride, int64_t x_size, int64_t N, float *y,
-               int64_t y_stride, int64_t y_size, int nthreads);
-int ap_dequantize(int type, const void *w, int64_t w_stride, int64_t w_size, int64_t M,
-                  int64_t K, const int64_t *rows, int64_t R, float *y, int64_t y_stride,
-                  int64_t y_size, int nthreads);
-int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
-                 float *y, int64_t ys, int64_t y_size, const float *w, int64_t wrows, int64_t ws,
-                 int64_t w_size, float eps);
-int ap_soft_max_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size, float *y,
-                     int64_t ys, int64_t y_size, const float *mask, int64_t mrows, int64_t ms,
-                     int64_t m_size, float scale);
-int ap_swiglu_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
-                   const float *g, int64_t gs, int64_t g_size, float *y, int64_t ys, int64_t y_size);
-int ap_rope_rows(int64_t ntok, int64_t nhead, int64_t hd, int64_t n_dims, int neox, const float *x,
-                 int64_t xs_tok, int64_t xs_head, int64_t x_size, float *y, int64_t ys_tok,
-                 int64_t ys_head, int64_t y_size, const float *cs, const float *sn, int64_t cs_size);
-"""
+def header_cdef(path: str) -> str:
+    """The function declarations of _kernels.h (comments and preprocessor lines dropped), as
+    cffi's cdef takes them: one source of truth for the C interface."""
+    with open(path) as f:
+        text = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+    return "\n".join(ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#"))
+
+
+CDEF = header_cdef(os.path.join(_HERE, "_kernels.h"))
 
 _openmp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no -fopenmp
 

@@ -55,11 +55,11 @@ int ap_dequantize(int type, const void *w, int64_t w_stride, int64_t w_size, int
  * silu(x) * g. ROPE: rows [ntok][nhead] of hd, the first n_dims rotated by cs/sn [ntok][n_dims/2]
  * (pairs adjacent, or halves apart with neox), the rest copied. AP_ERANGE past any extent. */
 int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
-                 float *y, int64_t ys, int64_t y_size, const float *w, int64_t wrows, int64_t ws,
-                 int64_t w_size, float eps);
+                 float *y, int64_t ys, int64_t y_size, const float *w, int64_t ws, int64_t w_size,
+                 int64_t wrows, float eps);
 int ap_soft_max_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size, float *y,
-                     int64_t ys, int64_t y_size, const float *mask, int64_t mrows, int64_t ms,
-                     int64_t m_size, float scale);
+                     int64_t ys, int64_t y_size, const float *mask, int64_t ms, int64_t m_size,
+                     int64_t mrows, float scale);
 int ap_swiglu_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
                    const float *g, int64_t gs, int64_t g_size, float *y, int64_t ys, int64_t y_size);
 int ap_rope_rows(int64_t ntok, int64_t nhead, int64_t hd, int64_t n_dims, int neox, const float *x,

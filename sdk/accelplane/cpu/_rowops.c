@@ -22,8 +22,8 @@ static int rows_fit(int64_t rows, int64_t stride, int64_t n, int64_t size) {
 }
 
 int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
-                 float *y, int64_t ys, int64_t y_size, const float *w, int64_t wrows, int64_t ws,
-                 int64_t w_size, float eps) {
+                 float *y, int64_t ys, int64_t y_size, const float *w, int64_t ws, int64_t w_size,
+                 int64_t wrows, float eps) {
     if (op < 0 || op > 2 || nrows < 0 || n < 0 || (w && wrows < 1)) return AP_EINVAL;
     if (!rows_fit(nrows, xs, n, x_size) || !rows_fit(nrows, ys, n, y_size)) return AP_ERANGE;
     if (w && !rows_fit(wrows, ws, n, w_size)) return AP_ERANGE;
@@ -54,8 +54,8 @@ int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, i
 }
 
 int ap_soft_max_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size, float *y,
-                     int64_t ys, int64_t y_size, const float *mask, int64_t mrows, int64_t ms,
-                     int64_t m_size, float scale) {
+                     int64_t ys, int64_t y_size, const float *mask, int64_t ms, int64_t m_size,
+                     int64_t mrows, float scale) {
     if (nrows < 0 || n < 0 || (mask && mrows < 1)) return AP_EINVAL;
     if (!rows_fit(nrows, xs, n, x_size) || !rows_fit(nrows, ys, n, y_size)) return AP_ERANGE;
     if (mask && !rows_fit(mrows, ms, n, m_size)) return AP_ERANGE;

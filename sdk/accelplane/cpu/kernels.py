@@ -410,12 +410,12 @@ def rows_view(a: np.ndarray) -> np.ndarray | None:
     return r
 
 
-def _fptr(a: np.ndarray, writable: bool = False):
-    return _ptr(a, "float[]", writable)
-
-
-def _stride(a: np.ndarray) -> int:
-    return a.strides[0] // 4 if a.shape[0] > 1 else 0
+def _rowarg(a: np.ndarray | None, writable: bool = False) -> tuple:
+    """A 2-D float32 rows view as the row kernels take it: (pointer, row stride, extent), in
+    elements; (NULL, 0, 0) for None."""
+    if a is None:
+        return _ffi.NULL, 0, 0
+    return _ptr(a, "float[]", writable), a.strides[0] // 4 if a.shape[0] > 1 else 0, _extent(a) // 4
 
 
 def prepare_norm(
@@ -430,22 +430,8 @@ def prepare_norm(
     if wr is not None and (wr.shape[1] != xr.shape[1] or wr.shape[0] not in (1, xr.shape[0])):
         return None
     nrows, n = xr.shape
-    args = (
-        op,
-        nrows,
-        n,
-        _fptr(xr),
-        _stride(xr),
-        _extent(xr) // 4,
-        _fptr(yr, True),
-        _stride(yr),
-        _extent(yr) // 4,
-        _fptr(wr) if wr is not None else _ffi.NULL,
-        wr.shape[0] if wr is not None else 1,
-        _stride(wr) if wr is not None else 0,
-        _extent(wr) // 4 if wr is not None else 0,
-        float(eps),
-    )
+    wrows = wr.shape[0] if wr is not None else 1
+    args = (op, nrows, n, *_rowarg(xr), *_rowarg(yr, True), *_rowarg(wr), wrows, float(eps))
     return _checked(_lib.ap_norm_rows, args, "norm rows")
 
 
@@ -461,21 +447,8 @@ def prepare_soft_max(
     if mr is not None and (mr.shape[1] != xr.shape[1] or mr.shape[0] < mask_rows):
         return None
     nrows, n = xr.shape
-    args = (
-        nrows,
-        n,
-        _fptr(xr),
-        _stride(xr),
-        _extent(xr) // 4,
-        _fptr(yr, True),
-        _stride(yr),
-        _extent(yr) // 4,
-        _fptr(mr) if mr is not None else _ffi.NULL,
-        mask_rows if mr is not None else 1,
-        _stride(mr) if mr is not None else 0,
-        _extent(mr) // 4 if mr is not None else 0,
-        float(scale),
-    )
+    mrows = mask_rows if mr is not None else 1
+    args = (nrows, n, *_rowarg(xr), *_rowarg(yr, True), *_rowarg(mr), mrows, float(scale))
     return _checked(_lib.ap_soft_max_rows, args, "soft_max rows")
 
 
@@ -485,19 +458,7 @@ def prepare_swiglu(x: np.ndarray, g: np.ndarray, y: np.ndarray) -> Callable[[], 
     if xr is None or gr is None or yr is None or not xr.shape == gr.shape == yr.shape:
         return None
     nrows, n = xr.shape
-    args = (
-        nrows,
-        n,
-        _fptr(xr),
-        _stride(xr),
-        _extent(xr) // 4,
-        _fptr(gr),
-        _stride(gr),
-        _extent(gr) // 4,
-        _fptr(yr, True),
-        _stride(yr),
-        _extent(yr) // 4,
-    )
+    args = (nrows, n, *_rowarg(xr), *_rowarg(gr), *_rowarg(yr, True))
     return _checked(_lib.ap_swiglu_rows, args, "swiglu rows")
 
 
