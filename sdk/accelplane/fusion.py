@@ -6,11 +6,12 @@ every plugin asks it:
 
 A run of nodes ``i .. i+k`` with the given ops may be computed as one kernel when every node
 but the last owns its memory (is not a view of another tensor), is read by exactly one node
-of the graph, the next one in the run, directly (not through a view), and is in nobody's
-``keep`` set: not a tensor the caller asked for
-or flagged OUTPUT, not read by another scheduler split (the scheduler passes those as the
-split graph's ``keep``). The skipped nodes' memory is then left unwritten. A graph whose
-``keep`` is None (unknown, e.g. ``Graph.from_nodes`` without it) fuses nothing.
+of the graph, the next one in the run, directly (not through a view), and is in no ``keep``
+set: not a tensor the caller asked for or flagged OUTPUT, not read by another scheduler split
+(the scheduler passes those as the split graph's ``keep``). The skipped nodes' memory is then
+left unwritten. A run may also name nodes whose results the kernel still writes (``written``
+in :meth:`Fusion.match`); those may have other readers. A graph whose ``keep`` is None
+(unknown, e.g. ``Graph.from_nodes`` without it) fuses nothing.
 
 ``ACCELPLANE_FUSION=0`` turns fusion off everywhere (for bisecting a wrong result).
 """
