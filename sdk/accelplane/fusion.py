@@ -24,6 +24,9 @@ from collections.abc import Sequence
 from .graph import Graph
 from .ops import Op
 from .tensor import Tensor, TensorFlag
+from .types import GGMLType
+
+NORMS = frozenset({Op.NORM, Op.RMS_NORM, Op.L2_NORM})
 
 
 def enabled() -> bool:
@@ -71,3 +74,20 @@ class Fusion:
             if self.uses.get(id(own), 0) != 1:
                 return False
         return True
+
+    def norm_mul(self, i: int) -> Tensor | None:
+        """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales
+        the norm's rows (:func:`scales_rows`); else None."""
+        n = self.nodes[i]
+        if n.op not in NORMS or not self.match(i, (n.op, Op.MUL)):
+            return None
+        m = self.nodes[i + 1]
+        return m if scales_rows(n, m) else None
+
+
+def scales_rows(norm: Tensor, mul: Tensor) -> bool:
+    """``mul`` is MUL(norm, w) with w F32 broadcast over the norm's rows (ggml repeat rules),
+    the shape a fused norm kernel handles: y = norm(x) * w[row broadcast]."""
+    w = mul.src[1]
+    return (mul.src[0] is norm and mul.type == w.type == GGMLType.F32
+            and tuple(mul.ne) == tuple(norm.ne))  # fmt: skip

@@ -81,6 +81,7 @@ from .comm import REDUCIBLE, AllReduce
 from .errors import DeviceError, ShapeError, UnsupportedOpError
 from .graph import Context, Graph
 from .ops import VIEW_OPS, Op, op_desc
+from .sched import GraphRunner
 from .tensor import Tensor, TensorFlag, strided_view
 from .types import TRAITS, GGMLType, np_dtype
 
@@ -1089,7 +1090,7 @@ class _Plan:
 
 
 # --- the meta device ---------------------------------------------------------------------------------
-class MetaDevice:
+class MetaDevice(GraphRunner):
     """Tensor parallelism over ``devices`` (Devices, for which backends are made, or Backends
     to use as they are; the same device may appear several times).
 
@@ -1453,15 +1454,6 @@ class MetaDevice:
                 t.set_bytes(raw)
             key = f"{self.group.kind}"
             self.stats.algorithms[key] = self.stats.algorithms.get(key, 0) + 1
-
-    def compute(self, graph: Graph) -> None:
-        """graph_compute + synchronize."""
-        self.graph_compute(graph)
-        self.synchronize()
-
-    def synchronize(self) -> None:
-        for b in self.backends:
-            b.synchronize()
 
     def describe(self, graph: Graph) -> list[str]:
         """Lines: every leaf and node of ``graph`` with its split state (plans if needed)."""

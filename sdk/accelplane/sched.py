@@ -97,7 +97,28 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-class Scheduler:
+class GraphRunner:
+    """What a host drives to run graphs over several backends: the :class:`Scheduler` and the
+    tensor-parallel :class:`accelplane.meta.MetaDevice` both are one (``alloc_graph``,
+    ``graph_compute``, ``free`` are theirs; ``backends`` their streams)."""
+
+    backends: list[Backend]
+
+    def graph_compute(self, graph: Graph) -> None:  # pragma: no cover - every runner has one
+        raise NotImplementedError
+
+    def compute(self, graph: Graph) -> None:
+        """graph_compute + synchronize."""
+        self.graph_compute(graph)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Block until every backend is done."""
+        for b in self.backends:
+            b.synchronize()
+
+
+class Scheduler(GraphRunner):
     """Schedules graphs over ``backends`` (priority order; the last must be a CPU device).
 
     ``bufts``: buffer type per backend (default: each device's); ``n_copies`` > 1 enables
@@ -470,15 +491,9 @@ class Scheduler:
         self._compute_splits(plan)
         self._allocated = None  # the next compute allocates again (advancing the copy slot)
 
-    def compute(self, graph: Graph) -> None:
-        """graph_compute + synchronize."""
-        self.graph_compute(graph)
-        self.synchronize()
-
     def synchronize(self) -> None:
         """Block until every backend is done (the caller's wait; not counted in stats)."""
-        for b in self.backends:
-            b.synchronize()
+        super().synchronize()
         if self._allocated is None:
             self.next_copy = 0  # token generation keeps reusing slot 0 (stable device graphs)
 

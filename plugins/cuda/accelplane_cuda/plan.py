@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from accelplane.errors import BufferFreedError, ComputeError, DeviceError
-from accelplane.fusion import Fusion
+from accelplane.fusion import NORMS, Fusion, scales_rows
 from accelplane.ops import (
     FLOAT,
     QUANT,
@@ -391,14 +391,13 @@ class CudaPlan:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
         accelplane.fusion allows it; returns how many nodes that covered (0: none)."""
         n = nodes[i]
-        norms = (Op.NORM, Op.RMS_NORM, Op.L2_NORM)
-        if n.op is Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op in norms:
+        if n.op is Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op in NORMS:
             a, b = n.src
             same = tuple(a.ne) == tuple(b.ne) == tuple(n.ne)
             if same and T.F32 == a.type == b.type == n.type:
                 nrm = nodes[i + 1]
                 three = fusion.match(i, (Op.ADD, nrm.op, Op.MUL), written=(0,))
-                if three and self._mul_fits(nrm, nodes[i + 2]):
+                if three and scales_rows(nrm, nodes[i + 2]):
                     self._norm(nrm, nodes[i + 2], add=n)
                     self.fused.append(("ADD", nrm.op.name, "MUL"))
                     return 3
@@ -406,16 +405,12 @@ class CudaPlan:
                     self._norm(nrm, add=n)
                     self.fused.append(("ADD", nrm.op.name))
                     return 2
-        if n.op in norms and fusion.match(i, (n.op, Op.MUL)) and self._mul_fits(n, nodes[i + 1]):
-            self._norm(n, nodes[i + 1])
+        m = fusion.norm_mul(i)
+        if m is not None:
+            self._norm(n, m)
             self.fused.append((n.op.name, "MUL"))
             return 2
         return 0
-
-    @staticmethod
-    def _mul_fits(n, m) -> bool:
-        """MUL ``m`` scales norm ``n``'s rows by an F32 operand broadcast to them."""
-        return m.src[0] is n and m.type == T.F32 and m.src[1].type == T.F32 and tuple(m.ne) == tuple(n.ne)
 
     def _soft_max(self, n) -> None:
         a, mask = n.src

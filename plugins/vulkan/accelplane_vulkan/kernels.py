@@ -201,17 +201,12 @@ def _norm(t: Tensor, mul: Tensor | None = None) -> list[Dispatch]:
     return _rows(t, "norm", (code, int(w is not None)), push, (a, w, None, out))
 
 
-NORMS = (Op.NORM, Op.RMS_NORM, Op.L2_NORM)
-
-
 def fused_dispatches(nodes, i: int, fusion) -> tuple[int, list[Dispatch]]:
     """Nodes ``i ..`` as one dispatch where a fused shader exists and accelplane.fusion allows
     it: (how many nodes it covers, its dispatches); (0, []) where none applies."""
-    t = nodes[i]
-    if t.op in NORMS and fusion.match(i, (t.op, Op.MUL)):
-        m = nodes[i + 1]
-        if m.src[0] is t and m.type == T.F32 and m.src[1].type == T.F32 and tuple(m.ne) == tuple(t.ne):
-            return 2, _norm(t, m)
+    m = fusion.norm_mul(i)
+    if m is not None:
+        return 2, _norm(nodes[i], m)
     return 0, []
 
 

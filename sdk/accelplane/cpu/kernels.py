@@ -331,8 +331,7 @@ def mul_mat(
     if strategy not in ("auto", "direct", "blas"):
         raise ValueError(f"unknown strategy {strategy!r}")
     if strategy == "auto":
-        avx2 = _lib.ap_get_isa() == 1
-        strategy = "blas" if n >= (_CROSSOVER_N[t] if avx2 else _PORTABLE_CROSSOVER_N) else "direct"
+        strategy = "blas" if _blas_wins(t, n) else "direct"
     if strategy == "blas":
         # BLAS needs a unit inner stride in out; numpy's fallback loop would be ~100x slower
         y = out if out.strides[1] == 4 or m == 1 else np.empty((n, m), np.float32)
@@ -341,16 +340,25 @@ def mul_mat(
             out[...] = y
         return out
     y = out if _direct_out(out, x, rows.arr) else np.empty((n, m), np.float32)
-    rc = _lib.ap_mul_mat(
-        int(t), rows.ptr, rows.stride, rows.size, m, k,
-        _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
-        _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4, nt,
-    )  # fmt: skip
+    rc = _lib.ap_mul_mat(*_direct_args(t, rows, x, y, nt))
     if rc:
         _raise(rc, f"mul_mat {t.name} [{m}x{k}] x [{n}x{k}]")
     if y is not out:
         out[...] = y
     return out
+
+
+def _blas_wins(t: GGMLType, n: int) -> bool:
+    """N activation rows from which dequantize + sgemm beats the direct kernel."""
+    return n >= (_CROSSOVER_N[t] if _lib.ap_get_isa() == 1 else _PORTABLE_CROSSOVER_N)
+
+
+def _direct_args(t: GGMLType, rows: _Rows, x: np.ndarray, y: np.ndarray, nt: int) -> tuple:
+    """ap_mul_mat's arguments (pointers, strides and extents) for validated operands."""
+    n, k = x.shape
+    return (int(t), rows.ptr, rows.stride, rows.size, rows.m, k,
+            _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
+            _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4, nt)  # fmt: skip
 
 
 def prepare_mul_mat(
@@ -375,14 +383,9 @@ def prepare_mul_mat(
     rows = _Rows(t, w, k, "w")
     m = rows.m
     out = _check_out(out, (n, m))
-    avx2 = _lib.ap_get_isa() == 1
-    if n == 0 or m == 0 or k == 0 or n >= (_CROSSOVER_N[t] if avx2 else _PORTABLE_CROSSOVER_N):
+    if n == 0 or m == 0 or k == 0 or _blas_wins(t, n) or not _direct_out(out, x, rows.arr):
         return plain
-    if not _direct_out(out, x, rows.arr):
-        return plain
-    args = (int(t), rows.ptr, rows.stride, rows.size, m, k,
-            _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
-            _ptr(out, "float[]", True), _row_stride(out), _extent(out) // 4, nt)  # fmt: skip
+    args = _direct_args(t, rows, x, out, nt)
     fn = _lib.ap_mul_mat
 
     def call() -> None:

@@ -204,14 +204,11 @@ def _norm(t: Tensor, view: View, mul: Tensor | None = None) -> Step:
 
 def fused_step(nodes: list[Tensor], i: int, fusion, view: View) -> tuple[int, Step | None]:
     """Nodes ``i ..`` as one step where accelplane.fusion allows it: (nodes covered, step);
-    (0, None) where nothing applies. A norm and the MUL scaling it: one pass over the rows."""
-    n = nodes[i]
-    if n.op in (Op.NORM, Op.RMS_NORM, Op.L2_NORM) and fusion.match(i, (n.op, Op.MUL)):
-        m = nodes[i + 1]
-        w = m.src[1]
-        numpy_bcast = all(w.ne[k] in (1, n.ne[k]) for k in range(4))
-        if m.src[0] is n and m.type == w.type == GGMLType.F32 and tuple(m.ne) == tuple(n.ne) and numpy_bcast:
-            return 2, _norm(n, view, m)
+    (0, None) where nothing applies. A norm and the MUL scaling it: one pass over the rows
+    (numpy's broadcasting, so each of w's dims is 1 or the norm's)."""
+    m = fusion.norm_mul(i)
+    if m is not None and all(m.src[1].ne[k] in (1, m.ne[k]) for k in range(4)):
+        return 2, _norm(nodes[i], view, m)
     return 0, None
 
 
@@ -338,12 +335,6 @@ def _mul_mat(t: Tensor, view: View) -> Step:
     if len(calls) == 1:
         return calls[0]
     return lambda: [c() for c in calls] and None
-
-
-def _f32c(x: np.ndarray) -> np.ndarray:
-    if x.dtype == F32 and x.strides[-1] == 4:
-        return x
-    return np.ascontiguousarray(x, dtype=F32)
 
 
 def _mul_mat_id(t: Tensor, view: View) -> Step:
