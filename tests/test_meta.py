@@ -593,4 +593,26 @@ def test_bench_tp_reports_bandwidth_and_tokens(cpu, adevs):
     assert splits == [("none", 1), ("tensor", 2), ("tensor", 3)]
     assert all(r["tokens_per_s"] > 0 for r in res["layers"])
     text = format_tp(res)
-    assert "busbw GB/s" in text and "tokens/s" in text
+    assert "busbw GB/s" in text and "tokens/s" in text and "vs peer" not in text
+
+
+def test_bench_tp_peer_rows_give_ratios(cpu, adevs):
+    """A peer's rows (same device count and bytes, F32) give each of our rows its ratio."""
+    from accelplane.bench import bench_tp, format_tp, parse_sizes
+
+    assert parse_sizes("4K, 1m,1GB,512") == [4096, 1 << 20, 1 << 30, 512]
+    for bad in ("", "1X", "-4K", "0"):
+        with pytest.raises(ValueError, match="bad size"):
+            parse_sizes(bad)
+    peer = [{"algorithm": "torch.distributed", "n": 2, "dtype": "float32", "bytes": 4096,
+             "us_per_call": 10.0, "busbw_gbps": 0.4096},
+            {"algorithm": "torch.distributed", "n": 2, "dtype": "bfloat16", "bytes": 4096,
+             "us_per_call": 5.0, "busbw_gbps": 0.8192}]  # fmt: skip
+    res = bench_tp([adevs[0], adevs[1]], counts=[2], sizes=[4096, 8192], min_time=0.01, runs=1,
+                   layer=LayerParams(n_tokens=4), peer=peer)  # fmt: skip
+    rows = {(r["algorithm"], r["bytes"]): r for r in res["allreduce"]}
+    ring = rows[("ring", 4096)]
+    assert ring["vs_peer"] == pytest.approx(ring["busbw_gbps"] / 0.4096)  # the F32 row, not BF16
+    assert "vs_peer" not in rows[("ring", 8192)]  # no peer row of that size
+    text = format_tp(res)
+    assert "vs peer" in text and "torch.distributed" in text

@@ -83,6 +83,14 @@ def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
             assert bytes(rt.data.reshape(-1).view(np.uint8)) == bytes(f.tensors[rt.name].data)
 
 
+def test_make_model_in_worker_processes_is_the_same_file(tmp_path):
+    """Weights made by worker processes (written in order, a window ahead) give the serial bytes."""
+    kw = dict(n_layers=3, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=288, wtype="q4_0", seed=3)
+    make_model(tmp_path / "serial.gguf", jobs=1, **kw)
+    make_model(tmp_path / "parallel.gguf", jobs=3, **kw)
+    assert (tmp_path / "serial.gguf").read_bytes() == (tmp_path / "parallel.gguf").read_bytes()
+
+
 @pytest.mark.parametrize("ty", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0])
 def test_synthetic_blocks_are_valid(ty):
     """Synthetic weights decode (by the gguf package and by accelplane identically) to finite
@@ -498,3 +506,34 @@ def test_accelplane_run_split_tensor_and_bench_model(cli_env, models, tmp_path, 
     assert tg["copy_gb_per_s"] > 0.1
     assert tg["weights_frac_of_copy"] == pytest.approx(tg["weights_gb_per_s"] / tg["copy_gb_per_s"])
     assert "% of copy" in out
+
+
+def test_bench_model_multi_device_rows_get_their_speedup(reg, models):
+    """A multi-device config's rows carry tokens/s over its first device alone (split none)."""
+    from accelplane.models.runner import bench_model, format_bench
+
+    a0, a1 = [d for d in reg.devices if d.type != DeviceType.CPU][:2]
+    cpu = next(d for d in reg.devices if d.type == DeviceType.CPU)
+    with read_gguf(models["q8_0"]) as f:
+        rows = bench_model(f, [([a0], "none"), ([a0, a1], "layer"), ([a1, a0], "tensor")], cpu, pp=8, tg=2,
+                           reps=1)  # fmt: skip
+    by = {(r["devices"], r["split"], r["test"]): r for r in rows}
+    one = by[(a0.name, "none", "tg2")]
+    layer = by[(f"{a0.name},{a1.name}", "layer", "tg2")]
+    assert "vs_first_device" not in one
+    assert layer["vs_first_device"] == pytest.approx(layer["tokens_per_s"] / one["tokens_per_s"])
+    assert "vs_first_device" not in by[(f"{a1.name},{a0.name}", "tensor", "tg2")]  # a1 alone did not run
+    assert "vs 1 device" in format_bench(rows)
+
+
+def test_bench_configs_pair_splits_with_the_device_sets_they_fit(reg):
+    from accelplane.errors import DeviceError
+    from accelplane.models.runner import bench_configs
+
+    a0, a1 = [d.name for d in reg.devices if d.type != DeviceType.CPU][:2]
+    got = bench_configs(reg, [a0, f"{a0},{a1}"], ["none", "layer", "tensor"])
+    assert [([d.name for d in s], sp) for s, sp in got] == [
+        ([a0], "none"), ([a0, a1], "layer"), ([a0, a1], "tensor")]  # fmt: skip
+    assert [sp for _, sp in bench_configs(reg, [f"{a0},{a1}"], None)] == ["layer"]
+    with pytest.raises(DeviceError, match="split none takes one device"):
+        bench_configs(reg, [a0], ["tensor"])

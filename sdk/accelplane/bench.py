@@ -405,6 +405,22 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
 
 
 # --- tensor parallelism ------------------------------------------------------------------------------
+def parse_sizes(text: str) -> list[int]:
+    """'4K,1M,1G' → sizes in bytes (K, M, G: powers of 1024; a trailing B is allowed)."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = []
+    for part in text.split(","):
+        p = part.strip().upper().removesuffix("B")
+        try:
+            out.append(int(p[:-1]) * mult[p[-1]] if p and p[-1] in mult else int(p))
+        except ValueError:
+            raise ValueError(f"bad size {part!r} (want e.g. 4K, 64M, 1G or bytes)") from None
+        if out[-1] <= 0:
+            raise ValueError(f"bad size {part!r}: must be positive")
+    return out
+
+
+
 def _tp_defaults(devices: Sequence[Device] | None) -> tuple[list[Device], list[int]]:
     """(devices, device counts): the devices of the first plugin with two or more non-CPU
     devices (counts 2..n), else the CPU device as 2 and 4 backends (a functional run, not a
@@ -429,15 +445,18 @@ def _tp_defaults(devices: Sequence[Device] | None) -> tuple[list[Device], list[i
 def bench_tp(devices: Sequence[Device] | None = None, counts: Sequence[int] | None = None,
              sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 24),
              algorithms: Sequence[str] = ("butterfly", "ring", "plugin"), min_time: float = 0.2,
-             layer=None, runs: int = 5,
-             progress: Callable[[str], None] | None = None) -> dict[str, list[dict]]:  # fmt: skip
+             layer=None, runs: int = 5, progress: Callable[[str], None] | None = None,
+             peer: Sequence[dict] | None = None) -> dict[str, list[dict]]:  # fmt: skip
     """``accelplane bench tp``: per device count and all-reduce algorithm, the bus bandwidth
     (nccl-tests' 2(n-1)/n × bytes / time) beside a host memcpy of the same bytes in the same run
     (:func:`accelplane.comm.bench_allreduce`); and the tokens/s of a llama-like layer stack
     (:func:`~accelplane.testing.graphs.llama_layer`) on the first device (split none) and
     tensor-split over the first n devices (``MetaDevice``). Devices and counts: see
     :func:`_tp_defaults`; ``layer``: a :class:`~accelplane.testing.tp.LayerParams` (default
-    small on CPU devices, larger on others)."""
+    small on CPU devices, larger on others). ``peer``: another all-reduce's rows (``n``,
+    ``bytes``, ``busbw_gbps``, ``dtype``; e.g. torch.distributed's, measured in the same run by
+    ``python -m accelplane_cuda.peers --allreduce N``): each row of ours with the same device
+    count and bytes gets ``vs_peer``, its bus bandwidth over the peer's (F32 peer rows only)."""
     from .comm import bench_allreduce
     from .hookspecs import DeviceType
     from .testing.tp import LayerParams, layer_values, single, tensor_parallel
@@ -461,6 +480,11 @@ def bench_tp(devices: Sequence[Device] | None = None, counts: Sequence[int] | No
                 row = asdict(r)
                 row["devices"] = ",".join(b.device.name for b in backends)
                 row["vs_memcpy"] = r.busbw_gbps / r.memcpy_gbps if r.used else float("nan")
+                match = [p for p in peer or () if p["n"] == n and p["bytes"] == r.bytes
+                         and p.get("dtype", "float32") in ("float32", "F32")]  # fmt: skip
+                if match and r.used:
+                    row["peer_busbw_gbps"] = match[0]["busbw_gbps"]
+                    row["vs_peer"] = r.busbw_gbps / match[0]["busbw_gbps"]
                 ar_rows.append(row)
         finally:
             for b in backends:
@@ -496,21 +520,31 @@ def bench_tp(devices: Sequence[Device] | None = None, counts: Sequence[int] | No
                            "allreduces": run.meta.stats.allreduces,
                            "comm": ",".join(sorted(run.meta.stats.algorithms))})  # fmt: skip
         run.meta.free()
-    return {"allreduce": ar_rows, "layers": layer_rows}
+    return {"allreduce": ar_rows, "layers": layer_rows, "peer": list(peer or [])}
 
 
 def format_tp(res: dict[str, list[dict]]) -> str:
-    lines = ["all-reduce: bus bandwidth and a host memcpy of the same bytes, same run",
+    has_peer = any("vs_peer" in r for r in res["allreduce"])
+    lines = ["all-reduce: bus bandwidth and a host memcpy of the same bytes, same run"
+             + (" (vs peer: over the peer's bus bandwidth at the same bytes)" if has_peer else ""),
              f"{'n':>2} {'algorithm':<10} {'used':<10} {'bytes':>10} {'us/call':>10} {'busbw GB/s':>11} "
-             f"{'memcpy GB/s':>12} {'ratio':>7}  devices"]  # fmt: skip
+             f"{'memcpy GB/s':>12} {'ratio':>7}" + (f" {'vs peer':>8}" if has_peer else "")
+             + "  devices"]  # fmt: skip
     for r in res["allreduce"]:
         if not r["used"]:
             lines.append(f"{r['n']:>2} {r['algorithm']:<10} {'-':<10} {r['bytes']:>10} {'n/a':>10}"
                          f"{'':>13}{r['memcpy_gbps']:>13.2f} {'':>7}  {r['note'][:60]}")  # fmt: skip
             continue
+        vs = (f" {r['vs_peer']:>8.3f}" if "vs_peer" in r else f" {'':>8}") if has_peer else ""
         lines.append(f"{r['n']:>2} {r['algorithm']:<10} {r['used']:<10} {r['bytes']:>10} "
                      f"{r['us_per_call']:>10.1f} {r['busbw_gbps']:>11.2f} {r['memcpy_gbps']:>12.2f} "
-                     f"{r['vs_memcpy']:>7.3f}  {r['devices']}")  # fmt: skip
+                     f"{r['vs_memcpy']:>7.3f}{vs}  {r['devices']}")  # fmt: skip
+    if res.get("peer"):
+        lines += ["", "peer all-reduce (same run)", f"{'n':>2} {'peer':<18} {'dtype':<9} {'bytes':>10} "
+                  f"{'us/call':>10} {'busbw GB/s':>11}"]  # fmt: skip
+        for p in res["peer"]:
+            lines.append(f"{p['n']:>2} {p.get('algorithm', 'peer')[:18]:<18} {p.get('dtype', ''):<9} "
+                         f"{p['bytes']:>10} {p['us_per_call']:>10.1f} {p['busbw_gbps']:>11.2f}")  # fmt: skip
     lines += ["", f"llama-like layer stack ({res['layers'][0]['layers']})",
               f"{'split':<7} {'n':>2} {'ms/forward':>11} {'tokens/s':>10} {'speedup':>8}  "
               "devices"]  # fmt: skip

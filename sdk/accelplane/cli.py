@@ -134,7 +134,15 @@ def cmd_bench(args) -> int:
         return 0
     if args.what == "tp":
         devs = [reg.device(n) for n in args.device] if args.device else None
-        res = bench.bench_tp(devs, progress=_progress)
+        kw = {}
+        if args.sizes:
+            try:
+                kw["sizes"] = bench.parse_sizes(args.sizes)
+            except ValueError as e:
+                raise SystemExit(f"accelplane bench tp --sizes: {e}") from None
+        if args.peer_json:
+            kw["peer"] = json.loads(Path(args.peer_json).read_text())["rows"]
+        res = bench.bench_tp(devs, progress=_progress, **kw)
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
         print(bench.format_tp(res))
@@ -194,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=None,
                    help="ops per graph (default: 1 on CPU devices, 16 on others)")  # fmt: skip
     b.add_argument("--json", help="write results as JSON")
+    b.add_argument("--sizes", help="tp: all-reduce sizes in bytes, e.g. 4K,1M,64M,1G (default 64K,1M,16M)")
+    b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "
+                   "e.g. from python -m accelplane_cuda.peers --allreduce N --json FILE)")  # fmt: skip
     _model_args(sub, b)
     return p
 
@@ -228,8 +239,11 @@ def _model_args(sub, b) -> None:
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
     m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)")
     m.add_argument("out", help="output .gguf file")
-    m.add_argument("--preset", default="small", choices=["tiny", "small", "1b"],
-                   help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes)")
+    m.add_argument("--preset", default="small", choices=["tiny", "small", "1b", "8b"],
+                   help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes; "
+                        "8b = Llama-3-8B shapes)")  # fmt: skip
+    m.add_argument("--jobs", type=int, default=None,
+                   help="worker processes making the weights (default: one per CPU; same file for any)")
     for flag, dest in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
                        ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"),
                        ("--ctx", "n_ctx"), ("--experts", "n_expert"), ("--experts-used", "n_expert_used"),

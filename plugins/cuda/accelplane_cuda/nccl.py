@@ -78,21 +78,24 @@ class NcclComm:
             self._scratch[key] = (int(mem.ptr), mem)
         return self._scratch[key]
 
-    @staticmethod
-    def _convert(fns, b, t: Tensor, tmp, to_bf16: bool) -> None:
+    def _convert(self, fns, b, t: Tensor, tmp, to_bf16: bool) -> None:
         import cupy as cp
 
         n = t.nelements
-        packed = Tensor(GGMLType.BF16, t.ne)
-        src, dst = (t, packed) if to_bf16 else (packed, t)
-        P = cp.asarray(np.asarray([n, *src.ne, *src.nb, *dst.ne, *dst.nb], np.int64))
+        key = (b.ctx.device, to_bf16, t.ne)
+        P = self._scratch.get(key)
+        if P is None:  # the kernel's shape arguments stay on the device: no copy, no sync per call
+            packed = Tensor(GGMLType.BF16, t.ne)
+            src, dst = (t, packed) if to_bf16 else (packed, t)
+            with cp.cuda.Device(b.ctx.device):
+                args = np.asarray([n, *src.ne, *src.nb, *dst.ne, *dst.nb], np.int64)
+                P = self._scratch[key] = cp.asarray(args)
         tp, bp = t.buffer.ctx.ptr + t.offs, tmp[0]
         sp, dp = (tp, bp) if to_bf16 else (bp, tp)
         name = "k_cpy<__nv_bfloat16,float>" if to_bf16 else "k_cpy<float,__nv_bfloat16>"
         with cp.cuda.Device(b.ctx.device), b.ctx.stream:
             fns[name]((max(1, min((n + 255) // 256, 65535)),), (256,),
                       (np.uint64(P.data.ptr), np.uint64(dp), np.uint64(sp)))  # fmt: skip
-            b.ctx.stream.synchronize()  # P is a temporary
 
     def free(self) -> None:
         for c in self.comms:

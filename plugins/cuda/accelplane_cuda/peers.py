@@ -1,13 +1,19 @@
-"""Peers measured in the same run as accelplane's CUDA benchmarks, with CuPy alone:
-device-to-device copy bandwidth, cuBLAS (cupy.matmul) GEMM and mat-vec.
+"""Peers measured in the same run as accelplane's CUDA benchmarks: with CuPy alone,
+device-to-device copy bandwidth, cuBLAS (cupy.matmul) GEMM and mat-vec; with PyTorch (where
+installed), torch.distributed's NCCL all-reduce over N GPUs, one process per GPU, for
+``accelplane bench tp --peer-json``.
 
     python -m accelplane_cuda.peers [--json FILE]
+    python -m accelplane_cuda.peers --allreduce N [--sizes 4K,1M,1G] [--dtype float32] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
+import time
 
 
 def _time(fn, reps: int = 20) -> float:
@@ -51,10 +57,86 @@ def measure(m: int = 4096, k: int = 14336) -> dict:
     return out
 
 
+def _allreduce_rank(rank: int, n: int, sizes: list[int], dtype: str, min_time: float, store: str,
+                    result: str) -> None:  # fmt: skip
+    """One rank of :func:`torch_allreduce` (a spawned process)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=n,
+                            device_id=torch.device("cuda", rank))  # fmt: skip
+    rows = []
+    try:
+        ty = getattr(torch, dtype)
+        es = torch.empty(0, dtype=ty).element_size()
+        for size in sizes:
+            t = torch.zeros(max(1, size // es), dtype=ty, device="cuda")
+            for _ in range(3):
+                dist.all_reduce(t)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                dist.all_reduce(t)
+            torch.cuda.synchronize()
+            # every rank must run the same count: rank 0's calibration decides
+            per_call = max((time.perf_counter() - t0) / 5, 1e-7)
+            k = torch.tensor([max(5, int(min_time / per_call))], device="cuda")
+            dist.broadcast(k, 0)
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(int(k.item())):
+                dist.all_reduce(t)
+            torch.cuda.synchronize()
+            sec = (time.perf_counter() - t0) / int(k.item())
+            nbytes = t.numel() * es
+            rows.append({"algorithm": "torch.distributed", "n": n, "dtype": dtype, "bytes": nbytes,
+                         "runs": int(k.item()), "us_per_call": sec * 1e6,
+                         "busbw_gbps": 2 * (n - 1) / n * nbytes / sec / 1e9})  # fmt: skip
+            del t
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump(rows, f)
+
+
+def torch_allreduce(n: int, sizes: list[int], dtype: str = "float32", min_time: float = 0.2) -> list[dict]:
+    """Bus bandwidth (nccl-tests' 2(n-1)/n × bytes / time) of torch.distributed's NCCL
+    all-reduce over GPUs 0..n-1, one spawned process per GPU, per size in bytes."""
+    import torch.multiprocessing as mp
+
+    # multicast (NVLS) stays off, as in the plugin's own NCCL comm: on shared hosts it can take
+    # the GPUs out of service
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    with tempfile.TemporaryDirectory() as d:
+        store, result = os.path.join(d, "store"), os.path.join(d, "rows.json")
+        mp.spawn(_allreduce_rank, args=(n, sizes, dtype, min_time, store, result), nprocs=n, join=True)
+        with open(result) as f:
+            return json.load(f)
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
+    p.add_argument("--allreduce", type=int, metavar="N", help="torch.distributed all-reduce over N GPUs")
+    p.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M,1G", help="all-reduce sizes in bytes")
+    p.add_argument("--dtype", default="float32", help="all-reduce element type (torch name)")
     args = p.parse_args()
+    if args.allreduce:
+        from accelplane.bench import parse_sizes
+
+        rows = torch_allreduce(args.allreduce, parse_sizes(args.sizes), args.dtype)
+        print(f"{'n':>2} {'dtype':<9} {'bytes':>11} {'us/call':>10} {'busbw GB/s':>11}")
+        for r in rows:
+            print(f"{r['n']:>2} {r['dtype']:<9} {r['bytes']:>11} {r['us_per_call']:>10.1f} "
+                  f"{r['busbw_gbps']:>11.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"peer": "torch.distributed (NCCL)", "rows": rows}, f, indent=1)
+        return
     res = measure()
     for k, v in res.items():
         print(f"{k:<32} {v:.3f}" if isinstance(v, float) else f"{k:<32} {v}")

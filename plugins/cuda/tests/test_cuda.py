@@ -91,16 +91,21 @@ def test_nccl_allreduce_f32_and_bf16():
         ts = [ctx.new_tensor(T.F32, (n_el,), f"p{i}") for i in range(len(devs))]
         bufs = [alloc_tensors([t], d.buffer_type) for t, d in zip(ts, devs, strict=True)]
         rng = np.random.default_rng(n_el)
-        vals = [rng.standard_normal(n_el).astype(np.float32) for _ in ts]
-        for t, v in zip(ts, vals, strict=True):
-            t.set(v)
-        assert comm.allreduce(ts)
-        for b in bs:
-            b.synchronize()
-        want = np.sum(vals, axis=0, dtype=np.float64)
-        tol = 1e-5 if n_el < 32768 else 2e-2
-        for t in ts:
-            np.testing.assert_allclose(t.get(), want, rtol=tol, atol=tol)
+        for _ in range(2):  # twice: the second call reuses the BF16 scratch and its arguments
+            vals = [rng.standard_normal(n_el).astype(np.float32) for _ in ts]
+            for t, v in zip(ts, vals, strict=True):
+                t.set(v)
+            assert comm.allreduce(ts)
+            for b in bs:
+                b.synchronize()
+            want = np.sum(vals, axis=0, dtype=np.float64)
+            tol = 1e-5 if n_el < 32768 else 2e-2
+            for t in ts:
+                got = t.get()
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+                err = np.abs(got - want).max()
+                # BF16 on the wire shows as rounding error well above F32's; F32 stays exact-ish
+                assert (err > 1e-3) if n_el >= 32768 else (err < 1e-5), (n_el, err)
         comm.free()
         for b in bs:
             b.free()

@@ -516,26 +516,76 @@ def synthetic_sources(
         if spec.shape[-1] % ty.blck_size:
             raise ShapeError(f"{spec.name}: rows of {spec.shape[-1]} elements are not a multiple of "
                              f"{ty.name}'s block size {ty.blck_size}")  # fmt: skip
-        srcs.append(TensorSource(spec.name, ty, spec.shape,
-                                 lambda s=spec, t=ty: synthetic_tensor(s, t, seed)))  # fmt: skip
+        make = functools.partial(synthetic_tensor, spec, ty, seed)  # picklable: worker processes
+        srcs.append(TensorSource(spec.name, ty, spec.shape, make))
     md = llama_metadata(cfg, name or f"synthetic-llama-{wt.name.lower()}", _FILE_TYPES.get(wt))
     md[SEED_KEY] = MetaValue(int(seed), _gguf().GGUFValueType.UINT32)
     # the config as a reader of the file sees it (float32 epsilon, explicit n_rot)
     return config_from_metadata(md), md, srcs
 
 
+class _Ahead:
+    """Produces sources in worker processes, a bounded window ahead of the (in-order) writer:
+    each synthetic tensor depends only on its name and the seed, so the bytes are the same as
+    a serial run's."""
+
+    def __init__(self, srcs: list[TensorSource], jobs: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.srcs, self.window, self.next = srcs, 2 * jobs, 0
+        fork = "fork" in multiprocessing.get_all_start_methods()  # workers inherit the sources
+        ctx = multiprocessing.get_context("fork" if fork else None)
+        self.pool = ProcessPoolExecutor(jobs, mp_context=ctx)
+        self.futs: dict[int, Any] = {}
+
+    def get(self, i: int) -> np.ndarray:
+        while self.next < min(len(self.srcs), i + self.window):
+            self.futs[self.next] = self.pool.submit(self.srcs[self.next].produce)
+            self.next += 1
+        return self.futs.pop(i).result()
+
+    def sources(self) -> list[TensorSource]:
+        return [TensorSource(s.name, s.type, s.shape, functools.partial(self.get, i))
+                for i, s in enumerate(self.srcs)]  # fmt: skip
+
+
+def parallel_sources(srcs: list[TensorSource], jobs: int | None = None):
+    """A context manager giving ``srcs`` produced by ``jobs`` worker processes (default: the
+    CPUs this process may use; 1 = in this process). Producers must be picklable."""
+    import contextlib
+
+    if not jobs:
+        affinity = getattr(os, "sched_getaffinity", None)
+        jobs = len(affinity(0)) if affinity else os.cpu_count() or 1
+    if jobs <= 1 or len(srcs) < 2:
+        return contextlib.nullcontext(srcs)
+
+    @contextlib.contextmanager
+    def run():
+        ahead = _Ahead(srcs, jobs)
+        try:
+            yield ahead.sources()
+        finally:
+            ahead.pool.shutdown(cancel_futures=True)
+
+    return run()
+
+
 def make_model(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None,
-               **kw: Any) -> LlamaConfig:  # fmt: skip
+               jobs: int | None = None, **kw: Any) -> LlamaConfig:  # fmt: skip
     """Write a synthetic llama (or MoE llama with ``n_expert`` > 0) GGUF model to ``path`` and
     return its config. Keywords: ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default
     n_head), ``d_ff`` (default 4 d_model), ``n_vocab``, ``n_ctx`` (context_length), ``wtype``
     (matrices; default Q8_0), ``embd_type`` and ``output_type`` (token embedding and head;
     default wtype), ``n_expert``, ``n_expert_used``, ``rope_neox``, ``rope_base``, ``rms_eps``,
     ``seed`` (weights are deterministic in it), ``name``. Norms and the router are F32.
-    ``progress(nbytes)`` after each tensor. Raises ShapeError when a row length is not a
-    multiple of a type's block size."""
+    ``progress(nbytes)`` after each tensor; ``jobs``: worker processes making the weights
+    (default: one per CPU; the file is the same for any number). Raises ShapeError when a row
+    length is not a multiple of a type's block size."""
     cfg, md, srcs = synthetic_sources(**kw)
-    write_gguf(path, md, srcs, progress=progress)
+    with parallel_sources(srcs, jobs) as srcs:
+        write_gguf(path, md, srcs, progress=progress)
     return cfg
 
 
@@ -545,7 +595,8 @@ def total_bytes(f: GGUFFile) -> int:
 
 __all__ = [
     "GGUFFile", "GGUFTensor", "MetaValue", "SUPPORTED_TYPES", "TensorSource", "config_from_metadata",
-    "llama_metadata", "make_model", "read_gguf", "save_gguf", "synthetic_sources", "synthetic_tensor",
+    "llama_metadata", "make_model", "parallel_sources", "read_gguf", "save_gguf", "synthetic_sources",
+    "synthetic_tensor",
     "total_bytes",
     "write_gguf",
 ]  # fmt: skip

@@ -28,7 +28,7 @@ from ..bench import copy_bandwidth
 from ..errors import DeviceError
 from ..hookspecs import DeviceType
 from ..plancache import cache_dir
-from .gguf import GGUFFile, read_gguf, synthetic_sources, total_bytes, write_gguf
+from .gguf import GGUFFile, parallel_sources, read_gguf, synthetic_sources, total_bytes, write_gguf
 from .llama import LlamaModel, check_split
 from .progress import Bar
 
@@ -37,12 +37,15 @@ from .progress import Bar
 DEFAULT_MODEL = dict(n_layers=4, d_model=256, n_head=8, n_head_kv=4, d_ff=768, n_vocab=8192,
                      n_ctx=2048, wtype="q8_0", seed=0)  # fmt: skip
 GENERATOR_VERSION = 1  # bump when the synthetic weights change, so cached files are remade
-# `accelplane make-model --preset`; 1b has TinyLlama-1.1B's shapes (the benchmark model)
+# `accelplane make-model --preset`; 1b has TinyLlama-1.1B's shapes (the benchmark model), 8b
+# Llama-3-8B's (the multi-GPU benchmark model)
 PRESETS = {
     "tiny": dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=256, n_ctx=512),
     "small": {k: v for k, v in DEFAULT_MODEL.items() if k not in ("wtype", "seed")},
     "1b": dict(n_layers=22, d_model=2048, n_head=32, n_head_kv=4, d_ff=5632, n_vocab=32000,
                n_ctx=2048),
+    "8b": dict(n_layers=32, d_model=4096, n_head=32, n_head_kv=8, d_ff=14336, n_vocab=128256,
+               n_ctx=8192),
 }  # fmt: skip
 # logits vs the CPU plugin over every compared step; measured on this machine's plugins
 # (Q8_0 model, F16 cache): 1.6e-4 SYCL (CPU OpenCL), ~2e-4 Vulkan (lavapipe), 3e-4 Hexagon (emulated)
@@ -63,10 +66,10 @@ def default_model_path(out: TextIO | None = None) -> Path:
     return path
 
 
-def make_with_bar(path: str | Path, **kw) -> None:
+def make_with_bar(path: str | Path, jobs: int | None = None, **kw) -> None:
     """make_model with a progress bar over the bytes written."""
     _, md, srcs = synthetic_sources(**kw)
-    with Bar("make", sum(s.nbytes for s in srcs), "MiB", 2**-20) as bar:
+    with Bar("make", sum(s.nbytes for s in srcs), "MiB", 2**-20) as bar, parallel_sources(srcs, jobs) as srcs:
         write_gguf(path, md, srcs, progress=bar.update)
 
 
@@ -228,11 +231,19 @@ def bench_configs(
     reg, devices: Sequence[str] | None, splits: Sequence[str] | None
 ) -> list[tuple[list[Device], str]]:
     """(devices, split) pairs: each ``--device`` value (comma list = one multi-device set) ×
-    each ``--split``; by default every device alone with split none, plus all non-CPU
-    devices together with split layer when there are two or more."""
+    each ``--split`` that fits it (none for one device; layer and tensor for several, default
+    layer); by default every device alone with split none, plus all non-CPU devices together
+    with split layer when there are two or more."""
     if devices:
         sets = [pick_devices(reg, [d]) for d in devices]
-        return [(s, sp) for s in sets for sp in (splits or ["none"])]
+        out = []
+        for s in sets:
+            fits = ["none"] if len(s) == 1 else ["layer", "tensor"]
+            out += [(s, sp) for sp in (splits or fits[:1]) if sp in fits]
+        if not out:
+            raise DeviceError(f"no device set fits --split {' '.join(splits or [])}: split none takes one "
+                             "device, layer and tensor a comma list of several (-d CUDA0,CUDA1)")  # fmt: skip
+        return out
     sets = [[d] for d in reg.devices]
     out = [(s, sp) for s in sets for sp in (splits or ["none"]) if not (sp == "layer" and len(s) < 2)]
     others = pick_devices(reg, None)
@@ -298,15 +309,24 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                 rows.append(row)
         finally:
             model.free()
+    for r in rows:  # multi-device rows against their first device alone, where that ran too
+        first = r["devices"].split(",")[0]
+        base = [b for b in rows if b["devices"] == first and b["split"] == "none" and b["test"] == r["test"]]
+        if "," in r["devices"] and base:
+            r["vs_first_device"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
     return rows
 
 
 def format_bench(rows: list[dict]) -> str:
     """llama-bench's markdown table (with the weights' read rate for tg, and that rate as a
-    fraction of the same run's device copy bandwidth, read + written)."""
+    fraction of the same run's device copy bandwidth, read + written; multi-device rows also
+    get their speed-up over their first device alone, when that config ran too)."""
     cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
             ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">"),
             ("copy GB/s", 10, ">"), ("% of copy", 9, ">")]  # fmt: skip
+    multi = any("vs_first_device" in r for r in rows)
+    if multi:
+        cols.append(("vs 1 device", 11, ">"))
     rule = "|".join("-" * (w + 1) + (":" if a == ">" else "-") for _, w, a in cols)
     lines = ["| " + " | ".join(f"{c:{a}{w}}" for c, w, a in cols) + " |", f"|{rule}|"]
     for r in rows:
@@ -317,6 +337,8 @@ def format_bench(rows: list[dict]) -> str:
                 f"{r['copy_gb_per_s']:.1f}" if "copy_gb_per_s" in r else "",
                 f"{100 * r['weights_frac_of_copy']:.1f} %" if "weights_frac_of_copy" in r
                 else ""]  # fmt: skip
+        if multi:
+            vals.append(f"{r['vs_first_device']:.2f}x" if "vs_first_device" in r else "")
         lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")
     return "\n".join(lines)
 
@@ -404,7 +426,7 @@ def cmd_make_model(args, out: TextIO | None = None) -> int:
     kw.update(wtype=args.wtype, rope_neox=args.neox)
     if args.output_type:
         kw["output_type"] = args.output_type
-    make_with_bar(args.out, **kw)
+    make_with_bar(args.out, jobs=args.jobs, **kw)
     f = read_gguf(args.out)
     print(f"wrote {args.out}\n  {describe_model(f)}", file=out)
     return 0
