@@ -98,6 +98,30 @@ template <> __device__ __forceinline__ void deq32<14>(const u8* row, int c, floa
         y[l] = d * (float)sc[(l >> 4) + 2 * quarter] * (float)(q - 32);
     }
 }
+// Q4_0x8 / Q8_0x8 (layout.py): groups of 8 blocks with the quants first, 16-byte aligned, then
+// the 8 scales. Q4_0x8 group: 144 bytes, block j's quants at 16j, scale at 128 + 2j.
+template <> __device__ __forceinline__ void deq32<102>(const u8* row, int c, float* y) {
+    const u8* g = row + (i64)(c >> 3) * 144;
+    const int j = c & 7;
+    const float d = f16at(g + 128 + 2 * j);
+    #pragma unroll
+    for (int l = 0; l < 16; ++l) {
+        const int q = g[16 * j + l];
+        y[l] = d * (float)((q & 0xF) - 8);
+        y[l + 16] = d * (float)((q >> 4) - 8);
+    }
+}
+// Q8_0x8 group: 272 bytes, block j's elements 0..15 at 16j, 16..31 at 128 + 16j, scale at 256 + 2j
+template <> __device__ __forceinline__ void deq32<108>(const u8* row, int c, float* y) {
+    const u8* g = row + (i64)(c >> 3) * 272;
+    const int j = c & 7;
+    const float d = f16at(g + 256 + 2 * j);
+    #pragma unroll
+    for (int l = 0; l < 16; ++l) {
+        y[l] = d * (float)(signed char)g[16 * j + l];
+        y[l + 16] = d * (float)(signed char)g[128 + 16 * j + l];
+    }
+}
 // float rows through the same interface
 template <> __device__ __forceinline__ void deq32<0>(const u8* row, int c, float* y) {
     #pragma unroll
@@ -420,22 +444,38 @@ __global__ void k_get_rows_q(const i64* __restrict__ P, char* dst, const char* a
 }
 
 // ---- quantize 32 floats to one Q8_0 / Q4_0 block (ggml's reference rounding) ------------------------
-__device__ void quant32(int qt, const float* x, u8* b) {
-    if (qt == 8) {
+// chunk c of a row (GGUF Q8_0/Q4_0 blocks, or the x8 layouts) from 32 floats, with ggml's
+// reference rounding
+template <int QT>
+__device__ void store32(u8* row, i64 c, const float* x) {
+    constexpr bool q8 = QT == 8 || QT == 108;
+    u8 *pd, *lo, *hi;  // scale, quants of elements 0..15 (Q4: all 16 bytes), of 16..31 (Q8)
+    if constexpr (QT == 2 || QT == 8) {
+        u8* b = row + c * (q8 ? 34 : 18);
+        pd = b; lo = b + 2; hi = b + 18;
+    } else {
+        u8* g = row + (c >> 3) * (q8 ? 272 : 144);
+        const int j = (int)(c & 7);
+        pd = g + (q8 ? 256 : 128) + 2 * j; lo = g + 16 * j; hi = g + 128 + 16 * j;
+    }
+    if constexpr (q8) {
         float amax = 0.0f;
         for (int l = 0; l < 32; ++l) amax = fmaxf(amax, fabsf(x[l]));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        *(__half*)b = __float2half_rn(d);
-        for (int l = 0; l < 32; ++l) ((signed char*)b)[2 + l] = (signed char)roundf(x[l] * id);
+        *(__half*)pd = __float2half_rn(d);
+        for (int l = 0; l < 16; ++l) {
+            ((signed char*)lo)[l] = (signed char)roundf(x[l] * id);
+            ((signed char*)hi)[l] = (signed char)roundf(x[l + 16] * id);
+        }
     } else {
         float amax = 0.0f, mx = 0.0f;
         for (int l = 0; l < 32; ++l) if (fabsf(x[l]) > amax) { amax = fabsf(x[l]); mx = x[l]; }
         const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        *(__half*)b = __float2half_rn(d);
+        *(__half*)pd = __float2half_rn(d);
         for (int l = 0; l < 16; ++l) {
             const int q0 = min(15, (int)(signed char)(x[l] * id + 8.5f));
             const int q1 = min(15, (int)(signed char)(x[l + 16] * id + 8.5f));
-            b[2 + l] = (u8)(q0 | (q1 << 4));
+            lo[l] = (u8)(q0 | (q1 << 4));
         }
     }
 }
@@ -460,7 +500,6 @@ template <int QT>
 __global__ void k_set_rows_q(const i64* __restrict__ P, char* dst, const char* src, const int* idx, int* err) {
     const i64 nch = P[0] / 32;
     const i64 n = nch * P[1] * P[2] * P[3];
-    const int bs = QT == 8 ? 34 : 18;
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
         const i64 c = r % nch; r /= nch;
@@ -471,7 +510,7 @@ __global__ void k_set_rows_q(const i64* __restrict__ P, char* dst, const char* s
         float x[32];
         const char* s = src + i1 * P[5] + i2 * P[6] + i3 * P[7];
         for (int l = 0; l < 32; ++l) x[l] = *(const float*)(s + (32 * c + l) * P[4]);
-        quant32(QT, x, (u8*)(dst + (i64)row * P[9] + i2 * P[10] + i3 * P[11] + c * bs));
+        store32<QT>((u8*)(dst + (i64)row * P[9] + i2 * P[10] + i3 * P[11]), c, x);
     }
 }
 
@@ -493,14 +532,13 @@ template <int QT, typename Ts>
 __global__ void k_cpy_q(const i64* __restrict__ P, char* dst, const char* src) {
     const i64 nblk = P[0] / 32;
     const i64 ned0 = P[9];
-    const int bs = QT == 8 ? 34 : 18;
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < nblk; t += (i64)gridDim.x * blockDim.x) {
         float x[32];
         for (int l = 0; l < 32; ++l) x[l] = ld<Ts>(src + offs4(32 * t + l, P + 1, P + 5));
         const i64 e = 32 * t;
         const i64 i0 = e % ned0;
         const i64 rowoff = offs4(e - i0, P + 9, P + 13);
-        quant32(QT, x, (u8*)(dst + rowoff + (i0 / 32) * bs));
+        store32<QT>((u8*)(dst + rowoff), i0 / 32, x);
     }
 }
 // Q* -> F32 (src packed rows)
@@ -759,6 +797,8 @@ template <> struct qfmt<2> { enum { BB = 18, UPB = 1, UNIT = 144 }; };   // byte
 template <> struct qfmt<8> { enum { BB = 34, UPB = 1, UNIT = 272 }; };
 template <> struct qfmt<12> { enum { BB = 144, UPB = 8, UNIT = 144 }; };
 template <> struct qfmt<14> { enum { BB = 210, UPB = 8, UNIT = 1680 }; };
+template <> struct qfmt<102> { enum { BB = 144, UPB = 8, UNIT = 144 }; };  // a group of 8 blocks
+template <> struct qfmt<108> { enum { BB = 272, UPB = 8, UNIT = 272 }; };
 
 // dot of 32-element unit u of a row (in shared memory) with activation unit (xq words, d, sum)
 template <int WT> __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* xq, float dx, int sx);
@@ -787,12 +827,43 @@ template <> __device__ __forceinline__ float unit_dot<12>(const u8* row, int u, 
     int sc, m;
     if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
     else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
-    const unsigned int* q = (const unsigned int*)(b + 16 + 32 * (j >> 1));
+    const uint4* qv = (const uint4*)(b + 16 + 32 * (j >> 1));  // 16-byte aligned: 144-byte blocks
+    const uint4 q0 = qv[0], q1 = qv[1];
+    const unsigned int q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
     const int sh = (j & 1) * 4;
     int acc = 0;
     #pragma unroll
     for (int i = 0; i < 8; ++i) acc = __dp4a((int)((q[i] >> sh) & 0x0F0F0F0F), xq[i], acc);
     return f16at(b) * (float)sc * dx * (float)acc - f16at(b + 2) * (float)m * dx * (float)sx;
+}
+// x8 layouts: the unit's quants are whole aligned 16-byte words, and lanes on consecutive units
+// read consecutive words (no bank conflicts)
+template <> __device__ __forceinline__ float unit_dot<102>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* g = row + (u >> 3) * 144;
+    const int j = u & 7;
+    const uint4 q = *(const uint4*)(g + 16 * j);
+    const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+    int acc = 0;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc = __dp4a((int)(w[i] & 0x0F0F0F0F), xq[i], acc);
+        acc = __dp4a((int)((w[i] >> 4) & 0x0F0F0F0F), xq[4 + i], acc);
+    }
+    return f16at(g + 128 + 2 * j) * dx * (float)(acc - 8 * sx);
+}
+template <> __device__ __forceinline__ float unit_dot<108>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* g = row + (u >> 3) * 272;
+    const int j = u & 7;
+    const uint4 lo = *(const uint4*)(g + 16 * j), hi = *(const uint4*)(g + 128 + 16 * j);
+    int acc = __dp4a((int)lo.x, xq[0], 0);
+    acc = __dp4a((int)lo.y, xq[1], acc);
+    acc = __dp4a((int)lo.z, xq[2], acc);
+    acc = __dp4a((int)lo.w, xq[3], acc);
+    acc = __dp4a((int)hi.x, xq[4], acc);
+    acc = __dp4a((int)hi.y, xq[5], acc);
+    acc = __dp4a((int)hi.z, xq[6], acc);
+    acc = __dp4a((int)hi.w, xq[7], acc);
+    return f16at(g + 256 + 2 * j) * dx * (float)acc;
 }
 template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, const int* xq, float dx, int sx) {
     const u8* b = row + (u >> 3) * 210;
@@ -819,7 +890,7 @@ template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, 
 #ifndef MMVP_NS
 #define MMVP_NS 2      // stages per warp (plan.py passes its MMVP_NS)
 #endif
-template <int WT> struct is_quant { enum { v = WT == 2 || WT == 8 || WT == 12 || WT == 14 }; };
+template <int WT> struct is_quant { enum { v = WT == 2 || WT == 8 || WT == 12 || WT == 14 || WT == 102 || WT == 108 }; };
 
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {
     const unsigned int sa = (unsigned int)__cvta_generic_to_shared(s);
@@ -830,8 +901,10 @@ template <int n> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
-// N activation rows of K floats (row stride nbx1, 16-byte aligned) → shared memory, quantized:
-// xq int8 [N][K], then xd float [N][K/32], then xs int [N][K/32] (sums of the quants). Eight
+// N activation rows of K floats (row stride nbx1, 16-byte aligned) → shared memory, quantized
+// per 32-element unit: xq int8 as two planes of 16 bytes per unit (plane 0: elements 0..15 of
+// every unit, then plane 1: elements 16..31), so lanes on consecutive units read consecutive
+// 16-byte words; then xd float [N][K/32], then xs int [N][K/32] (sums of the quants). Eight
 // lanes per 32-element block, four float4 loads in flight per lane (the loads come from L2:
 // latency, not bandwidth).
 __device__ void mmvp_quantize_x(char* sx, const char* x, i64 nbx1, int K, int N) {
@@ -861,7 +934,9 @@ __device__ void mmvp_quantize_x(char* sx, const char* x, i64 nbx1, int K, int N)
             #pragma unroll
             for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
             if (e < total) {  // whole 8-lane groups are in or out: total is a multiple of 32
-                *(int*)(xq + e) = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
+                const int l = e & 31;  // 4 | 16: a lane's 4 elements stay in one plane
+                *(int*)(xq + (l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)) =
+                    (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
                 if ((lane & 7) == 0) { xd[e / 32] = d; xs[e / 32] = sum; }
             }
         }
@@ -904,8 +979,7 @@ __device__ __forceinline__ void mmvp_consume(const u8* stage, int s0, int nbytes
         const int units = nbytes / bb * upb, u0 = s0 / bb * upb;
         auto one = [&](int u, int j) -> float {
             const int xr = j * nbk + u0 + u;
-            const int4* xv = (const int4*)(xq + 32 * xr);
-            const int4 a0 = xv[0], a1 = xv[1];
+            const int4 a0 = *(const int4*)(xq + 16 * xr), a1 = *(const int4*)(xq + N * K / 2 + 16 * xr);
             const int xw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
             return unit_dot<WT>(stage, u, xw, xd[xr], xs[xr]);
         };

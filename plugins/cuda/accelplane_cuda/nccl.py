@@ -71,7 +71,7 @@ class NcclComm:
     def _bf16(self, device: int, t: Tensor):
         import cupy as cp
 
-        key = (device, t.nelements)
+        key = (device, t.nelements, "bf16")
         if key not in self._scratch:
             with cp.cuda.Device(device):
                 mem = cp.cuda.Memory(t.nelements * 2)
@@ -79,20 +79,18 @@ class NcclComm:
         return self._scratch[key]
 
     def _convert(self, fns, b, t: Tensor, tmp, to_bf16: bool) -> None:
+        """t (contiguous F32) ↔ the BF16 scratch, on b's stream (k_convert: no index math)."""
         import cupy as cp
 
         n = t.nelements
-        key = (b.ctx.device, to_bf16, t.ne)
+        key = (b.ctx.device, n)
         P = self._scratch.get(key)
-        if P is None:  # the kernel's shape arguments stay on the device: no copy, no sync per call
-            packed = Tensor(GGMLType.BF16, t.ne)
-            src, dst = (t, packed) if to_bf16 else (packed, t)
+        if P is None:  # the kernel's argument stays on the device: no copy, no sync per call
             with cp.cuda.Device(b.ctx.device):
-                args = np.asarray([n, *src.ne, *src.nb, *dst.ne, *dst.nb], np.int64)
-                P = self._scratch[key] = cp.asarray(args)
+                P = self._scratch[key] = cp.asarray(np.asarray([n], np.int64))
         tp, bp = t.buffer.ctx.ptr + t.offs, tmp[0]
         sp, dp = (tp, bp) if to_bf16 else (bp, tp)
-        name = "k_cpy<__nv_bfloat16,float>" if to_bf16 else "k_cpy<float,__nv_bfloat16>"
+        name = "k_convert<__nv_bfloat16,float>" if to_bf16 else "k_convert<float,__nv_bfloat16>"
         with cp.cuda.Device(b.ctx.device), b.ctx.stream:
             fns[name]((max(1, min((n + 255) // 256, 65535)),), (256,),
                       (np.uint64(P.data.ptr), np.uint64(dp), np.uint64(sp)))  # fmt: skip

@@ -28,13 +28,16 @@ from accelplane.ops import (
 )
 from accelplane.types import GGMLType
 
+from .layout import type_id
+
 T = GGMLType
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
 THREADS = 256
 MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
 MMV_SMALL = 1 << 22  # float weight matrices up to this many elements use them too
 MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_staged
-MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680}  # segments are multiples of this (and of 16)
+# segments are multiples of these (and of 16)
+MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680, 102: 144, 108: 272}
 
 
 def _mmvp_config() -> tuple[int, int]:
@@ -59,8 +62,10 @@ MMVP_SEG, MMVP_NS = _mmvp_config()
 _SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
            Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
 _BIN = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
-_QT = (2, 8, 12, 14)  # quant type ids the kernels dequantize (Q4_0, Q8_0, Q4_K, Q6_K)
+_XT = (102, 108)  # Q4_0 and Q8_0 in the x8 layouts of weights buffers (layout.py)
+_QT = (2, 8, 12, 14) + _XT  # quant type ids the kernels dequantize (Q4_0, Q8_0, Q4_K, Q6_K, x8)
 _WT = (0, 1, 30) + _QT  # weight types of the mat-vec kernels
+_QW = (2, 8) + _XT  # quant type ids the kernels write (CPY and SET_ROWS into Q4_0/Q8_0)
 
 
 def _names() -> list[str]:
@@ -70,9 +75,9 @@ def _names() -> list[str]:
     n += [f"k_binary<{a},{b}>" for a in f for b in f]
     n += [f"k_soft_max<{t}>" for t in ("float", "__half")]
     n += [f"k_get_rows<{t}>" for t in f] + [f"k_get_rows_q<{q}>" for q in _QT]
-    n += [f"k_set_rows<{t}>" for t in f] + [f"k_set_rows_q<{q}>" for q in (2, 8)]
+    n += [f"k_set_rows<{t}>" for t in f] + [f"k_set_rows_q<{q}>" for q in _QW]
     n += [f"k_cpy<{a},{b}>" for a in f for b in f]
-    n += [f"k_cpy_q<{q},{t}>" for q in (2, 8) for t in f] + [f"k_cpy_dq<{q}>" for q in _QT]
+    n += [f"k_cpy_q<{q},{t}>" for q in _QW for t in f] + [f"k_cpy_dq<{q}>" for q in _QT]
     n += [f"k_concat<{t}>" for t in ("float", "short", "int")]
     n += [f"k_sum_rows<{t}>" for t in f] + [f"k_sum<{t}>" for t in f]
     n += [f"k_im2col<{t}>" for t in ("float", "__half")]
@@ -257,9 +262,9 @@ class CudaPlan:
         if src.type == T.I32:
             self._launch("k_cpy_i32", n, (P, dp, sp))
         elif dst.type in QUANT:
-            self._launch(f"k_cpy_q<{int(dst.type)},{CTYPE[src.type]}>", n // 32, (P, dp, sp))
+            self._launch(f"k_cpy_q<{type_id(dst)},{CTYPE[src.type]}>", n // 32, (P, dp, sp))
         elif src.type in QUANT:
-            self._launch(f"k_cpy_dq<{int(src.type)}>", n // 32, (P, dp, sp))
+            self._launch(f"k_cpy_dq<{type_id(src)}>", n // 32, (P, dp, sp))
         else:
             self._launch(f"k_cpy<{CTYPE[dst.type]},{CTYPE[src.type]}>", n, (P, dp, sp))
 
@@ -324,7 +329,7 @@ class CudaPlan:
             P = self._P([*n.ne, *n.nb, *a.nb, *idx.nb[:3], a.ne[1]])
             args = (P, self._ptr(n), self._ptr(a), self._ptr(idx), np.uint64(self.sctx.err.data.ptr))
             if a.type in QUANT:
-                self._launch(f"k_get_rows_q<{int(a.type)}>", n.nelements // 32, args)
+                self._launch(f"k_get_rows_q<{type_id(a)}>", n.nelements // 32, args)
             elif a.type == T.I32:
                 self._launch("k_get_rows_i32", n.nelements, args)
             else:
@@ -335,7 +340,7 @@ class CudaPlan:
             P = self._P([*src.ne, *src.nb, *dst.nb, *idx.nb[:3], idx.ne[1], idx.ne[2], dst.ne[1]])
             args = (P, self._ptr(dst), self._ptr(src), self._ptr(idx), np.uint64(self.sctx.err.data.ptr))
             if dst.type in QUANT:
-                self._launch(f"k_set_rows_q<{int(dst.type)}>", src.nelements // 32, args)
+                self._launch(f"k_set_rows_q<{type_id(dst)}>", src.nelements // 32, args)
             else:
                 self._launch(f"k_set_rows<{CTYPE[dst.type]}>", src.nelements, args)
         elif o in (Op.CPY, Op.CONT, Op.DUP):
@@ -478,7 +483,7 @@ class CudaPlan:
         mode = os.environ.get("ACCELPLANE_CUDA_MMV", "pipe")
         if mode not in ("pipe", "f32"):
             raise DeviceError(f"ACCELPLANE_CUDA_MMV must be pipe or f32, got {mode!r}")
-        if mode != "pipe" or int(a.type) not in _WT:
+        if mode != "pipe" or type_id(a) not in _WT:
             return None
         k, n = a.ne[0], b.ne[1]
         if k % 32 or not self._rows_aligned(a) or k * n >= 1 << 28:
@@ -502,11 +507,12 @@ class CudaPlan:
 
         a, b = n.src
         xp, xnb = self._x_f32(b)
-        unit = MMVQ_UNIT.get(int(a.type), 16)
+        wt = type_id(a)
+        unit = MMVQ_UNIT.get(wt, 16)
         seg = MMVP_SEG // unit * unit
         P = self._P([a.ne[1], a.ne[0], b.ne[1], b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
                      *a.nb[1:], *n.nb[1:], a.row_bytes, seg, *xnb[1:]])  # fmt: skip
-        name = f"k_mmv_pipe<{int(a.type)}>"
+        name = f"k_mmv_pipe<{wt}>"
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fns[name].kernel.ptr, 32 * warps, smem)
         batches = b.ne[2] * b.ne[3]
         resident = max(1, per_sm) * self.fns["sm_count"]
@@ -532,7 +538,7 @@ class CudaPlan:
             warps = 4
             rows_per_block = warps * (32 // lanes)
             grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, b.ne[2] * b.ne[3])
-            self._launch(f"k_mul_mat_vec<{int(a.type)}>", 0, (P, self._ptr(n), self._ptr(a), xp),
+            self._launch(f"k_mul_mat_vec<{type_id(a)}>", 0, (P, self._ptr(n), self._ptr(a), xp),
                          block=32 * warps, grid=grid)  # fmt: skip
             return
         self._gemm(n)
@@ -549,19 +555,20 @@ class CudaPlan:
             # dequantize each weight matrix to F16 once per run, then an F16 GEMM
             wt = T.F16
             ap = self._scratch(m * k * 2 * a.ne[2] * a.ne[3])
-            staged = int(a.type) in MMVQ_UNIT and self._rows_aligned(a)
-            unit = MMVQ_UNIT.get(int(a.type), 16)
+            wt = type_id(a)
+            staged = wt in MMVQ_UNIT and self._rows_aligned(a)
+            unit = MMVQ_UNIT.get(wt, 16)
             for i3 in range(a.ne[3]):
                 for i2 in range(a.ne[2]):
                     src = np.uint64(int(self._ptr(a)) + i2 * a.nb[2] + i3 * a.nb[3])
                     dst = np.uint64(ap + (i3 * a.ne[2] + i2) * m * k * 2)
                     if staged:
                         P = self._P([m, k, a.nb[1], a.row_bytes, MMVQ_SEG // unit * unit])
-                        self._launch(f"k_dequant_staged<{int(a.type)}>", 0, (P, dst, src), block=128,
+                        self._launch(f"k_dequant_staged<{wt}>", 0, (P, dst, src), block=128,
                                      grid=((m + 3) // 4,))  # fmt: skip
                     else:
                         P = self._P([m, k, a.nb[1]])
-                        self._launch(f"k_dequant_f16<{int(a.type)}>", m * k // 32, (P, dst, src))
+                        self._launch(f"k_dequant_f16<{wt}>", m * k // 32, (P, dst, src))
             anb = [2, 2 * k, 2 * k * m, 2 * k * m * a.ne[2]]
         else:
             wt = a.type
@@ -617,7 +624,7 @@ class CudaPlan:
                      xnb[1], xnb[2], n.nb[1], n.nb[2], ids.nb[0], ids.nb[1]])  # fmt: skip
         rows_per_block = 4
         grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, ids.ne[0] * ids.ne[1])
-        self._launch(f"k_mul_mat_id<{int(a.type)}>", 0,
+        self._launch(f"k_mul_mat_id<{type_id(a)}>", 0,
                      (P, self._ptr(n), self._ptr(a), xp, self._ptr(ids), np.uint64(self.sctx.err.data.ptr)),
                      block=32 * rows_per_block, grid=grid)  # fmt: skip
 

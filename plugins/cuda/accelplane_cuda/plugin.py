@@ -38,9 +38,9 @@ class DevCtx:
 class DevMem:
     """cudaMalloc'd bytes (device buffer ctx)."""
 
-    __slots__ = ("mem", "ptr", "size", "device")
+    __slots__ = ("mem", "ptr", "size", "device", "repack")
 
-    def __init__(self, size: int, device: int) -> None:
+    def __init__(self, size: int, device: int, repack: bool = False) -> None:
         cp = _cp()
         with cp.cuda.Device(device):
             try:
@@ -50,6 +50,7 @@ class DevMem:
         self.ptr = int(self.mem.ptr)
         self.size = size
         self.device = device
+        self.repack = repack  # Q4_0/Q8_0 weights take the x8 layouts (layout.py)
 
 
 class PinnedMem:
@@ -164,8 +165,14 @@ def offload_op(device, op):
 # --- buffer types and buffers -----------------------------------------------------------------------
 @hookimpl
 def buft_alloc(buft, buffer, size):
+    from accelplane.backend import BufferUsage
+
+    from . import layout
+
     kind, dev = buft.ctx
-    return DevMem(size, dev) if kind == "device" else PinnedMem(size)
+    if kind != "device":
+        return PinnedMem(size)
+    return DevMem(size, dev, repack=buffer.usage == BufferUsage.WEIGHTS and layout.enabled())
 
 
 @hookimpl
@@ -192,11 +199,29 @@ def _memcpy(dst: int, src: int, size: int) -> None:
     _cp().cuda.runtime.memcpy(dst, src, size, MEMCPY_DEFAULT)
 
 
+def _raw_io(mem: DevMem):
+    """(write(offset, uint8 array), read(offset, nbytes) → array) on a buffer's bytes."""
+
+    def write(off: int, arr: np.ndarray) -> None:
+        _memcpy(mem.ptr + off, arr.ctypes.data, arr.nbytes)
+
+    def read(off: int, n: int) -> np.ndarray:
+        out = np.empty(n, np.uint8)
+        _memcpy(out.ctypes.data, mem.ptr + off, n)
+        return out
+
+    return write, read
+
+
 @hookimpl
 def buffer_set_tensor(buffer, tensor, data, offset, size):
+    from . import layout
+
     if isinstance(buffer.ctx, PinnedMem):
         s = tensor.offs + offset
         buffer.ctx.arr[s : s + size] = data[:size]
+    elif buffer.ctx.repack and layout.region(tensor) is not None:
+        layout.write(tensor, data, offset, size, *_raw_io(buffer.ctx))
     else:
         data = np.ascontiguousarray(data)
         _memcpy(buffer.ctx.ptr + tensor.offs + offset, data.ctypes.data, size)
@@ -204,22 +229,36 @@ def buffer_set_tensor(buffer, tensor, data, offset, size):
 
 @hookimpl
 def buffer_get_tensor(buffer, tensor, out, offset, size):
+    from . import layout
+
     if isinstance(buffer.ctx, PinnedMem):
         s = tensor.offs + offset
         out[:size] = buffer.ctx.arr[s : s + size]
+    elif buffer.ctx.repack and layout.region(tensor) is not None:
+        layout.read(tensor, out, offset, size, _raw_io(buffer.ctx)[1])
     else:
         if not out.flags.c_contiguous:
             raise DeviceError("get_tensor needs a contiguous output array")
         _memcpy(out.ctypes.data, buffer.ctx.ptr + tensor.offs + offset, size)
 
 
+def _memset(mem: DevMem, ptr: int, value: int, size: int) -> None:
+    cp = _cp()
+    with cp.cuda.Device(mem.device):  # cudaMemset acts on the current device's memory only
+        cp.cuda.runtime.memset(ptr, value, size)
+
+
 @hookimpl
 def buffer_memset_tensor(buffer, tensor, value, offset, size):
+    from . import layout
+
     if isinstance(buffer.ctx, PinnedMem):
         s = tensor.offs + offset
         buffer.ctx.arr[s : s + size] = value
+    elif buffer.ctx.repack and layout.region(tensor) is not None:  # a byte pattern is not layout-free
+        layout.write(tensor, np.full(size, value, np.uint8), offset, size, *_raw_io(buffer.ctx))
     else:
-        _cp().cuda.runtime.memset(buffer.ctx.ptr + tensor.offs + offset, value, size)
+        _memset(buffer.ctx, buffer.ctx.ptr + tensor.offs + offset, value, size)
 
 
 @hookimpl
@@ -227,13 +266,17 @@ def buffer_clear(buffer, value):
     if isinstance(buffer.ctx, PinnedMem):
         buffer.ctx.arr[:] = value
     else:
-        _cp().cuda.runtime.memset(buffer.ctx.ptr, value, buffer.size)
+        _memset(buffer.ctx, buffer.ctx.ptr, value, buffer.size)
 
 
 @hookimpl
 def buffer_cpy_tensor(buffer, src, dst):
+    from . import layout
+
     if src.buffer is None or not isinstance(src.buffer.ctx, (DevMem, PinnedMem)):
         return False
+    if not layout.same_layout(src, dst):
+        return False  # the SDK copies through the host, where the hooks convert
     _memcpy(buffer.ctx.ptr + dst.offs, src.buffer.ctx.ptr + src.offs, src.nbytes)
     return True
 
@@ -256,25 +299,39 @@ def synchronize(backend):
 
 @hookimpl
 def set_tensor_async(backend, tensor, data, offset, size):
+    from . import layout
+
+    if layout.region(tensor) is not None:
+        return False  # x8 rows are converted on the host: the synchronous path does it
     data = np.ascontiguousarray(data)
-    _cp().cuda.runtime.memcpyAsync(_ptr(tensor) + offset, data.ctypes.data, size, MEMCPY_DEFAULT,
-                                   backend.ctx.stream.ptr)  # fmt: skip
+    cp = _cp()
+    with cp.cuda.Device(backend.ctx.device):  # the stream's device, whichever is current
+        cp.cuda.runtime.memcpyAsync(_ptr(tensor) + offset, data.ctypes.data, size, MEMCPY_DEFAULT,
+                                    backend.ctx.stream.ptr)  # fmt: skip
     return True
 
 
 @hookimpl
 def get_tensor_async(backend, tensor, out, offset, size):
-    if not out.flags.c_contiguous:
+    from . import layout
+
+    if not out.flags.c_contiguous or layout.region(tensor) is not None:
         return False
-    _cp().cuda.runtime.memcpyAsync(out.ctypes.data, _ptr(tensor) + offset, size, MEMCPY_DEFAULT,
-                                   backend.ctx.stream.ptr)  # fmt: skip
+    cp = _cp()
+    with cp.cuda.Device(backend.ctx.device):
+        cp.cuda.runtime.memcpyAsync(out.ctypes.data, _ptr(tensor) + offset, size, MEMCPY_DEFAULT,
+                                    backend.ctx.stream.ptr)  # fmt: skip
     return True
 
 
 @hookimpl
 def cpy_tensor_async(backend_src, backend_dst, src, dst):
+    from . import layout
+
     cp = _cp()
     if not isinstance(dst.buffer.ctx, DevMem) or dst.buffer.ctx.device != backend_dst.ctx.device:
+        return False
+    if not layout.same_layout(src, dst):
         return False
     sctx = src.buffer.ctx
     dst_stream = backend_dst.ctx.stream

@@ -192,7 +192,9 @@ def test_pipelined_matvec(monkeypatch, wtype, warps):
         be.compute(g)
         names = be.ctx.plans.get(g).kernel_names
         want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
-        assert f"{want_kernel}<{int(wt)}>" in names, names
+        # Q4_0/Q8_0 weights in a weights buffer (alloc_tensors' default) take the x8 layouts
+        want_id = {T.Q4_0: 102, T.Q8_0: 108}.get(wt, int(wt))
+        assert f"{want_kernel}<{want_id}>" in names, names
         w = a.get().astype(np.float64)  # the weights as stored (dequantized)
         want = np.einsum("zmk,znk->znm", np.repeat(w, r2, axis=0), bv.astype(np.float64))
         got = y.get()
@@ -245,3 +247,100 @@ def test_add_norm_mul_fused():
     finally:
         be.free()
         buf.free()
+
+
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q8_0"])
+def test_x8_weights(wtype):
+    """Q4_0/Q8_0 weights in a weights buffer are stored regrouped (accelplane_cuda.layout):
+    set/get give GGUF bytes back (partial rows too), every kernel that reads or writes them
+    (mat-vec for 1 and 3 rows, the dequantize + GEMM path, GET_ROWS, CPY to F32, CPY and
+    SET_ROWS into them) agrees with float64 numpy on the gguf package's dequantization, and a
+    copy to a compute buffer holds GGUF bytes."""
+    import gguf
+    from accelplane.backend import BufferUsage, tensor_copy
+    from accelplane_cuda import layout
+
+    dev = _cuda()
+    wt = T[wtype]
+    qt = gguf.GGMLQuantizationType[wtype]
+    k, m = 1024, 72
+    rng = np.random.default_rng(3)
+    ctx = Context()
+    w = ctx.new_tensor_ne(wt, k, m, name="w")
+    wq = ctx.new_tensor_ne(wt, k, 8, name="wq")  # written by CPY and SET_ROWS below
+    wc = ctx.new_tensor_ne(wt, k, m, name="wc")  # a compute-buffer copy
+    wbuf = alloc_tensors([w, wq], dev.buffer_type, BufferUsage.WEIGHTS)
+    cbuf = alloc_tensors([wc], dev.buffer_type, BufferUsage.COMPUTE)
+    assert layout.region(w) is w and layout.region(wc) is None
+    raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), qt).reshape(-1)
+    w.set_bytes(raw)
+    np.testing.assert_array_equal(w.get_bytes(), raw)
+    patch = rng.integers(0, 256, 300, dtype=np.uint8)
+    patch[:] = raw[w.row_bytes * 5 + 40 : w.row_bytes * 5 + 340]  # same values: stays valid
+    w.set_bytes(patch, offset=w.row_bytes * 5 + 40)
+    np.testing.assert_array_equal(w.get_bytes(), raw)
+    tensor_copy(w, wc)
+    np.testing.assert_array_equal(wc.get_bytes(), raw)
+    wf = gguf.dequantize(raw, qt).reshape(m, k).astype(np.float64)
+
+    x1 = ctx.new_tensor_ne(T.F32, k, 1, name="x1")
+    x3 = ctx.new_tensor_ne(T.F32, k, 3, name="x3")
+    x64 = ctx.new_tensor_ne(T.F32, k, 64, name="x64")
+    idx = ctx.new_tensor_ne(T.I32, 5, name="idx")
+    src = ctx.new_tensor_ne(T.F32, k, 8, name="src")
+    sidx = ctx.new_tensor_ne(T.I32, 3, name="sidx")
+    rows = ctx.view(w, (k, 16), offset=w.row_bytes * 8)  # whole rows of w, as merged Q/K/V views
+    outs = [ctx.mul_mat(w, x1), ctx.mul_mat(w, x3), ctx.mul_mat(w, x64), ctx.get_rows(w, idx),
+            ctx.cpy(w, ctx.new_tensor_ne(T.F32, k, m, name="wf")), ctx.mul_mat(rows, x1)]  # fmt: skip
+    g = ctx.graph(*outs)
+    bufs = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type, BufferUsage.COMPUTE)
+    xs = {t: rng.standard_normal(t.shape).astype(np.float32) for t in (x1, x3, x64)}
+    for t, v in xs.items():
+        t.set(v)
+    idx.set(np.array([3, 0, 71, 8, 3], np.int32))
+    be = dev.new_backend()
+    be.compute(g)
+    names = be.ctx.plans.get(g).kernel_names
+    x8 = layout.X8[wt]
+    assert f"k_mmv_pipe<{x8}>" in names and f"k_get_rows_q<{x8}>" in names, names
+    assert f"k_cpy_dq<{x8}>" in names
+    assert f"k_dequant_staged<{x8}>" in names or f"k_dequant_f16<{x8}>" in names
+    want = [xs[x1] @ wf.T, xs[x3] @ wf.T, xs[x64] @ wf.T, wf[[3, 0, 71, 8, 3]], wf, xs[x1] @ wf[8:24].T]
+    for i, (o, wv) in enumerate(zip(outs, want, strict=True)):
+        got = o.get().reshape(wv.shape)
+        # products round the activations (int8 for mat-vec, F16 for the GEMM): ~1% of a row's
+        # scale; GET_ROWS and CPY dequantize exactly
+        tol = 2e-2 if i in (0, 1, 2, 5) else 1e-6
+        err = np.abs(got - wv).max() / max(np.abs(wv).max(), 1e-30)
+        assert err < tol, (wtype, i, err)
+
+    # kernels writing into x8 weights: CPY (quantizing) and SET_ROWS; against the gguf
+    # package's quantization, within one quantization step (rounding of ties may differ)
+    def close(got: np.ndarray, v: np.ndarray) -> bool:
+        want = gguf.dequantize(gguf.quantize(v, qt).reshape(-1), qt).reshape(v.shape)
+        step = np.abs(v).max(axis=1, keepdims=True) / (127 if wt == T.Q8_0 else 7)
+        return bool(np.all(np.abs(got - want) <= step * 1.01))
+
+    sv = rng.standard_normal((8, k)).astype(np.float32)
+    src.set(sv)
+    sidx.set(np.array([6, 1, 4], np.int32))
+    ctx2 = Context()
+
+    def run(out) -> None:
+        g = ctx2.graph(out)
+        alloc_tensors(list(g.nodes), dev.buffer_type, BufferUsage.COMPUTE)  # binds the views
+        be.compute(g)
+
+    run(ctx2.cpy(src, wq))
+    got_q = gguf.dequantize(wq.get_bytes(), qt).reshape(8, k)
+    assert close(got_q, sv), wtype
+    sv2 = rng.standard_normal((8, k)).astype(np.float32)
+    src.set(sv2)
+    run(ctx2.set_rows(wq, ctx2.view(src, (k, 3)), sidx))
+    got_s = gguf.dequantize(wq.get_bytes(), qt).reshape(8, k)
+    assert close(got_s[[6, 1, 4]], sv2[:3]), wtype
+    kept = [0, 2, 3, 5, 7]
+    np.testing.assert_array_equal(got_s[kept], got_q[kept])
+    be.free()
+    for b in (wbuf, cbuf, bufs):
+        b.free()

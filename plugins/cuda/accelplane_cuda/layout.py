@@ -1,0 +1,163 @@
+"""The x8 weight layouts: Q4_0 and Q8_0 rows regrouped so that mat-vec reads are aligned.
+
+GGUF's Q4_0 block is 18 bytes (an F16 scale, 16 bytes of nibbles) and Q8_0's 34 bytes, so a
+block's quants sit at 2-byte alignment and lanes reading consecutive blocks from shared memory
+collide on banks (about 5 wavefronts per 2-byte load instead of 1). The x8 layouts keep each
+row's size and regroup every run of 8 blocks (256 elements) in place:
+
+- Q4_0x8, 144 bytes per group: the 8 blocks' 16 quant bytes at 16·j, then the 8 scales at
+  128 + 2·j.
+- Q8_0x8, 272 bytes per group: elements 0..15 of block j at 16·j, elements 16..31 at
+  128 + 16·j, then the 8 scales at 256 + 2·j.
+
+Every quant word is then 16-byte aligned and lanes reading consecutive blocks read consecutive
+words. Rows stay rows (same byte size, same stride), so views that select whole rows (the
+model's merged Q/K/V views) stay valid.
+
+Where: tensors of a CUDA *weights* buffer (BufferUsage.WEIGHTS at allocation) whose type is
+Q4_0 or Q8_0, with contiguous rows of a multiple of 256 elements starting 16-byte aligned. The
+buffer hooks convert on the host side of every set/get (so users, other plugins and the SDK's
+copies always see GGUF bytes), and kernels that read or write such tensors use the layout's
+type id (102, 108). ACCELPLANE_CUDA_REPACK=0 turns it off (for new buffers).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from accelplane.errors import UnsupportedOpError
+from accelplane.types import GGMLType as T
+
+X8 = {T.Q4_0: 102, T.Q8_0: 108}  # kernel type ids of the x8 layouts
+GROUP = 8  # blocks per group
+_BLOCK = {T.Q4_0: 18, T.Q8_0: 34}
+
+
+def enabled() -> bool:
+    v = os.environ.get("ACCELPLANE_CUDA_REPACK", "1")
+    if v not in ("0", "1"):
+        from accelplane.errors import DeviceError
+
+        raise DeviceError(f"ACCELPLANE_CUDA_REPACK must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def to_x8(ty: T, rows: np.ndarray) -> np.ndarray:
+    """GGUF rows (uint8 [n_rows, row_bytes]) → x8 rows of the same shape."""
+    bb = _BLOCK[ty]
+    n, rb = rows.shape
+    g = rows.reshape(n, rb // (GROUP * bb), GROUP, bb)
+    scales = g[..., :2].reshape(n, -1, 2 * GROUP)
+    if ty == T.Q4_0:
+        parts = [g[..., 2:].reshape(n, -1, 16 * GROUP), scales]
+    else:
+        parts = [g[..., 2:18].reshape(n, -1, 16 * GROUP), g[..., 18:].reshape(n, -1, 16 * GROUP), scales]
+    return np.concatenate(parts, axis=2).reshape(n, rb)
+
+
+def from_x8(ty: T, rows: np.ndarray) -> np.ndarray:
+    """x8 rows → GGUF rows (the inverse of :func:`to_x8`)."""
+    bb = _BLOCK[ty]
+    n, rb = rows.shape
+    g = rows.reshape(n, rb // (GROUP * bb), GROUP * bb)
+    out = np.empty((n, g.shape[1], GROUP, bb), np.uint8)
+    q = 16 * GROUP
+    if ty == T.Q4_0:
+        out[..., 2:] = g[..., :q].reshape(n, -1, GROUP, 16)
+        out[..., :2] = g[..., q:].reshape(n, -1, GROUP, 2)
+    else:
+        out[..., 2:18] = g[..., :q].reshape(n, -1, GROUP, 16)
+        out[..., 18:] = g[..., q : 2 * q].reshape(n, -1, GROUP, 16)
+        out[..., :2] = g[..., 2 * q :].reshape(n, -1, GROUP, 2)
+    return out.reshape(n, rb)
+
+
+def root(t):
+    while t.view_src is not None:
+        t = t.view_src
+    return t
+
+
+def _eligible(r) -> bool:
+    """A tensor placed in a weights buffer that takes the x8 layout."""
+    return (r.type in X8 and r.ne[0] % (32 * GROUP) == 0 and r.is_contiguous()
+            and (r.buffer.ctx.ptr + r.offs) % 16 == 0)  # fmt: skip
+
+
+def region(t):
+    """The x8 tensor whose bytes ``t`` lies in (t itself or its view source), else None."""
+    buf = t.buffer
+    if buf is None or not getattr(buf.ctx, "repack", False):
+        return None
+    r = root(t)
+    return r if _eligible(r) else None
+
+
+def type_id(t) -> int:
+    """The kernels' type id for reading or writing ``t``: 102/108 for x8 tensors, else its
+    ggml type. A view into x8 memory that does not keep whole rows raises UnsupportedOpError
+    (no kernel can address it)."""
+    r = region(t)
+    if r is None:
+        return int(t.type)
+    rows_kept = (t.type == r.type and t.ne[0] == r.ne[0] and t.nb[0] == r.nb[0]
+                 and all(t.nb[i] % r.nb[1] == 0 for i in (1, 2, 3) if t.ne[i] > 1)
+                 and (t.offs - r.offs) % r.nb[1] == 0)  # fmt: skip
+    if not rows_kept:
+        raise UnsupportedOpError(f"{t.name or t.uid!r}: a view of {r.name!r} that splits its rows "
+                                 "(x8-regrouped weights are addressed by whole rows)")
+    return X8[r.type]
+
+
+def same_layout(a, b) -> bool:
+    """Raw bytes copied from a to b mean the same values (both GGUF, or both whole x8 rows of
+    the same row length)."""
+    ra, rb = region(a), region(b)
+    if ra is None and rb is None:
+        return True
+    if ra is None or rb is None or ra.type != rb.type or ra.ne[0] != rb.ne[0]:
+        return False
+    try:
+        type_id(a), type_id(b)
+    except UnsupportedOpError:
+        return False
+    return True
+
+
+def _span(r, t, offset: int, size: int) -> tuple[int, int, int]:
+    """(first row, end row, byte offset of the range in the first row) of r covering t's bytes."""
+    rb = r.nb[1]
+    base = t.offs + offset - r.offs
+    return base // rb, -(-(base + size) // rb), base % rb
+
+
+def write(t, data: np.ndarray, offset: int, size: int, raw_write, raw_read) -> None:
+    """Set bytes [offset, offset + size) of ``t`` (GGUF layout in ``data``) through
+    ``raw_write(buffer_offset, uint8 array)`` / ``raw_read(buffer_offset, nbytes)``, regrouping
+    rows of x8 tensors (a range that is not whole rows is read, patched and written back)."""
+    r = region(t)
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)[:size]
+    if r is None:
+        raw_write(t.offs + offset, data)
+        return
+    rb = r.nb[1]
+    r0, r1, skip = _span(r, t, offset, size)
+    if skip == 0 and size % rb == 0:
+        rows = data.reshape(-1, rb)
+    else:
+        rows = from_x8(r.type, raw_read(r.offs + r0 * rb, (r1 - r0) * rb).reshape(-1, rb))
+        rows.reshape(-1)[skip : skip + size] = data
+    raw_write(r.offs + r0 * rb, to_x8(r.type, rows).reshape(-1))
+
+
+def read(t, out: np.ndarray, offset: int, size: int, raw_read) -> None:
+    """out[:size] ← bytes [offset, offset + size) of ``t`` in GGUF layout."""
+    r = region(t)
+    if r is None:
+        out[:size] = raw_read(t.offs + offset, size)
+        return
+    rb = r.nb[1]
+    r0, r1, skip = _span(r, t, offset, size)
+    rows = from_x8(r.type, raw_read(r.offs + r0 * rb, (r1 - r0) * rb).reshape(-1, rb))
+    out[:size] = rows.reshape(-1)[skip : skip + size]
