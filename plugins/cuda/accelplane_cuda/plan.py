@@ -555,20 +555,20 @@ class CudaPlan:
             # dequantize each weight matrix to F16 once per run, then an F16 GEMM
             wt = T.F16
             ap = self._scratch(m * k * 2 * a.ne[2] * a.ne[3])
-            wt = type_id(a)
-            staged = wt in MMVQ_UNIT and self._rows_aligned(a)
-            unit = MMVQ_UNIT.get(wt, 16)
+            qid = type_id(a)
+            staged = qid in MMVQ_UNIT and self._rows_aligned(a)
+            unit = MMVQ_UNIT.get(qid, 16)
             for i3 in range(a.ne[3]):
                 for i2 in range(a.ne[2]):
                     src = np.uint64(int(self._ptr(a)) + i2 * a.nb[2] + i3 * a.nb[3])
                     dst = np.uint64(ap + (i3 * a.ne[2] + i2) * m * k * 2)
                     if staged:
                         P = self._P([m, k, a.nb[1], a.row_bytes, MMVQ_SEG // unit * unit])
-                        self._launch(f"k_dequant_staged<{wt}>", 0, (P, dst, src), block=128,
+                        self._launch(f"k_dequant_staged<{qid}>", 0, (P, dst, src), block=128,
                                      grid=((m + 3) // 4,))  # fmt: skip
                     else:
                         P = self._P([m, k, a.nb[1]])
-                        self._launch(f"k_dequant_f16<{wt}>", m * k // 32, (P, dst, src))
+                        self._launch(f"k_dequant_f16<{qid}>", m * k // 32, (P, dst, src))
             anb = [2, 2 * k, 2 * k * m, 2 * k * m * a.ne[2]]
         else:
             wt = a.type
