@@ -516,6 +516,14 @@ def test_bad_input_raises_typed_errors(cpu, adevs):
             v.set(np.full(SHAPE, x, np.float32))
         assert allreduce(cb, half, "ring") == "ring"
         np.testing.assert_array_equal(half[0].get(), np.full(SHAPE, 3, np.float32))
+        # one AllReduce validates a repeated tensor list once, but still sees a freed buffer
+        with AllReduce(cb, "ring") as ar:
+            assert ar(half) == "ring" and ar(half) == "ring" and len(ar._valid) == 1
+            with pytest.raises(DeviceError, match="overlaps"):
+                ar([half[0], overl])
+            sbuf.free()
+            with pytest.raises(BufferFreedError, match="freed"):
+                ar(half)
     finally:
         free_shared()
         _free(cbufs, a_bufs, [sbuf], cb, ab)

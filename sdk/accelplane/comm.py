@@ -434,6 +434,9 @@ class AllReduce:
         self._events: list[Event] | None = None
         self._comm: Comm | None = None
         self._comm_tried = False
+        # what _validate accepted: the check depends only on these, so a decode step that
+        # all-reduces the same tensors every token validates them once
+        self._valid: set[tuple] = set()
 
     def __repr__(self) -> str:
         names = ",".join(b.name for b in self.backends)
@@ -460,7 +463,13 @@ class AllReduce:
         if self.freed:
             raise DeviceError(f"{self!r} used after free")
         tensors = list(tensors)
-        self._validate(tensors)
+        key = tuple((getattr(t.buffer, "uid", None), t.offs, t.type, t.ne, t.nb) for t in tensors)
+        stale = any(t.buffer is None or t.buffer.freed for t in tensors) or any(b.freed for b in self.backends)
+        if stale or key not in self._valid:
+            self._validate(tensors)
+            if len(self._valid) > 4096:  # a bound, for callers that never repeat
+                self._valid.clear()
+            self._valid.add(key)
         used = self._run(tensors)
         self.last_algorithm = used
         return used

@@ -1395,6 +1395,8 @@ class MetaDevice(GraphRunner):
         for ga, g in zip(self._galloc, plan.alloc_graphs, strict=True):
             ga.alloc_graph(g)
         layout = tuple(g.layout_version for g in plan.alloc_graphs)
+        if plan is self._allocated and layout == plan.layout:
+            return  # nothing moved since this plan was bound: a decode step skips the rebinding
         if layout != plan.layout:  # tensors moved: plugins must re-plan the cached subgraphs
             plan.layout = layout
             for st in plan.steps:
