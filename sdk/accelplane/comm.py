@@ -464,7 +464,8 @@ class AllReduce:
             raise DeviceError(f"{self!r} used after free")
         tensors = list(tensors)
         key = tuple((getattr(t.buffer, "uid", None), t.offs, t.type, t.ne, t.nb) for t in tensors)
-        stale = any(t.buffer is None or t.buffer.freed for t in tensors) or any(b.freed for b in self.backends)
+        stale = any(t.buffer is None or t.buffer.freed for t in tensors)
+        stale = stale or any(b.freed for b in self.backends)
         if stale or key not in self._valid:
             self._validate(tensors)
             if len(self._valid) > 4096:  # a bound, for callers that never repeat
