@@ -189,7 +189,11 @@ class Specs:
     @hookspec
     def buffer_set_tensor(self, buffer, tensor, data, offset: int, size: int) -> None:
         """*Required.* Copy ``size`` bytes from the uint8 array ``data`` to byte ``offset``
-        of the tensor's data, blocking. Ranges are checked by the SDK before the call."""
+        of the tensor's data, blocking. Ranges are checked by the SDK before the call. The
+        bytes are ggml's layout of the tensor's type; a plugin may keep another layout in its
+        memory (weights regrouped for its kernels) if get_tensor gives these bytes back, its
+        copies to other layouts decline (buffer_cpy_tensor, cpy_tensor_async return False)
+        and its kernels read and write that layout."""
 
     @hookspec
     def buffer_get_tensor(self, buffer, tensor, out, offset: int, size: int) -> None:
