@@ -28,7 +28,7 @@ from accelplane.ops import (
 )
 from accelplane.types import GGMLType
 
-from .layout import type_id
+from .layout import X8, type_id
 
 T = GGMLType
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
@@ -136,12 +136,25 @@ def _rows_contig(t) -> bool:
     return t.nb[0] == t.type.type_size
 
 
+def _addressable(t) -> bool:
+    """Whole rows of a weight stored in the x8 layouts, or not such a weight (layout.py)."""
+    from accelplane.errors import UnsupportedOpError
+
+    try:
+        type_id(t)
+    except UnsupportedOpError:
+        return False
+    return True
+
+
 def supports(op) -> bool:
     o = op.op
     if o is None or o in VIEW_OPS:
         return True
     if any(t is not None and t.nelements >= 1 << 31 for t in (op, *op.src)):
         return False  # kernels decompose indices in 32 bits
+    if not all(_addressable(t) for t in (op, *op.src) if t is not None and t.type in X8):
+        return False  # a view cutting the rows of regrouped weights
     s = op.src
     if o in _BIN or o in _SCALAR or o is Op.UNARY or o is Op.GLU:
         return all(x is None or x.type in FLOAT for x in s) and op.type in FLOAT

@@ -105,6 +105,13 @@ def test_write_read_whole_and_partial_rows(ty):
     with pytest.raises(UnsupportedOpError, match="x8"):
         layout.type_id(half)
     assert layout.same_layout(w, w) and not layout.same_layout(w, half)
+    # supports_op is exact: no CUDA kernel is offered a view it cannot address
+    from accelplane_cuda.plan import supports
+
+    x = ctx.new_tensor_ne(T.F32, k // 2, 1, name="x")
+    assert not supports(ctx.mul_mat(half, x))
+    x2 = ctx.new_tensor_ne(T.F32, k, 1, name="x2")
+    assert supports(ctx.mul_mat(rows_view, x2)) and supports(ctx.mul_mat(w, x2))
 
 
 def test_not_regrouped_where_it_does_not_apply():
