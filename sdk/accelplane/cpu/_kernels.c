@@ -818,8 +818,8 @@ AP_INLINE AP_AVX2 void prefetch_row(const uint8_t *p, int64_t nbytes) {
 DEF_ROWS_Q(rows_q4_0_n, dot_q4_0, 18, QK)
 
 /* N == 1: rows in pairs (dot2_*), a lone row paired with itself, so every row sums in the same
- * order whatever the thread split; the next pair is prefetched */
-#define DEF_ROWS_Q_PAIRS(NAME, ROWS_N, DOT2, BSZ)                                              \
+ * order whatever the thread split; DOT2 prefetches the next pair at the same offset */
+#define DEF_ROWS_Q_PAIRS(NAME, ROWS_N, DOT2)                                                   \
     static AP_AVX2 void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,             \
                              const act_t *a, int64_t N, float *y, int64_t ys) {                \
         if (N != 1) {                                                                          \
@@ -836,25 +836,10 @@ DEF_ROWS_Q(rows_q4_0_n, dot_q4_0, 18, QK)
         }                                                                                      \
     }
 
-DEF_ROWS_Q_PAIRS(rows_q4_0, rows_q4_0_n, dot2_q4_0, 18)
+DEF_ROWS_Q_PAIRS(rows_q4_0, rows_q4_0_n, dot2_q4_0)
 DEF_ROWS_Q(rows_q8_0_n, dot_q8_0, 34, QK)
+DEF_ROWS_Q_PAIRS(rows_q8_0, rows_q8_0_n, dot2_q8_0)
 
-static AP_AVX2 void rows_q8_0(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,
-                              const act_t *a, int64_t N, float *y, int64_t ys) {
-    if (N != 1) {
-        rows_q8_0_n(w, ws, m0, m1, a, N, y, ys);
-        return;
-    }
-    float res[2];
-    for (int64_t m = m0; m < m1; m += 2) { /* a lone row is paired with itself (same bits) */
-        /* prefetch the next pair (a prefetch past the matrix does not fault, but stay inside) */
-        const int64_t n0 = m + 2 < m1 ? m + 2 : m, n1 = m + 3 < m1 ? m + 3 : n0;
-        dot2_q8_0(a->K / QK, w + m * ws, w + (m + 1 < m1 ? m + 1 : m) * ws, w + n0 * ws, w + n1 * ws,
-                  a, res);
-        y[m] = res[0];
-        if (m + 1 < m1) y[m + 1] = res[1];
-    }
-}
 DEF_ROWS_Q(rows_q4_K, dot_q4_K, 144, QKK)
 DEF_ROWS_Q(rows_q6_K, dot_q6_K, 210, QKK)
 
