@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -97,15 +98,16 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-class GraphRunner:
+class GraphRunner(ABC):
     """What a host drives to run graphs over several backends: the :class:`Scheduler` and the
     tensor-parallel :class:`accelplane.meta.MetaDevice` both are one (``alloc_graph``,
     ``graph_compute``, ``free`` are theirs; ``backends`` their streams)."""
 
     backends: list[Backend]
 
-    def graph_compute(self, graph: Graph) -> None:  # pragma: no cover - every runner has one
-        raise NotImplementedError
+    @abstractmethod
+    def graph_compute(self, graph: Graph) -> None:
+        """Queue every part of ``graph`` on the runner's backends; may return before they finish."""
 
     def compute(self, graph: Graph) -> None:
         """graph_compute + synchronize."""

@@ -32,7 +32,8 @@ class NcclComm:
         self.comms = nccl.NcclCommunicator.initAll(devices)
         default = {2: 32768, 3: 131072}.get(len(devices), 262144)
         self.bf16_min = int(os.environ.get("ACCELPLANE_CUDA_NCCL_BF16_MIN", default))
-        self._scratch: dict = {}
+        self._bf16_bufs: dict = {}  # (device, elements) -> (pointer, memory): the wire copy
+        self._args: dict = {}  # (device, elements) -> the conversion kernel's arguments
 
     def allreduce(self, backends, tensors) -> bool:
         import cupy as cp
@@ -71,12 +72,12 @@ class NcclComm:
     def _bf16(self, device: int, t: Tensor):
         import cupy as cp
 
-        key = (device, t.nelements, "bf16")
-        if key not in self._scratch:
+        key = (device, t.nelements)
+        if key not in self._bf16_bufs:
             with cp.cuda.Device(device):
                 mem = cp.cuda.Memory(t.nelements * 2)
-            self._scratch[key] = (int(mem.ptr), mem)
-        return self._scratch[key]
+            self._bf16_bufs[key] = (int(mem.ptr), mem)
+        return self._bf16_bufs[key]
 
     def _convert(self, fns, b, t: Tensor, tmp, to_bf16: bool) -> None:
         """t (contiguous F32) ↔ the BF16 scratch, on b's stream (k_convert: no index math)."""
@@ -84,10 +85,10 @@ class NcclComm:
 
         n = t.nelements
         key = (b.ctx.device, n)
-        P = self._scratch.get(key)
+        P = self._args.get(key)
         if P is None:  # the kernel's argument stays on the device: no copy, no sync per call
             with cp.cuda.Device(b.ctx.device):
-                P = self._scratch[key] = cp.asarray(np.asarray([n], np.int64))
+                P = self._args[key] = cp.asarray(np.asarray([n], np.int64))
         tp, bp = t.buffer.ctx.ptr + t.offs, tmp[0]
         sp, dp = (tp, bp) if to_bf16 else (bp, tp)
         name = "k_convert<__nv_bfloat16,float>" if to_bf16 else "k_convert<float,__nv_bfloat16>"
@@ -99,7 +100,8 @@ class NcclComm:
         for c in self.comms:
             c.destroy()
         self.comms = []
-        self._scratch.clear()
+        self._bf16_bufs.clear()
+        self._args.clear()
 
 
 def init(backends) -> NcclComm | None:

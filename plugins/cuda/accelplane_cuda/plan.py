@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from accelplane.errors import BufferFreedError, ComputeError, DeviceError
+from accelplane.errors import BufferFreedError, ComputeError, DeviceError, UnsupportedOpError
 from accelplane.fusion import NORMS, Fusion, scales_rows
 from accelplane.ops import (
     FLOAT,
@@ -138,8 +138,6 @@ def _rows_contig(t) -> bool:
 
 def _addressable(t) -> bool:
     """Whole rows of a weight stored in the x8 layouts, or not such a weight (layout.py)."""
-    from accelplane.errors import UnsupportedOpError
-
     try:
         type_id(t)
     except UnsupportedOpError:

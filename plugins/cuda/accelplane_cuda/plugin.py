@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from accelplane.backend import BufferUsage
 from accelplane.errors import AllocationError, ComputeError, DeviceError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
+
+from . import layout  # numpy and the SDK only: nothing heavy at import
 
 ALIGNMENT = 256
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
@@ -165,10 +168,6 @@ def offload_op(device, op):
 # --- buffer types and buffers -----------------------------------------------------------------------
 @hookimpl
 def buft_alloc(buft, buffer, size):
-    from accelplane.backend import BufferUsage
-
-    from . import layout
-
     kind, dev = buft.ctx
     if kind != "device":
         return PinnedMem(size)
@@ -215,8 +214,6 @@ def _raw_io(mem: DevMem):
 
 @hookimpl
 def buffer_set_tensor(buffer, tensor, data, offset, size):
-    from . import layout
-
     if isinstance(buffer.ctx, PinnedMem):
         s = tensor.offs + offset
         buffer.ctx.arr[s : s + size] = data[:size]
@@ -229,8 +226,6 @@ def buffer_set_tensor(buffer, tensor, data, offset, size):
 
 @hookimpl
 def buffer_get_tensor(buffer, tensor, out, offset, size):
-    from . import layout
-
     if isinstance(buffer.ctx, PinnedMem):
         s = tensor.offs + offset
         out[:size] = buffer.ctx.arr[s : s + size]
@@ -250,8 +245,6 @@ def _memset(mem: DevMem, ptr: int, value: int, size: int) -> None:
 
 @hookimpl
 def buffer_memset_tensor(buffer, tensor, value, offset, size):
-    from . import layout
-
     if isinstance(buffer.ctx, PinnedMem):
         s = tensor.offs + offset
         buffer.ctx.arr[s : s + size] = value
@@ -271,8 +264,6 @@ def buffer_clear(buffer, value):
 
 @hookimpl
 def buffer_cpy_tensor(buffer, src, dst):
-    from . import layout
-
     if src.buffer is None or not isinstance(src.buffer.ctx, (DevMem, PinnedMem)):
         return False
     if not layout.same_layout(src, dst):
@@ -299,8 +290,6 @@ def synchronize(backend):
 
 @hookimpl
 def set_tensor_async(backend, tensor, data, offset, size):
-    from . import layout
-
     if layout.region(tensor) is not None:
         return False  # x8 rows are converted on the host: the synchronous path does it
     data = np.ascontiguousarray(data)
@@ -313,8 +302,6 @@ def set_tensor_async(backend, tensor, data, offset, size):
 
 @hookimpl
 def get_tensor_async(backend, tensor, out, offset, size):
-    from . import layout
-
     if not out.flags.c_contiguous or layout.region(tensor) is not None:
         return False
     cp = _cp()
@@ -326,8 +313,6 @@ def get_tensor_async(backend, tensor, out, offset, size):
 
 @hookimpl
 def cpy_tensor_async(backend_src, backend_dst, src, dst):
-    from . import layout
-
     cp = _cp()
     if not isinstance(dst.buffer.ctx, DevMem) or dst.buffer.ctx.device != backend_dst.ctx.device:
         return False

@@ -275,9 +275,10 @@ def test_x8_weights(wtype):
     raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), qt).reshape(-1)
     w.set_bytes(raw)
     np.testing.assert_array_equal(w.get_bytes(), raw)
-    patch = rng.integers(0, 256, 300, dtype=np.uint8)
-    patch[:] = raw[w.row_bytes * 5 + 40 : w.row_bytes * 5 + 340]  # same values: stays valid
-    w.set_bytes(patch, offset=w.row_bytes * 5 + 40)
+    # a write cutting rows 5 and 6: row 7's bytes from the same in-row offset (valid blocks)
+    rb = w.row_bytes
+    raw[rb * 5 + 40 : rb * 6 + 100] = raw[rb * 7 + 40 : rb * 8 + 100].copy()
+    w.set_bytes(raw[rb * 5 + 40 : rb * 6 + 100], offset=rb * 5 + 40)
     np.testing.assert_array_equal(w.get_bytes(), raw)
     tensor_copy(w, wc)
     np.testing.assert_array_equal(wc.get_bytes(), raw)
