@@ -60,15 +60,19 @@ template <> __device__ __forceinline__ void deq32<8>(const u8* row, int c, float
     #pragma unroll
     for (int l = 0; l < 32; ++l) y[l] = d * (float)(signed char)b[2 + l];
 }
-// Q4_K: 144-byte superblocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes qs
+// Q4_K: 144-byte superblocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes qs.
+// Sub-block j's scale and min from scale bytes b0 = s[j & 3], b1 = s[(j & 3) + 4], b2 = s[(j & 3) + 8].
+__device__ __forceinline__ void q4k_scale_min(int b0, int b1, int b2, int j, int& sc, int& m) {
+    if (j < 4) { sc = b0 & 63; m = b1 & 63; }
+    else { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
+}
 template <> __device__ __forceinline__ void deq32<12>(const u8* row, int c, float* y) {
     const u8* b = row + (i64)(c >> 3) * 144;
     const int j = c & 7;
     const float d = f16at(b), dmin = f16at(b + 2);
-    const u8* s = b + 4;
+    const u8* s = b + 4 + (j & 3);
     int sc, m;
-    if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
-    else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+    q4k_scale_min(s[0], s[4], s[8], j, sc, m);
     const u8* q = b + 16 + 32 * (j >> 1);
     const float dl = d * (float)sc, ml = dmin * (float)m;
     if (j & 1) {
@@ -123,13 +127,37 @@ template <> __device__ __forceinline__ void deq32<108>(const u8* row, int c, flo
     }
 }
 // float rows through the same interface
+// (16-byte loads where the chunk is aligned: a KV cache's rows usually are)
 template <> __device__ __forceinline__ void deq32<0>(const u8* row, int c, float* y) {
+    const float* p = (const float*)row + 32 * c;
+    if (((size_t)p & 15) == 0) {
+        #pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            const float4 v = ((const float4*)p)[l];
+            y[4 * l] = v.x; y[4 * l + 1] = v.y; y[4 * l + 2] = v.z; y[4 * l + 3] = v.w;
+        }
+        return;
+    }
     #pragma unroll
-    for (int l = 0; l < 32; ++l) y[l] = ((const float*)row)[32 * c + l];
+    for (int l = 0; l < 32; ++l) y[l] = p[l];
 }
 template <> __device__ __forceinline__ void deq32<1>(const u8* row, int c, float* y) {
+    const __half* p = (const __half*)row + 32 * c;
+    if (((size_t)p & 15) == 0) {
+        #pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const uint4 v = ((const uint4*)p)[l];
+            const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __half22float2(*(const __half2*)&u[i]);
+                y[8 * l + 2 * i] = f.x; y[8 * l + 2 * i + 1] = f.y;
+            }
+        }
+        return;
+    }
     #pragma unroll
-    for (int l = 0; l < 32; ++l) y[l] = __half2float(((const __half*)row)[32 * c + l]);
+    for (int l = 0; l < 32; ++l) y[l] = __half2float(p[l]);
 }
 template <> __device__ __forceinline__ void deq32<30>(const u8* row, int c, float* y) {
     #pragma unroll
@@ -309,6 +337,107 @@ __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, co
         float y = (*(const float*)(s + i * sn0) - mean) * scale;
         if (has_w) y *= *(const float*)(wr + (i % P[15]) * P[19]);
         *(float*)(d + i * P[8]) = y;
+    }
+}
+
+// ---- activations quantized for the integer mat-vecs ------------------------------------------------
+// N rows of K floats, quantized per 32-element unit: xq int8 as two planes of 16 bytes per unit
+// (plane 0: elements 0..15 of every unit, then plane 1: elements 16..31), so lanes on
+// consecutive units read consecutive 16-byte words; then xd float [N][K/32], then xs int
+// [N][K/32] (sums of the quants). total = N * K, a multiple of 32.
+// Elements e..e+3 (v) of the total into that layout at sx. Called by all 32 lanes of a warp
+// together, lanes 8i..8i+7 holding one 32-element unit (the shuffles reduce over them).
+__device__ __forceinline__ void quantize4(char* sx, float4 v, int e, int total) {
+    const int lane = threadIdx.x & 31;
+    float a = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    #pragma unroll
+    for (int o = 1; o < 8; o <<= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffff, a, o));
+    const float d = a / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q0 = __float2int_rn(v.x * id), q1 = __float2int_rn(v.y * id);
+    const int q2 = __float2int_rn(v.z * id), q3 = __float2int_rn(v.w * id);
+    int sum = q0 + q1 + q2 + q3;
+    #pragma unroll
+    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (e < total) {  // whole 8-lane groups are in or out: total is a multiple of 32
+        signed char* xq = (signed char*)sx;
+        float* xd = (float*)(sx + total);
+        int* xs = (int*)(xd + total / 32);
+        const int l = e & 31;  // 4 | 16: a lane's 4 elements stay in one plane
+        *(int*)(xq + (l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)) =
+            (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
+        if ((lane & 7) == 0) { xd[e / 32] = d; xs[e / 32] = sum; }
+    }
+}
+
+// k_norm for contiguous F32 rows of ne0 % 4 == 0 elements, at most 16 per thread (plan.py:
+// _norm picks it and the block size): the row is read once into registers as float4s, the sums
+// come from there, and every access is a 16-byte one. Same P and arguments as k_norm, plus xq:
+// when not null (rows of a multiple of 32 elements, ne2 = ne3 = 1), the result is also written
+// quantized as k_quant_x writes it, for the register mat-vecs that read it (saving that launch).
+__global__ void k_norm_vec(const i64* __restrict__ P, char* dst, const char* src, const char* w,
+                           const char* b, char* sum, char* xq) {
+    const int n4 = (int)(P[0] / 4);
+    int r = blockIdx.x;
+    const int i1 = r % (int)P[1]; r /= (int)P[1];
+    const int i2 = r % (int)P[2], i3 = r / (int)P[2];
+    const float4* s = (const float4*)(src + i1 * P[5] + i2 * P[6] + i3 * P[7]);
+    float4* d = (float4*)(dst + i1 * P[9] + i2 * P[10] + i3 * P[11]);
+    const int op = (int)P[12];
+    float4 v[4];
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        v[k] = c < n4 ? s[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (P[23] != 0) {  // fused ADD: rows of src + b, the sum written too
+        const float4* br = (const float4*)(b + i1 * P[25] + i2 * P[26] + i3 * P[27]);
+        float4* sr = (float4*)(sum + i1 * P[29] + i2 * P[30] + i3 * P[31]);
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (c < n4) {
+                const float4 o = br[c];
+                v[k].x += o.x; v[k].y += o.y; v[k].z += o.z; v[k].w += o.w;
+                sr[c] = v[k];
+            }
+        }
+    }
+    const float ne0 = (float)P[0];
+    float mean = 0.0f;
+    if (op == 0) {
+        float acc = 0.0f;
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) acc += v[k].x + v[k].y + v[k].z + v[k].w;
+        mean = block_sum(acc) / ne0;
+    }
+    float acc = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if (threadIdx.x + k * blockDim.x < n4) {
+            const float x = v[k].x - mean, y = v[k].y - mean, z = v[k].z - mean, t = v[k].w - mean;
+            acc += x * x + y * y + z * z + t * t;
+        }
+    }
+    const float ss = block_sum(acc);
+    const float scale = op == 2 ? 1.0f / fmaxf(sqrtf(ss), (float)pf(P, 13)) : rsqrtf(ss / ne0 + (float)pf(P, 13));
+    const float4* wr = P[14] != 0 ? (const float4*)(w + (i1 % (int)P[16]) * P[20] + (i2 % (int)P[17]) * P[21] +
+                                                    (i3 % (int)P[18]) * P[22]) : nullptr;
+    const int total = (int)(P[0] * P[1]);
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < n4) {
+            y = make_float4((v[k].x - mean) * scale, (v[k].y - mean) * scale, (v[k].z - mean) * scale,
+                            (v[k].w - mean) * scale);
+            if (wr) {
+                const float4 g = wr[c];
+                y.x *= g.x; y.y *= g.y; y.z *= g.z; y.w *= g.w;
+            }
+            d[c] = y;
+        }
+        // every lane takes part (the shuffles); those past the row write nothing (e = total)
+        if (xq) quantize4(xq, y, c < n4 ? blockIdx.x * (int)P[0] + 4 * c : total, total);
     }
 }
 
@@ -820,28 +949,18 @@ template <> __device__ __forceinline__ float unit_dot<8>(const u8* row, int u, c
     for (int i = 0; i < 8; ++i) acc = __dp4a((int)ld_u16x2(b + 2 + 4 * i), xq[i], acc);
     return f16at(b) * dx * (float)acc;
 }
-template <> __device__ __forceinline__ float unit_dot<12>(const u8* row, int u, const int* xq, float dx, int sx) {
-    const u8* b = row + (u >> 3) * 144;
-    const int j = u & 7;
-    const u8* s = b + 4;
-    int sc, m;
-    if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
-    else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
-    const uint4* qv = (const uint4*)(b + 16 + 32 * (j >> 1));  // 16-byte aligned: 144-byte blocks
-    const uint4 q0 = qv[0], q1 = qv[1];
+// integer dot cores of one 32-element unit against its activation quants xq[8], shared by the
+// shared-memory (unit_dot) and register (unit_regs) mat-vecs
+// Q4_K: nibbles at bit sh of the 32 bytes q0, q1
+__device__ __forceinline__ int dot_q4k(uint4 q0, uint4 q1, int sh, const int* xq) {
     const unsigned int q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-    const int sh = (j & 1) * 4;
     int acc = 0;
     #pragma unroll
     for (int i = 0; i < 8; ++i) acc = __dp4a((int)((q[i] >> sh) & 0x0F0F0F0F), xq[i], acc);
-    return f16at(b) * (float)sc * dx * (float)acc - f16at(b + 2) * (float)m * dx * (float)sx;
+    return acc;
 }
-// x8 layouts: the unit's quants are whole aligned 16-byte words, and lanes on consecutive units
-// read consecutive words (no bank conflicts)
-template <> __device__ __forceinline__ float unit_dot<102>(const u8* row, int u, const int* xq, float dx, int sx) {
-    const u8* g = row + (u >> 3) * 144;
-    const int j = u & 7;
-    const uint4 q = *(const uint4*)(g + 16 * j);
+// Q4_0x8: 16 bytes, element l < 16 the low nibble of byte l, element l + 16 its high nibble
+__device__ __forceinline__ int dot_q4x8(uint4 q, const int* xq) {
     const unsigned int w[4] = {q.x, q.y, q.z, q.w};
     int acc = 0;
     #pragma unroll
@@ -849,12 +968,10 @@ template <> __device__ __forceinline__ float unit_dot<102>(const u8* row, int u,
         acc = __dp4a((int)(w[i] & 0x0F0F0F0F), xq[i], acc);
         acc = __dp4a((int)((w[i] >> 4) & 0x0F0F0F0F), xq[4 + i], acc);
     }
-    return f16at(g + 128 + 2 * j) * dx * (float)(acc - 8 * sx);
+    return acc;
 }
-template <> __device__ __forceinline__ float unit_dot<108>(const u8* row, int u, const int* xq, float dx, int sx) {
-    const u8* g = row + (u >> 3) * 272;
-    const int j = u & 7;
-    const uint4 lo = *(const uint4*)(g + 16 * j), hi = *(const uint4*)(g + 128 + 16 * j);
+// Q8_0x8: elements 0..15 in lo, 16..31 in hi
+__device__ __forceinline__ int dot_q8x8(uint4 lo, uint4 hi, const int* xq) {
     int acc = __dp4a((int)lo.x, xq[0], 0);
     acc = __dp4a((int)lo.y, xq[1], acc);
     acc = __dp4a((int)lo.z, xq[2], acc);
@@ -862,7 +979,29 @@ template <> __device__ __forceinline__ float unit_dot<108>(const u8* row, int u,
     acc = __dp4a((int)hi.x, xq[4], acc);
     acc = __dp4a((int)hi.y, xq[5], acc);
     acc = __dp4a((int)hi.z, xq[6], acc);
-    acc = __dp4a((int)hi.w, xq[7], acc);
+    return __dp4a((int)hi.w, xq[7], acc);
+}
+template <> __device__ __forceinline__ float unit_dot<12>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* b = row + (u >> 3) * 144;
+    const int j = u & 7;
+    const u8* s = b + 4 + (j & 3);
+    int sc, m;
+    q4k_scale_min(s[0], s[4], s[8], j, sc, m);
+    const uint4* qv = (const uint4*)(b + 16 + 32 * (j >> 1));  // 16-byte aligned: 144-byte blocks
+    const int acc = dot_q4k(qv[0], qv[1], (j & 1) * 4, xq);
+    return f16at(b) * (float)sc * dx * (float)acc - f16at(b + 2) * (float)m * dx * (float)sx;
+}
+// x8 layouts: the unit's quants are whole aligned 16-byte words, and lanes on consecutive units
+// read consecutive words (no bank conflicts)
+template <> __device__ __forceinline__ float unit_dot<102>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* g = row + (u >> 3) * 144;
+    const int j = u & 7;
+    return f16at(g + 128 + 2 * j) * dx * (float)(dot_q4x8(*(const uint4*)(g + 16 * j), xq) - 8 * sx);
+}
+template <> __device__ __forceinline__ float unit_dot<108>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* g = row + (u >> 3) * 272;
+    const int j = u & 7;
+    const int acc = dot_q8x8(*(const uint4*)(g + 16 * j), *(const uint4*)(g + 128 + 16 * j), xq);
     return f16at(g + 256 + 2 * j) * dx * (float)acc;
 }
 template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, const int* xq, float dx, int sx) {
@@ -901,18 +1040,12 @@ template <int n> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
-// N activation rows of K floats (row stride nbx1, 16-byte aligned) → shared memory, quantized
-// per 32-element unit: xq int8 as two planes of 16 bytes per unit (plane 0: elements 0..15 of
-// every unit, then plane 1: elements 16..31), so lanes on consecutive units read consecutive
-// 16-byte words; then xd float [N][K/32], then xs int [N][K/32] (sums of the quants). Eight
-// lanes per 32-element block, four float4 loads in flight per lane (the loads come from L2:
-// latency, not bandwidth).
+// N activation rows of K floats (row stride nbx1, 16-byte aligned) → shared memory in the
+// quantized layout above quantize4, eight lanes per 32-element block, four float4 loads in
+// flight per lane (the loads come from L2: latency, not bandwidth).
 __device__ void mmvp_quantize_x(char* sx, const char* x, i64 nbx1, int K, int N) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int total = N * K;
-    signed char* xq = (signed char*)sx;
-    float* xd = (float*)(sx + total);
-    int* xs = (int*)(xd + total / 32);
     constexpr int U = 4;
     for (int base = warp * 128 * U; base < total; base += nw * 128 * U) {
         float4 v[U];
@@ -922,24 +1055,7 @@ __device__ void mmvp_quantize_x(char* sx, const char* x, i64 nbx1, int K, int N)
             v[g] = e < total ? *(const float4*)(x + j * nbx1 + (i64)(e - j * K) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         #pragma unroll
-        for (int g = 0; g < U; ++g) {
-            const int e = base + 128 * g + 4 * lane;
-            float a = fmaxf(fmaxf(fabsf(v[g].x), fabsf(v[g].y)), fmaxf(fabsf(v[g].z), fabsf(v[g].w)));
-            #pragma unroll
-            for (int o = 1; o < 8; o <<= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffff, a, o));
-            const float d = a / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            const int q0 = __float2int_rn(v[g].x * id), q1 = __float2int_rn(v[g].y * id);
-            const int q2 = __float2int_rn(v[g].z * id), q3 = __float2int_rn(v[g].w * id);
-            int sum = q0 + q1 + q2 + q3;
-            #pragma unroll
-            for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-            if (e < total) {  // whole 8-lane groups are in or out: total is a multiple of 32
-                const int l = e & 31;  // 4 | 16: a lane's 4 elements stay in one plane
-                *(int*)(xq + (l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)) =
-                    (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
-                if ((lane & 7) == 0) { xd[e / 32] = d; xs[e / 32] = sum; }
-            }
-        }
+        for (int g = 0; g < U; ++g) quantize4(sx, v[g], base + 128 * g + 4 * lane, total);
     }
 }
 // N activation rows of K floats → shared memory as F32 [N][K]. With PLANES (weights of 8
@@ -1087,6 +1203,153 @@ __global__ void __launch_bounds__(512) k_mmv_pipe(const i64* __restrict__ P, cha
         }
     }
     cp_async_wait<0>();
+}
+
+// ==== mat-vec (n <= MMV_MAXN) of Q4_0x8, Q8_0x8 and Q4_K weights from registers ====
+// The activations are quantized once, by k_quant_x or by the k_norm_vec that produced them, into
+// global memory (quantize4's layout); then each thread loads U units of its row straight into
+// registers, all U loads in flight before any is used, and blocks of 128 threads (1 to 16 rows)
+// leave the hardware to balance them over the SMs. No shared-memory staging and no per-block
+// set-up: the pipelined kernel's per-block quantization of the activations (3-5 us on a
+// 4096 x 14336 product, its loads queued behind the weights') is what this one avoids.
+template <int WT> struct unit_regs;
+template <> struct unit_regs<102> {
+    uint4 q;
+    unsigned short d;
+    __device__ __forceinline__ void load(const u8* row, int u) {
+        const u8* g = row + (u >> 3) * 144;
+        q = __ldcs((const uint4*)(g + 16 * (u & 7)));
+        d = __ldcs((const unsigned short*)(g + 128 + 2 * (u & 7)));
+    }
+    __device__ __forceinline__ float dot(const int* xq, float dx, int sx) const {
+        return __half2float(__ushort_as_half(d)) * dx * (float)(dot_q4x8(q, xq) - 8 * sx);
+    }
+};
+template <> struct unit_regs<108> {
+    uint4 lo, hi;
+    unsigned short d;
+    __device__ __forceinline__ void load(const u8* row, int u) {
+        const u8* g = row + (u >> 3) * 272;
+        lo = __ldcs((const uint4*)(g + 16 * (u & 7)));
+        hi = __ldcs((const uint4*)(g + 128 + 16 * (u & 7)));
+        d = __ldcs((const unsigned short*)(g + 256 + 2 * (u & 7)));
+    }
+    __device__ __forceinline__ float dot(const int* xq, float dx, int sx) const {
+        return __half2float(__ushort_as_half(d)) * dx * (float)dot_q8x8(lo, hi, xq);
+    }
+};
+template <> struct unit_regs<12> {
+    uint4 q0, q1;
+    unsigned int dm;  // d, dmin
+    unsigned char b0, b1, b2;
+    int j;
+    __device__ __forceinline__ void load(const u8* row, int u) {
+        const u8* b = row + (u >> 3) * 144;
+        j = u & 7;
+        q0 = __ldcs((const uint4*)(b + 16 + 32 * (j >> 1)));
+        q1 = __ldcs((const uint4*)(b + 32 + 32 * (j >> 1)));
+        dm = __ldcs((const unsigned int*)b);
+        b0 = __ldcs(b + 4 + (j & 3)), b1 = __ldcs(b + 8 + (j & 3)), b2 = __ldcs(b + 12 + (j & 3));
+    }
+    __device__ __forceinline__ float dot(const int* xq, float dx, int sx) const {
+        int sc, m;
+        q4k_scale_min(b0, b1, b2, j, sc, m);
+        const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
+        const float dmin = __half2float(__ushort_as_half((unsigned short)(dm >> 16)));
+        return d * (float)sc * dx * (float)dot_q4k(q0, q1, (j & 1) * 4, xq) - dmin * (float)m * dx * (float)sx;
+    }
+};
+
+// P: [K, N, ne2, nbx1, nbx2, nbx3, xq_bytes]; grid (warps of 128 elements / 8, ne2 * ne3), 256 threads.
+// Batch b's N x K activations → xq + b * xq_bytes, in quantize4's layout.
+__global__ void k_quant_x(const i64* __restrict__ P, char* xq, const char* x) {
+    const int K = (int)P[0], total = (int)P[1] * K;
+    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w * 128 >= total) return;  // whole warps: the shuffles in quantize4 need all 32 lanes
+    const i64 i2 = blockIdx.y % P[2], i3 = blockIdx.y / P[2];
+    const int e = w * 128 + 4 * (threadIdx.x & 31), j = e / K;
+    const char* xb = x + i2 * P[4] + i3 * P[5];
+    const float4 v = e < total ? *(const float4*)(xb + j * P[3] + (i64)(e - j * K) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    quantize4(xq + blockIdx.y * P[6], v, e, total);
+}
+
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, lpr, xq_bytes]; lpr: lanes
+// per row (8 .. 128, a power of two: 128 / lpr rows per 128-thread block); grid (rows / (128 /
+// lpr), ne2 * ne3). NMAX: 1, or MMV_MAXN for 1..8 activation rows (one accumulator each: the
+// single-row kernel keeps to 64 registers, so 8 blocks fit an SM). Rows 16-byte aligned; K a
+// multiple of 256.
+template <int WT, int U, int NMAX>
+__global__ void __launch_bounds__(128, NMAX == 1 ? 8 : 1)
+k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
+    const int M = (int)P[0], K = (int)P[1], N = NMAX == 1 ? 1 : (int)P[2], lpr = (int)P[13];
+    const int rr = threadIdx.x / lpr, lid = threadIdx.x % lpr;  // row within the block, lane within the row
+    const int m = blockIdx.x * (128 / lpr) + rr;
+    const int units = K / 32, total = N * K;
+    const u8* row = (const u8*)w + (i64)min(m, M - 1) * P[7];
+    const char* xb = xq;
+    int i2 = 0, i3 = 0;
+    if (gridDim.y > 1) {  // batches: 32-bit divisions, and none at all for a plain product
+        i2 = blockIdx.y % (int)P[3], i3 = blockIdx.y / (int)P[3];
+        row += (i2 / (int)P[5]) * P[8] + (i3 / (int)P[6]) * P[9];
+        xb += blockIdx.y * P[14];
+    }
+    const int4* x0 = (const int4*)xb;  // the two 16-byte planes of quants, then scales and sums
+    const int4* x1 = (const int4*)(xb + total / 2);
+    const float* xd = (const float*)(xb + total);
+    const int* xs = (const int*)(xd + total / 32);
+    float acc[NMAX];
+    #pragma unroll
+    for (int j = 0; j < NMAX; ++j) acc[j] = 0.0f;
+    for (int u0 = lid; u0 < units; u0 += lpr * U) {
+        unit_regs<WT> r[U];
+        #pragma unroll
+        for (int i = 0; i < U; ++i)
+            if (u0 + lpr * i < units) r[i].load(row, u0 + lpr * i);
+        #pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int u = u0 + lpr * i;
+            if (u < units) {
+                #pragma unroll
+                for (int j = 0; j < NMAX; ++j) {
+                    if (j < N) {
+                        const int xr = j * units + u;
+                        const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
+                        const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                        acc[j] += r[i].dot(xw, __ldg(xd + xr), __ldg(xs + xr));
+                    }
+                }
+            }
+        }
+    }
+    // sum over the row's lanes: within the warp (xor offsets below lpr), then across its warps
+    __shared__ float part[4][NMAX];
+    #pragma unroll
+    for (int j = 0; j < NMAX; ++j) {
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            if (o < lpr) acc[j] += __shfl_xor_sync(0xffffffff, acc[j], o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lpr <= 32) {
+        if (lid == 0 && m < M) {
+            #pragma unroll
+            for (int j = 0; j < NMAX; ++j)
+                if (j < N) *(float*)(dst + m * 4 + j * P[10] + i2 * P[11] + i3 * P[12]) = acc[j];
+        }
+        return;
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int j = 0; j < NMAX; ++j) part[warp][j] = acc[j];
+    }
+    __syncthreads();
+    const int wpr = lpr / 32, t = threadIdx.x, ro = t / NMAX, j = t % NMAX;  // one thread per (row, j)
+    const int mo = blockIdx.x * (128 / lpr) + ro;
+    if (ro < 128 / lpr && j < N && mo < M) {
+        float s = 0.0f;
+        for (int k = 0; k < wpr; ++k) s += part[ro * wpr + k][j];
+        *(float*)(dst + mo * 4 + j * P[10] + i2 * P[11] + i3 * P[12]) = s;
+    }
 }
 
 #define MMVQ_WARPS 4

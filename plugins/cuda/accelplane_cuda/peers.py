@@ -1,7 +1,7 @@
 """Peers measured in the same run as accelplane's CUDA benchmarks: with CuPy alone,
-device-to-device copy bandwidth, cuBLAS (cupy.matmul) GEMM and mat-vec; with PyTorch (where
-installed), torch.distributed's NCCL all-reduce over N GPUs, one process per GPU, for
-``accelplane bench tp --peer-json``.
+device-to-device copy bandwidth, the time to merely read a mat-vec's weights, cuBLAS
+(cupy.matmul) GEMM and mat-vec; with PyTorch (where installed), torch.distributed's NCCL
+all-reduce over N GPUs, one process per GPU, for ``accelplane bench tp --peer-json``.
 
     python -m accelplane_cuda.peers [--json FILE]
     python -m accelplane_cuda.peers --allreduce N [--sizes 4K,1M,1G] [--dtype float32] [--json FILE]
@@ -34,6 +34,57 @@ def _time(fn, reps: int = 20) -> float:
     return ts[len(ts) // 2]
 
 
+# the cheapest kernel that reads every byte: four 16-byte streaming loads in flight per thread
+_READ_SRC = r"""
+extern "C" __global__ void read_all(const uint4* __restrict__ p, long long n, unsigned* out) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    unsigned a = 0;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 v0 = __ldcs(p + i), v1 = __ldcs(p + i + stride);
+        const uint4 v2 = __ldcs(p + i + 2 * stride), v3 = __ldcs(p + i + 3 * stride);
+        a ^= v0.x ^ v1.y ^ v2.z ^ v3.w;
+    }
+    for (; i < n; i += stride) a ^= __ldcs(p + i).x;
+    if (a == 0x9e3779b9u) out[0] = a;  // keeps the loads; practically never taken
+}
+"""
+
+
+def read_time(nbytes: int, copies: int = 8) -> float:
+    """Seconds to read ``nbytes`` once with no arithmetic (``read_all``): the ceiling for a
+    memory-bound kernel of that size, launch and ramp-up included. Cycles through ``copies``
+    buffers so that the 50 MiB L2 cannot serve repeats."""
+    import cupy as cp
+    import numpy as np
+
+    kern = cp.RawKernel(_READ_SRC, "read_all")
+    n16 = nbytes // 16
+    bufs = [cp.ones(n16 * 16, cp.uint8) for _ in range(copies)]
+    sink = cp.zeros(1, cp.uint32)
+    grid = (4 * cp.cuda.Device().attributes["MultiProcessorCount"],)
+
+    # captured as one CUDA graph of 4 rounds: a launch from Python takes longer than the kernel
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for _ in range(4):
+            for b in bufs:
+                kern(grid, (512,), (b, np.int64(n16), sink))
+        graph = stream.end_capture()
+
+    graph.launch(stream)  # warm-up
+    stream.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            graph.launch(stream)
+        stream.synchronize()
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return best / (4 * copies)
+
+
 def measure(m: int = 4096, k: int = 14336) -> dict:
     import cupy as cp
 
@@ -44,6 +95,11 @@ def measure(m: int = 4096, k: int = 14336) -> dict:
     t = _time(lambda: cp.copyto(dst, src), 10)
     out["d2d_copy_TBps"] = 2 * n_bytes / t / 1e12  # bytes read + written
     src = dst = None
+    # the weights of an m x k mat-vec per type, read with no arithmetic: the mat-vec's ceiling
+    for name, nbytes in (("f16", m * k * 2), ("q8_0", m * k // 32 * 34), ("q4_0", m * k // 32 * 18)):
+        t = read_time(nbytes)
+        out[f"read_{name}_us"] = t * 1e6
+        out[f"read_{name}_pct_of_copy"] = 100 * nbytes / t / 1e12 / out["d2d_copy_TBps"]
     for dt, name in ((cp.float16, "f16"), (cp.float32, "f32")):
         a = cp.random.random((m, k), dtype=cp.float32).astype(dt)
         for n in (1, 512):

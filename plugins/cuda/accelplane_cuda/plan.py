@@ -53,8 +53,19 @@ def _mmvp_config() -> tuple[int, int]:
 
 
 MMVP_SEG, MMVP_NS = _mmvp_config()
+
+
+def _mmv_mode() -> str:
+    """ACCELPLANE_CUDA_MMV: which mat-vec kernels may run (a tuning knob, see below)."""
+    mode = os.environ.get("ACCELPLANE_CUDA_MMV", "row")
+    if mode not in ("row", "pipe", "f32"):
+        raise DeviceError(f"ACCELPLANE_CUDA_MMV must be row, pipe or f32, got {mode!r}")
+    return mode
+
+
 # tuning knobs, for measuring the alternatives side by side:
-#   ACCELPLANE_CUDA_MMV=pipe|f32  mat-vec by the pipelined kernel (default) or the plain one
+#   ACCELPLANE_CUDA_MMV=row|pipe|f32  mat-vec by the register kernel where it applies (Q4_0x8,
+#     Q8_0x8, Q4_K; default) else the pipelined one; by the pipelined one; or by the plain one
 #   ACCELPLANE_CUDA_MMV_WARPS=16|8|4  warps per block of the pipelined kernel (default: most that fit)
 #   ACCELPLANE_CUDA_MMVP=SEG,NS  its stage bytes and stages per warp (default 4096,2: best of 2048,2,
 #     4096,2, 2048,4 and 2048,6 on an H200)
@@ -66,6 +77,9 @@ _XT = (102, 108)  # Q4_0 and Q8_0 in the x8 layouts of weights buffers (layout.p
 _QT = (2, 8, 12, 14) + _XT  # quant type ids the kernels dequantize (Q4_0, Q8_0, Q4_K, Q6_K, x8)
 _WT = (0, 1, 30) + _QT  # weight types of the mat-vec kernels
 _QW = (2, 8) + _XT  # quant type ids the kernels write (CPY and SET_ROWS into Q4_0/Q8_0)
+# the register mat-vec (k_mmv_row): weight types and the units a thread holds in flight (more
+# registers per unit, fewer units: 4 for Q4_0x8's 18 bytes, 2 for Q8_0x8's and Q4_K's)
+_ROW_U = {102: 4, 108: 2, 12: 2}
 
 
 def _names() -> list[str]:
@@ -84,9 +98,11 @@ def _names() -> list[str]:
     n += [f"k_mul_mat_vec<{w}>" for w in _WT] + [f"k_mul_mat_id<{w}>" for w in _WT]
     n += [f"k_dequant_f16<{w}>" for w in _WT]
     n += [f"k_mmv_pipe<{w}>" for w in _WT] + [f"k_dequant_staged<{w}>" for w in _QT]
+    n += [f"k_mmv_row<{w},{u},{nm}>" for w, u in _ROW_U.items() for nm in (1, MMV_MAXN)]
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
-    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
+    n += ["k_norm", "k_norm_vec", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
+    n += ["k_quant_x"]
     return n
 
 
@@ -218,6 +234,10 @@ class CudaPlan:
         self.runs = 0
         self.cuda_graph = None
         self.graph_failed = os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0"
+        self.nodes = graph.nodes
+        # activations already quantized for the register mat-vec by the kernel that produced
+        # them: id(tensor) → (tensor, scratch address)
+        self.xq_ready: dict[int, tuple] = {}
         with cp.cuda.Device(sctx.device):
             self.fns = kernels(sctx.device)
             fusion = Fusion(graph)
@@ -401,7 +421,22 @@ class CudaPlan:
         P = self._P([*a.ne, *a.nb, *out.nb, code, _f(n.op_params[0]), *wp, *ap])
         ptr = [np.uint64(0) if t is None else self._ptr(t) for t in (w, add and add.src[1], add)]
         args = (P, self._ptr(out), self._ptr(a), *ptr)
-        self._launch("k_norm", 0, args, block=256, grid=(a.nrows,))
+        # contiguous 16-byte-aligned F32 rows of up to 16384 elements: the vector kernel, with
+        # enough threads for 4 float4s each (one block per row: a decode has a single row)
+        ts = [t for t in (a, out, w, add and add.src[1], add) if t is not None]
+        vec = a.ne[0] % 4 == 0 and a.ne[0] <= 16384 and (w is None or w.ne[0] == a.ne[0])
+        vec = vec and all(t.type == T.F32 and t.nb[0] == 4 and all(x % 16 == 0 for x in t.nb[1:])
+                          and (t.buffer.ctx.ptr + t.offs) % 16 == 0 for t in ts)  # fmt: skip
+        if vec:
+            threads = min(1024, max(32, -(-a.ne[0] // 16 // 32) * 32))
+            xq = np.uint64(0)
+            readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[1] is out and c.src[0].buffer]
+            if a.ne[0] % 32 == 0 and out.ne[2] == out.ne[3] == 1 and any(map(self._takes_row, readers)):
+                xq = np.uint64(self._scratch(out.ne[1] * out.ne[0] + out.ne[1] * out.ne[0] // 32 * 8))
+                self.xq_ready[id(out)] = (out, xq)
+            self._launch("k_norm_vec", 0, (*args, xq), block=threads, grid=(a.nrows,))
+        else:
+            self._launch("k_norm", 0, args, block=256, grid=(a.nrows,))
 
     def _fuse(self, fusion: Fusion, i: int, nodes) -> int:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
@@ -491,10 +526,7 @@ class CudaPlan:
         """(warps per block, dynamic shared memory bytes) for k_mmv_pipe, or None where it does
         not apply: rows not aligned, K not a multiple of 32, or the activations too large for
         shared memory next to the stages."""
-        mode = os.environ.get("ACCELPLANE_CUDA_MMV", "pipe")
-        if mode not in ("pipe", "f32"):
-            raise DeviceError(f"ACCELPLANE_CUDA_MMV must be pipe or f32, got {mode!r}")
-        if mode != "pipe" or type_id(a) not in _WT:
+        if _mmv_mode() == "f32" or type_id(a) not in _WT:
             return None
         k, n = a.ne[0], b.ne[1]
         if k % 32 or not self._rows_aligned(a) or k * n >= 1 << 28:
@@ -530,9 +562,44 @@ class CudaPlan:
         grid = (max(1, min(-(-a.ne[1] // warps), -(-resident // batches))), batches)
         self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xp), block=32 * warps, grid=grid, smem=smem)
 
+    def _mmv_row(self, n) -> None:
+        """The register mat-vec (kernels.cu: k_quant_x, then k_mmv_row): the activations are
+        quantized once into scratch memory, then blocks of 128 threads stream whole weight rows."""
+        a, b = n.src
+        k, nrow = a.ne[0], b.ne[1]
+        units, batches = k // 32, b.ne[2] * b.ne[3]
+        xq_bytes = nrow * k + nrow * units * 8  # int8 quants, then a float scale and an int sum per unit
+        ready = self.xq_ready.get(id(b))
+        if ready is not None and ready[0] is b:  # quantized by the norm that wrote b
+            xq = ready[1]
+        else:
+            xp, xnb = self._x_f32(b)
+            xq = np.uint64(self._scratch(xq_bytes * batches))
+            P = self._P([k, nrow, b.ne[2], *xnb[1:], xq_bytes])
+            self._launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-nrow * k // 1024), batches))
+        wt = type_id(a)
+        u = _ROW_U[wt]
+        # lanes per row: enough for a row's units in one pass of u per lane where it fits (more
+        # rows per block for short rows, so every thread keeps u units in flight)
+        lpr = min(128, max(8, 1 << (-(-units // u) - 1).bit_length()))
+        P = self._P([a.ne[1], k, nrow, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
+                     *a.nb[1:], *n.nb[1:], lpr, xq_bytes])  # fmt: skip
+        grid = (-(-a.ne[1] // (128 // lpr)), batches)
+        name = f"k_mmv_row<{wt},{u},{1 if nrow == 1 else MMV_MAXN}>"
+        self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
+
+    def _takes_row(self, n) -> bool:
+        """MUL_MAT node ``n`` runs as the register mat-vec (_mmv_row)."""
+        a, b = n.src
+        return (b.ne[1] <= MMV_MAXN and type_id(a) in _ROW_U and a.ne[0] % 256 == 0 and self._rows_aligned(a)
+                and _mmv_mode() == "row")  # fmt: skip
+
     def _mul_mat(self, n) -> None:
         a, b = n.src
         nrow_b = b.ne[1]
+        if self._takes_row(n):
+            self._mmv_row(n)
+            return
         small_float = a.type in FLOAT and a.ne[0] * a.ne[1] <= MMV_SMALL
         pipe = None if small_float or nrow_b > MMV_MAXN else self._mmvp_plan(a, b)
         if pipe is not None:

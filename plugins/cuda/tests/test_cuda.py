@@ -164,21 +164,27 @@ def test_replays_with_library_calls():
     buf.free()
 
 
-@pytest.mark.parametrize("warps", ["", "4"])
+@pytest.mark.parametrize("mode", ["row", "pipe", "pipe4"])
 @pytest.mark.parametrize("wtype", ["F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_pipelined_matvec(monkeypatch, wtype, warps):
-    """The pipelined mat-vec kernel (k_mmv_pipe) against float64 numpy: rows over several
-    stages, several rows per warp, 1..8 activation rows, broadcast batches, and M not a
+def test_matvec_kernels(monkeypatch, wtype, mode):
+    """The mat-vec kernels against float64 numpy: the register one (k_quant_x + k_mmv_row, for
+    Q4_0x8, Q8_0x8 and Q4_K; ACCELPLANE_CUDA_MMV=row, the default) and the pipelined one
+    (k_mmv_pipe; =pipe, with the most warps that fit or 4): rows over several stages or passes,
+    several rows per warp or block, 1..8 activation rows, broadcast batches, and M not a
     multiple of the block's rows."""
     from accelplane_cuda import plan
 
     dev = _cuda()
     monkeypatch.setattr(plan, "MMV_SMALL", 0)  # float weights of any size take the kernel too
-    if warps:
-        monkeypatch.setenv("ACCELPLANE_CUDA_MMV_WARPS", warps)
+    monkeypatch.setenv("ACCELPLANE_CUDA_MMV", mode[:4])
+    if mode == "pipe4":
+        monkeypatch.setenv("ACCELPLANE_CUDA_MMV_WARPS", "4")
     wt = T[wtype]
     rng = np.random.default_rng(7)
-    for k, m, n, ne2, r2 in ((4096, 3000, 1, 1, 1), (1024, 37, 3, 2, 2), (512, 129, 8, 1, 1)):
+    # (K, M, N, weight batches, broadcast); K = 16640 takes two passes of the register kernel
+    shapes = ((4096, 3000, 1, 1, 1), (1024, 37, 3, 2, 2), (512, 129, 8, 1, 1), (16640, 40, 2, 1, 1),
+              (256, 5, 1, 3, 1))  # fmt: skip
+    for k, m, n, ne2, r2 in shapes:
         ctx = Context()
         a = ctx.new_tensor_ne(wt, k, m, ne2, name="a")
         b = ctx.new_tensor_ne(T.F32, k, n, ne2 * r2, name="b")
@@ -194,7 +200,10 @@ def test_pipelined_matvec(monkeypatch, wtype, warps):
         want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
         # Q4_0/Q8_0 weights in a weights buffer (alloc_tensors' default) take the x8 layouts
         want_id = {T.Q4_0: 102, T.Q8_0: 108}.get(wt, int(wt))
-        assert f"{want_kernel}<{want_id}>" in names, names
+        if mode == "row" and want_id in plan._ROW_U:
+            assert "k_quant_x" in names and any(s.startswith(f"k_mmv_row<{want_id},") for s in names), names
+        else:
+            assert f"{want_kernel}<{want_id}>" in names, names
         w = a.get().astype(np.float64)  # the weights as stored (dequantized)
         want = np.einsum("zmk,znk->znm", np.repeat(w, r2, axis=0), bv.astype(np.float64))
         got = y.get()
@@ -214,20 +223,22 @@ def test_norm_mul_fused(op, keep_norm):
     from accelplane.testing.fusion import run_norm_mul
 
     plan = run_norm_mul(_cuda(), lambda be, g: be.ctx.plans.get(g), op, keep_norm)
-    assert plan.kernel_names.count("k_norm") == 1
+    assert sum(n in ("k_norm", "k_norm_vec") for n in plan.kernel_names) == 1, plan.kernel_names
     assert len(plan.kernel_names) == (2 if keep_norm else 1), plan.kernel_names
     assert plan.fused == ([] if keep_norm else [(op, "MUL")])
 
 
-def test_add_norm_mul_fused():
+@pytest.mark.parametrize("ne0", [2048, 2050, 20480])
+def test_add_norm_mul_fused(ne0):
     """A residual ADD, the RMS_NORM of its sum and the MUL by the norm weights run as one
-    launch that also writes the sum, which the next residual ADD reads."""
+    launch that also writes the sum, which the next residual ADD reads: the vector kernel for
+    aligned rows of up to 16384 elements, the general one otherwise."""
     dev = _cuda()
     rng = np.random.default_rng(4)
     ctx = Context()
-    a = ctx.new_tensor_ne(T.F32, 2048, 2, name="a")
-    b = ctx.new_tensor_ne(T.F32, 2048, 2, name="b")
-    w = ctx.new_tensor_ne(T.F32, 2048, name="w")
+    a = ctx.new_tensor_ne(T.F32, ne0, 2, name="a")
+    b = ctx.new_tensor_ne(T.F32, ne0, 2, name="b")
+    w = ctx.new_tensor_ne(T.F32, ne0, name="w")
     s = ctx.add(a, b)
     y = ctx.add(ctx.mul(ctx.rms_norm(s, 1e-5), w), s)
     g = ctx.graph(y)
@@ -240,10 +251,57 @@ def test_add_norm_mul_fused():
         be.compute(g)
         plan = be.ctx.plans.get(g)
         assert plan.fused == [("ADD", "RMS_NORM", "MUL")]
-        assert plan.kernel_names == ["k_norm", "k_binary<float,float>"], plan.kernel_names
+        kernel = "k_norm_vec" if ne0 == 2048 else "k_norm"
+        assert plan.kernel_names == [kernel, "k_binary<float,float>"], plan.kernel_names
         sd = vals[a].astype(np.float64) + vals[b]
         want = sd / np.sqrt((sd * sd).mean(-1, keepdims=True) + 1e-5) * vals[w] + sd
         np.testing.assert_allclose(y.get(), want, rtol=1e-4, atol=1e-5)
+    finally:
+        be.free()
+        buf.free()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_norm_quantizes_for_matvec(n):
+    """An RMS_NORM + MUL read by register mat-vecs writes their quantized activations itself
+    (no k_quant_x launch), and its float result, also read by an ADD, stays exact. Against
+    float64 numpy on the gguf package's dequantization."""
+    import gguf
+
+    dev = _cuda()
+    k, m = 4096, 200
+    rng = np.random.default_rng(5)
+    ctx = Context()
+    x = ctx.new_tensor_ne(T.F32, k, n, name="x")
+    g = ctx.new_tensor_ne(T.F32, k, name="g")
+    w1 = ctx.new_tensor_ne(T.Q4_0, k, m, name="w1")
+    w2 = ctx.new_tensor_ne(T.Q8_0, k, m, name="w2")
+    h = ctx.mul(ctx.rms_norm(x, 1e-5), g)
+    outs = [ctx.mul_mat(w1, h), ctx.mul_mat(w2, h), ctx.add(h, x)]
+    graph = ctx.graph(*outs)
+    buf = alloc_tensors(ctx.tensors + list(graph.nodes), dev.buffer_type)
+    xv = rng.standard_normal((n, k)).astype(np.float32)
+    gv = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    x.set(xv)
+    g.set(gv)
+    wf = {}
+    for t, qt in ((w1, gguf.GGMLQuantizationType.Q4_0), (w2, gguf.GGMLQuantizationType.Q8_0)):
+        raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), qt).reshape(-1)
+        t.set_bytes(raw)
+        wf[t] = gguf.dequantize(raw, qt).reshape(m, k).astype(np.float64)
+    be = dev.new_backend()
+    try:
+        be.compute(graph)
+        names = be.ctx.plans.get(graph).kernel_names
+        assert "k_norm_vec" in names and "k_quant_x" not in names, names
+        assert sum(s.startswith("k_mmv_row<") for s in names) == 2, names
+        x64 = xv.astype(np.float64)
+        hv = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * gv
+        np.testing.assert_allclose(outs[2].get(), hv + x64, rtol=1e-5, atol=1e-5)
+        for o, t in zip(outs[:2], (w1, w2), strict=True):
+            want = hv @ wf[t].T
+            err = np.abs(o.get().reshape(want.shape) - want).max() / np.abs(want).max()
+            assert err < 2e-2, (t.name, err)  # int8 activations: ~1% of a row's scale
     finally:
         be.free()
         buf.free()
@@ -303,7 +361,7 @@ def test_x8_weights(wtype):
     be.compute(g)
     names = be.ctx.plans.get(g).kernel_names
     x8 = layout.X8[wt]
-    assert f"k_mmv_pipe<{x8}>" in names and f"k_get_rows_q<{x8}>" in names, names
+    assert any(n.startswith(f"k_mmv_row<{x8},") for n in names) and f"k_get_rows_q<{x8}>" in names, names
     assert f"k_cpy_dq<{x8}>" in names
     assert f"k_dequant_staged<{x8}>" in names or f"k_dequant_f16<{x8}>" in names
     want = [xs[x1] @ wf.T, xs[x3] @ wf.T, xs[x64] @ wf.T, wf[[3, 0, 71, 8, 3]], wf, xs[x1] @ wf[8:24].T]
