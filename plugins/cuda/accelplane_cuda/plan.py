@@ -591,8 +591,8 @@ class CudaPlan:
     def _takes_row(self, n) -> bool:
         """MUL_MAT node ``n`` runs as the register mat-vec (_mmv_row)."""
         a, b = n.src
-        return (0 < b.ne[1] <= MMV_MAXN and n.nelements > 0 and type_id(a) in _ROW_U and a.ne[0] % 256 == 0
-                and a.ne[0] > 0 and self._rows_aligned(a) and _mmv_mode() == "row")  # fmt: skip
+        return (n.nelements > 0 and b.ne[1] <= MMV_MAXN and a.ne[0] > 0 and a.ne[0] % 256 == 0
+                and type_id(a) in _ROW_U and self._rows_aligned(a) and _mmv_mode() == "row")  # fmt: skip
 
     def _mul_mat(self, n) -> None:
         a, b = n.src
