@@ -128,6 +128,50 @@ def test_a_split_without_outside_readers_may_fuse(sched_norm):
     assert Fusion(sg).match(sg.nodes.index(n), NM)
 
 
+def test_split_reading_copied_inputs_still_fuses():
+    """A split whose nodes descend from an input copied in from another backend computes
+    clones of them (views writing the originals' memory); an ADD → RMS_NORM → MUL run among
+    them still fuses, as in a model layer after the token embedding computed on the CPU, and
+    the result is right."""
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    bd, bc = dev.new_backend(), cpu.new_backend()
+    ctx = Context()
+    e = ctx.new_tensor(T.F32, (3, 64), "e")  # on the CPU: copied into the device's split
+    r = ctx.new_tensor(T.F32, (3, 64), "r")
+    w = ctx.new_tensor(T.F32, (64,), "w")
+    cbuf = alloc_tensors([e], cpu.buffer_type)
+    dbuf = alloc_tensors([r, w], dev.buffer_type)
+    h = ctx.add(ctx.scale(e, 2.0), r)
+    y = ctx.mul(ctx.rms_norm(h, 1e-6), w)
+    out = ctx.add(ctx.scale(y, 3.0), h)
+    g = ctx.graph(out)
+    s = Scheduler([bd, bc])
+    try:
+        for t in g.nodes:
+            s.set_tensor_backend(t, bd)
+        s.alloc_graph(g)
+        sg = next(sp for sp in s._allocated.splits if sp.backend == 0).graphs[0]
+        add = next(i for i, n in enumerate(sg.nodes) if n.op is Op.ADD)
+        assert sg.nodes[add].view_src is h  # a clone, descending from the copy of e
+        assert Fusion(sg).match(add, (Op.ADD, Op.RMS_NORM, Op.MUL), written=(0,))
+        rng = np.random.default_rng(1)
+        ev, rv, wv = rng.standard_normal((3, 64)), rng.standard_normal((3, 64)), rng.standard_normal(64)
+        for t, v in ((e, ev), (r, rv), (w, wv)):
+            t.set(v.astype(np.float32))
+        s.graph_compute(g)
+        s.synchronize()
+        hv = 2 * ev + rv
+        want = 3 * hv / np.sqrt(np.mean(hv * hv, -1, keepdims=True) + 1e-6) * wv + hv
+        np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
+    finally:
+        s.free()
+        bd.free()
+        bc.free()
+        cbuf.free()
+        dbuf.free()
+
+
 def test_written_nodes_may_have_other_readers():
     """ADD → RMS_NORM → MUL with the sum still written (the residual path reads it again)."""
     ctx = Context()

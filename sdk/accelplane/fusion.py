@@ -5,7 +5,8 @@ SET_ROWS, …), each with its own idea of when that is safe. Here the rule is wr
 every plugin asks it:
 
 A run of nodes ``i .. i+k`` with the given ops may be computed as one kernel when every node
-but the last owns its memory (is not a view of another tensor), is read by exactly one node
+but the last owns its memory (is not a view of another tensor, or is the scheduler's clone of
+a node, which writes that node's memory), is read by exactly one node
 of the graph, the next one in the run, directly (not through a view), and is in no ``keep``
 set: not a tensor the caller asked for or flagged OUTPUT, not read by another scheduler split
 (the scheduler passes those as the split graph's ``keep``). The skipped nodes' memory is then
@@ -37,6 +38,12 @@ def _owner(t: Tensor) -> Tensor:
     return t.view_src or t
 
 
+def _own_memory(t: Tensor) -> bool:
+    """``t`` writes memory of its own: not a view, or a scheduler clone (TensorFlag.CLONE)
+    writing the memory of the node it stands for."""
+    return t.view_src is None or bool(t.flags & TensorFlag.CLONE)
+
+
 class Fusion:
     """Use counts of one graph's nodes, for :meth:`match`; build once per plan."""
 
@@ -48,7 +55,7 @@ class Fusion:
             return
         for n in graph.nodes:
             srcs = {id(_owner(s)) for s in n.src if s is not None}
-            if n.view_src is not None:
+            if not _own_memory(n):  # a view reads (or writes into) the tensor it views
                 srcs.add(id(n.view_src))
             for k in srcs:
                 self.uses[k] = self.uses.get(k, 0) + 1
@@ -69,7 +76,7 @@ class Fusion:
             if j in written:
                 continue
             own = _owner(n)
-            if n.view_src is not None or id(own) in self.keep or own.flags & TensorFlag.OUTPUT:
+            if not _own_memory(n) or id(own) in self.keep or own.flags & TensorFlag.OUTPUT:
                 return False
             if self.uses.get(id(own), 0) != 1:
                 return False

@@ -35,6 +35,9 @@ class TensorFlag(IntFlag):
     INPUT = 1  # graph input: allocated first, never overwritten by the allocator
     OUTPUT = 2  # graph output: never freed or reused by the allocator
     PARAM = 4  # a weight (model parameter)
+    # a scheduler clone: the same node reading copied inputs, a view of the original that
+    # writes the original's memory (accelplane.fusion treats it as owning that memory)
+    CLONE = 8
 
 
 def contiguous_strides(type_: GGMLType, ne: tuple[int, int, int, int]) -> tuple[int, ...]:

@@ -12,6 +12,22 @@ typedef unsigned char u8;
 
 __device__ __forceinline__ double pf(const i64* P, int i) { return __longlong_as_double(P[i]); }
 
+// ---- programmatic dependent launch (sm_90+) ------------------------------------------------------
+// plan.py launches every kernel of this file with the programmatic-serialization attribute (unless
+// ACCELPLANE_CUDA_PDL=0), so the next kernel of a stream may start while this one still runs. The
+// contract that keeps that safe: every kernel calls pdl_enter before it touches memory that another
+// kernel writes or reads. pdl_enter first lets the next kernel launch (it will wait in its own
+// pdl_enter), then waits until the previous kernel has finished and its writes are visible; since
+// that one waited for its own predecessor, the order is transitive. Only the register mat-vec
+// may read before it: weights in a buffer no kernel of the graph writes (k_mmv_row, P[15]); and
+// a graph's first launch goes without the attribute, so nothing earlier in the stream overlaps.
+// Without the attribute (or below sm_90) both instructions are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---- element load/store -------------------------------------------------------------------------
 template <typename T> __device__ __forceinline__ float ld(const char* p);
 template <> __device__ __forceinline__ float ld<float>(const char* p) { return *(const float*)p; }
@@ -245,6 +261,7 @@ __device__ __forceinline__ float unary_op(int op, float x, float p0, float p1) {
 }
 template <typename T>
 __global__ void k_unary(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const i64 n = P[0];
     const int op = (int)P[13];
     const float p0 = (float)pf(P, 14), p1 = (float)pf(P, 15);
@@ -258,6 +275,7 @@ __global__ void k_unary(const i64* __restrict__ P, char* dst, const char* src) {
 // P: [n, ne0..3, nbd0..3, nba0..3, neb0..3, nbb0..3, op]
 template <typename Ta, typename Tb>
 __global__ void k_binary(const i64* __restrict__ P, char* dst, const char* a, const char* b) {
+    pdl_enter();
     const i64 n = P[0];
     const int op = (int)P[21];
     const i64* ne = P + 1;
@@ -278,15 +296,18 @@ __global__ void k_binary(const i64* __restrict__ P, char* dst, const char* a, co
 
 // ---- gated linear units: dst = act(x) * g --------------------------------------------------------------
 // P: [n, ne0..3, nbd0..3, nbx0..3, nbg0..3, op(1 geglu, 2 swiglu)]
+__device__ __forceinline__ float glu1(float x, float g, int op) {
+    return (op == 2 ? x * sigmoidf_(x) : gelu_(x)) * g;
+}
 template <typename T>
 __global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const char* g) {
+    pdl_enter();
     const i64 n = P[0];
     const int op = (int)P[17];
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const float xv = ld<T>(x + offs4(i, P + 1, P + 9));
         const float gv = ld<T>(g + offs4(i, P + 1, P + 13));
-        const float a = op == 2 ? xv * sigmoidf_(xv) : gelu_(xv);
-        st<T>(dst + offs4(i, P + 1, P + 5), a * gv);
+        st<T>(dst + offs4(i, P + 1, P + 5), glu1(xv, gv, op));
     }
 }
 
@@ -298,6 +319,7 @@ __global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const
 // src + b, also written to sum (ADD + norm [+ MUL], the ADD's result kept for its other readers).
 __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, const char* w,
                        const char* b, char* sum) {
+    pdl_enter();
     const i64 ne0 = P[0];
     i64 r = blockIdx.x;
     const i64 i1 = r % P[1]; r /= P[1];
@@ -369,13 +391,34 @@ __device__ __forceinline__ void quantize4(char* sx, float4 v, int e, int total) 
     }
 }
 
+// k_glu for contiguous F32 rows of ne0 % 32 == 0 elements, 16-byte aligned, ne2 = ne3 = 1 (plan.py
+// picks it): a warp per 128 elements, float4 accesses. Same P as k_glu, plus xq: when not null
+// the result is also written quantized as k_quant_x writes it, for the register mat-vec that
+// reads it (the FFN's down projection), saving that launch. Grid: warps of 128 elements / 8.
+__global__ void k_glu_vec(const i64* __restrict__ P, char* dst, const char* x, const char* g, char* xq) {
+    pdl_enter();
+    const int total = (int)P[0], K = (int)P[1], op = (int)P[17];
+    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w * 128 >= total) return;  // whole warps: the shuffles in quantize4 need all 32 lanes
+    const int e = w * 128 + 4 * (threadIdx.x & 31), j = e / K, c = e - j * K;
+    float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < total) {
+        const float4 a = *(const float4*)(x + j * P[10] + 4 * (i64)c);
+        const float4 b = *(const float4*)(g + j * P[14] + 4 * (i64)c);
+        y = make_float4(glu1(a.x, b.x, op), glu1(a.y, b.y, op), glu1(a.z, b.z, op), glu1(a.w, b.w, op));
+        *(float4*)(dst + j * P[6] + 4 * (i64)c) = y;
+    }
+    if (xq) quantize4(xq, y, e, total);
+}
+
 // k_norm for contiguous F32 rows of ne0 % 4 == 0 elements, at most 16 per thread (plan.py:
 // _norm picks it and the block size): the row is read once into registers as float4s, the sums
 // come from there, and every access is a 16-byte one. Same P and arguments as k_norm, plus xq:
 // when not null (rows of a multiple of 32 elements, ne2 = ne3 = 1), the result is also written
 // quantized as k_quant_x writes it, for the register mat-vecs that read it (saving that launch).
-__global__ void k_norm_vec(const i64* __restrict__ P, char* dst, const char* src, const char* w,
-                           const char* b, char* sum, char* xq) {
+__global__ void __launch_bounds__(1024) k_norm_vec(const i64* __restrict__ P, char* dst, const char* src,
+                                                   const char* w, const char* b, char* sum, char* xq) {
+    pdl_enter();
     const int n4 = (int)(P[0] / 4);
     int r = blockIdx.x;
     const int i1 = r % (int)P[1]; r /= (int)P[1];
@@ -388,6 +431,15 @@ __global__ void k_norm_vec(const i64* __restrict__ P, char* dst, const char* src
     for (int k = 0; k < 4; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         v[k] = c < n4 ? s[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // the MUL's weights (or ones) load with the row, not after the reductions: one round trip
+    float4 g[4];
+    const float4* wr = P[14] != 0 ? (const float4*)(w + (i1 % (int)P[16]) * P[20] + (i2 % (int)P[17]) * P[21] +
+                                                    (i3 % (int)P[18]) * P[22]) : nullptr;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        g[k] = wr && c < n4 ? wr[c] : make_float4(1.f, 1.f, 1.f, 1.f);
     }
     if (P[23] != 0) {  // fused ADD: rows of src + b, the sum written too
         const float4* br = (const float4*)(b + i1 * P[25] + i2 * P[26] + i3 * P[27]);
@@ -420,8 +472,6 @@ __global__ void k_norm_vec(const i64* __restrict__ P, char* dst, const char* src
     }
     const float ss = block_sum(acc);
     const float scale = op == 2 ? 1.0f / fmaxf(sqrtf(ss), (float)pf(P, 13)) : rsqrtf(ss / ne0 + (float)pf(P, 13));
-    const float4* wr = P[14] != 0 ? (const float4*)(w + (i1 % (int)P[16]) * P[20] + (i2 % (int)P[17]) * P[21] +
-                                                    (i3 % (int)P[18]) * P[22]) : nullptr;
     const int total = (int)(P[0] * P[1]);
     #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -430,10 +480,7 @@ __global__ void k_norm_vec(const i64* __restrict__ P, char* dst, const char* src
         if (c < n4) {
             y = make_float4((v[k].x - mean) * scale, (v[k].y - mean) * scale, (v[k].z - mean) * scale,
                             (v[k].w - mean) * scale);
-            if (wr) {
-                const float4 g = wr[c];
-                y.x *= g.x; y.y *= g.y; y.z *= g.z; y.w *= g.w;
-            }
+            y.x *= g[k].x; y.y *= g[k].y; y.z *= g[k].z; y.w *= g[k].w;
             d[c] = y;
         }
         // every lane takes part (the shuffles); those past the row write nothing (e = total)
@@ -445,6 +492,7 @@ __global__ void k_norm_vec(const i64* __restrict__ P, char* dst, const char* src
 // P: [ne0..3, nba0..3, nbd0..3, nem1..3, nbm0..3, has_mask, scale, max_bias, n_head_log2, m0, m1]
 template <typename Tm>
 __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, const char* mask) {
+    pdl_enter();
     const i64 ne0 = P[0];
     i64 r = blockIdx.x;
     const i64 i1 = r % P[1]; r /= P[1];
@@ -483,6 +531,7 @@ __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, 
 // P: [ne0..3, nba0..3, nbd0..3, n_dims, mode, freq_scale, ext_factor, attn_factor, corr0, corr1, theta_scale]
 template <typename T>
 __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, const int* pos) {
+    pdl_enter();
     const i64 half = P[0] / 2;
     const i64 n = half * P[1] * P[2] * P[3];
     const int n_dims = (int)P[12];
@@ -526,6 +575,7 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
 // P: [ne0..3(dst), nbd0..3, nba0..3, nbi0..2, n_rows_a]; err: flag set on a bad index
 template <typename T>
 __global__ void k_get_rows(const i64* __restrict__ P, char* dst, const char* a, const int* idx, int* err) {
+    pdl_enter();
     const i64 n = P[0] * P[1] * P[2] * P[3];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
@@ -540,6 +590,7 @@ __global__ void k_get_rows(const i64* __restrict__ P, char* dst, const char* a, 
     }
 }
 __global__ void k_get_rows_i32(const i64* __restrict__ P, char* dst, const char* a, const int* idx, int* err) {
+    pdl_enter();
     const i64 n = P[0] * P[1] * P[2] * P[3];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
@@ -555,6 +606,7 @@ __global__ void k_get_rows_i32(const i64* __restrict__ P, char* dst, const char*
 // quantized rows: one thread per 32-element chunk. Same P (ne0 in elements).
 template <int QT>
 __global__ void k_get_rows_q(const i64* __restrict__ P, char* dst, const char* a, const int* idx, int* err) {
+    pdl_enter();
     const i64 nch = P[0] / 32;
     const i64 n = nch * P[1] * P[2] * P[3];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
@@ -613,6 +665,7 @@ __device__ void store32(u8* row, i64 c, const float* x) {
 // P: [ne0..3(src), nbs0..3, nbd0..3, nbi0..2, nei1, nei2, n_rows_dst]
 template <typename Td>
 __global__ void k_set_rows(const i64* __restrict__ P, char* dst, const char* src, const int* idx, int* err) {
+    pdl_enter();
     const i64 n = P[0] * P[1] * P[2] * P[3];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
@@ -627,6 +680,7 @@ __global__ void k_set_rows(const i64* __restrict__ P, char* dst, const char* src
 }
 template <int QT>
 __global__ void k_set_rows_q(const i64* __restrict__ P, char* dst, const char* src, const int* idx, int* err) {
+    pdl_enter();
     const i64 nch = P[0] / 32;
     const i64 n = nch * P[1] * P[2] * P[3];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
@@ -647,11 +701,13 @@ __global__ void k_set_rows_q(const i64* __restrict__ P, char* dst, const char* s
 // P: [n, nes0..3, nbs0..3, ned0..3, nbd0..3]
 template <typename Td, typename Ts>
 __global__ void k_cpy(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const i64 n = P[0];
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         st<Td>(dst + offs4(i, P + 9, P + 13), ld<Ts>(src + offs4(i, P + 1, P + 5)));
 }
 __global__ void k_cpy_i32(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const i64 n = P[0];
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         *(int*)(dst + offs4(i, P + 9, P + 13)) = *(const int*)(src + offs4(i, P + 1, P + 5));
@@ -659,6 +715,7 @@ __global__ void k_cpy_i32(const i64* __restrict__ P, char* dst, const char* src)
 // float -> Q8_0/Q4_0 (dst packed rows, one thread per 32-element block of dst)
 template <int QT, typename Ts>
 __global__ void k_cpy_q(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const i64 nblk = P[0] / 32;
     const i64 ned0 = P[9];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < nblk; t += (i64)gridDim.x * blockDim.x) {
@@ -673,6 +730,7 @@ __global__ void k_cpy_q(const i64* __restrict__ P, char* dst, const char* src) {
 // Q* -> F32 (src packed rows)
 template <int QT>
 __global__ void k_cpy_dq(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const i64 nblk = P[0] / 32;
     const i64 nes0 = P[1];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < nblk; t += (i64)gridDim.x * blockDim.x) {
@@ -689,6 +747,7 @@ __global__ void k_cpy_dq(const i64* __restrict__ P, char* dst, const char* src) 
 // P: [n, ned0..3, nbd0..3, nea0..3, nba0..3, nbb0..3, dim]
 template <typename T>
 __global__ void k_concat(const i64* __restrict__ P, char* dst, const char* a, const char* b) {
+    pdl_enter();
     const i64 n = P[0];
     const int dim = (int)P[21];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
@@ -710,6 +769,7 @@ __global__ void k_concat(const i64* __restrict__ P, char* dst, const char* a, co
 // sum_rows / mean: one block per row. P: [ne0..3, nbs0..3, nbd1..3, mean]
 template <typename T>
 __global__ void k_sum_rows(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     i64 r = blockIdx.x;
     const i64 i1 = r % P[1]; r /= P[1];
     const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
@@ -722,6 +782,7 @@ __global__ void k_sum_rows(const i64* __restrict__ P, char* dst, const char* src
 // sum of everything: one block. P: [n, ne0..3, nbs0..3]
 template <typename T>
 __global__ void k_sum(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     float acc = 0.0f;
     for (i64 i = threadIdx.x; i < P[0]; i += blockDim.x) acc += ld<T>(src + offs4(i, P + 1, P + 5));
     acc = block_sum(acc);
@@ -729,6 +790,7 @@ __global__ void k_sum(const i64* __restrict__ P, char* dst, const char* src) {
 }
 // argmax per row (first maximum). P: [ne0, ne1, nbs0, nbs1, nbd0]
 __global__ void k_argmax(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const char* s = src + blockIdx.x * P[3];
     __shared__ float bv[1024];
     __shared__ int bi[1024];
@@ -761,6 +823,7 @@ __global__ void k_argmax(const i64* __restrict__ P, char* dst, const char* src) 
 // argsort per row, stable: the rank of element i is the number of elements ordered before it.
 // P: [ne0..3, nbs0..3, nbd0..3, desc]
 __global__ void k_argsort(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     i64 r = blockIdx.x;
     const i64 i1 = r % P[1]; r /= P[1];
     const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
@@ -785,6 +848,7 @@ __global__ void k_argsort(const i64* __restrict__ P, char* dst, const char* src)
 //     fastdiv(ne0) x3, fastdiv(ne1) x3, fastdiv(ne2) x3, fastdiv(KW) x3, fastdiv(KH) x3] (from 23)
 template <typename Td>
 __global__ void k_im2col(const i64* __restrict__ P, char* dst, const char* x) {
+    pdl_enter();
     const i64 n = P[0];
     const fastdiv_t f0 = fdv(P, 23), f1 = fdv(P, 26), f2 = fdv(P, 29), fkw = fdv(P, 32), fkh = fdv(P, 35);
     const int W = (int)P[13], H = (int)P[14];
@@ -808,6 +872,7 @@ __global__ void k_im2col(const i64* __restrict__ P, char* dst, const char* x) {
 // ---- col2im_1d: out[b, c, t] = sum over (t_in, k) with t + p0 == t_in*s0 + k of a[b, t_in, c*K + k] ----
 // P: [n, T_out, OC, B, nbd0..2, nba0..2, K, T_in, s0, p0, fastdiv(T_out) x3, fastdiv(OC) x3]
 __global__ void k_col2im_1d(const i64* __restrict__ P, char* dst, const char* a) {
+    pdl_enter();
     const i64 n = P[0];
     const fastdiv_t ft = fdv(P, 14), fc = fdv(P, 17);
     const int K = (int)P[10], T_in = (int)P[11], s0 = (int)P[12], p0 = (int)P[13];
@@ -828,10 +893,15 @@ __global__ void k_col2im_1d(const i64* __restrict__ P, char* dst, const char* a)
 // ---- mat-vec: W lanes per weight row (a power of two <= 32: short rows, like attention over a
 // KV cache, get several rows per warp instead of idle lanes), lanes over 32-element chunks, all N
 // activation rows. out[.., n, m] = sum_k W[.., m, k] * x[.., n, k]
-// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbx1, nbx2, nbx3, nbd1, nbd2, nbd3, W]
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbx1, nbx2, nbx3, nbd1, nbd2, nbd3, W, staged]
 #define MMV_MAXN 8
+// P[17] set: the block first copies its N activation rows into dynamic shared memory (N * K
+// floats, plan.py sizes it), all loads in flight at once, instead of each lane reading them from
+// L2 in the product loop, one round trip per activation row.
 template <int WT>
 __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* w, const char* x) {
+    pdl_enter();
+    extern __shared__ float4 xsh[];
     const int W = (int)P[16], lane = threadIdx.x & 31, sub = lane & (W - 1);
     const i64 m = ((i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * (32 / W) + lane / W;
     const bool live = m < P[0];  // dead lanes still take part in the shuffles
@@ -839,6 +909,15 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
     const int nch = (int)(P[1] / 32), N = (int)P[2];
     const u8* row = (const u8*)(w + (live ? m : 0) * P[7] + (i2 / P[5]) * P[8] + (i3 / P[6]) * P[9]);
     const char* xb = x + i2 * P[11] + i3 * P[12];
+    const bool staged = P[17] != 0;
+    const int k4 = (int)(P[1] / 4);
+    if (staged) {
+        for (int t = threadIdx.x; t < N * k4; t += blockDim.x) {
+            const int j = t / k4;
+            xsh[t] = ((const float4*)(xb + j * P[10]))[t - j * k4];
+        }
+        __syncthreads();
+    }
     float acc[MMV_MAXN];
     #pragma unroll
     for (int j = 0; j < MMV_MAXN; ++j) acc[j] = 0.0f;
@@ -848,7 +927,7 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
         #pragma unroll
         for (int j = 0; j < MMV_MAXN; ++j) {
             if (j >= N) break;
-            const float4* xv = (const float4*)(xb + j * P[10]) + 8 * c;
+            const float4* xv = (staged ? xsh + j * k4 : (const float4*)(xb + j * P[10])) + 8 * c;
             float s = 0.0f;
             #pragma unroll
             for (int l = 0; l < 8; ++l) {
@@ -871,6 +950,7 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
 template <int WT>
 __global__ void k_mul_mat_id(const i64* __restrict__ P, char* dst, const char* w, const char* x,
                              const char* ids, int* err) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const i64 m = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (m >= P[0]) return;
@@ -895,6 +975,7 @@ __global__ void k_mul_mat_id(const i64* __restrict__ P, char* dst, const char* w
 // dequantize rows to a packed F16 matrix (for the cuBLAS path). P: [M, K, nbw1]
 template <int WT>
 __global__ void k_dequant_f16(const i64* __restrict__ P, __half* dst, const char* w) {
+    pdl_enter();
     const i64 nch = P[1] / 32;
     const i64 n = P[0] * nch;
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
@@ -1153,6 +1234,7 @@ __device__ __forceinline__ void mmvp_consume(const u8* stage, int s0, int nbytes
 // MMVP_SEG bytes of stages, then the activations (plan.py: _mmvp_smem)
 template <int WT>
 __global__ void __launch_bounds__(512) k_mmv_pipe(const i64* __restrict__ P, char* dst, const char* w, const char* x) {
+    pdl_enter();
     extern __shared__ uint4 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int M = (int)P[0], K = (int)P[1], N = (int)P[2];
@@ -1263,6 +1345,7 @@ template <> struct unit_regs<12> {
 // P: [K, N, ne2, nbx1, nbx2, nbx3, xq_bytes]; grid (warps of 128 elements / 8, ne2 * ne3), 256 threads.
 // Batch b's N x K activations → xq + b * xq_bytes, in quantize4's layout.
 __global__ void k_quant_x(const i64* __restrict__ P, char* xq, const char* x) {
+    pdl_enter();
     const int K = (int)P[0], total = (int)P[1] * K;
     const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (w * 128 >= total) return;  // whole warps: the shuffles in quantize4 need all 32 lanes
@@ -1273,7 +1356,7 @@ __global__ void k_quant_x(const i64* __restrict__ P, char* xq, const char* x) {
     quantize4(xq + blockIdx.y * P[6], v, e, total);
 }
 
-// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, lpr, xq_bytes]; lpr: lanes
+// P: [M, K, N, ne2, ne3, r2, r3, nbw1, nbw2, nbw3, nbd1, nbd2, nbd3, lpr, xq_bytes, early]; lpr: lanes
 // per row (8 .. 128, a power of two: 128 / lpr rows per 128-thread block); grid (rows / (128 /
 // lpr), ne2 * ne3). NMAX: 1, or MMV_MAXN for 1..8 activation rows (one accumulator each: the
 // single-row kernel keeps to 64 registers, so 8 blocks fit an SM). Rows 16-byte aligned; K a
@@ -1300,11 +1383,20 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     float acc[NMAX];
     #pragma unroll
     for (int j = 0; j < NMAX; ++j) acc[j] = 0.0f;
-    for (int u0 = lid; u0 < units; u0 += lpr * U) {
-        unit_regs<WT> r[U];
+    unit_regs<WT> r[U];
+    auto load = [&](int u0) {
         #pragma unroll
         for (int i = 0; i < U; ++i)
             if (u0 + lpr * i < units) r[i].load(row, u0 + lpr * i);
+    };
+    // P[15] set (plan.py: no kernel of the graph writes the weights' buffer): the first pass's
+    // weights are in flight before waiting for the kernel that wrote the activations
+    const bool early = P[15] != 0;
+    if (early) load(lid);
+    pdl_enter();
+    if (!early) load(lid);
+    for (int u0 = lid; u0 < units; u0 += lpr * U) {
+        if (u0 != lid) load(u0);
         #pragma unroll
         for (int i = 0; i < U; ++i) {
             const int u = u0 + lpr * i;
@@ -1378,6 +1470,7 @@ __device__ __forceinline__ void stage_segment(uint4* dst, const uint4* src, int 
 template <int WT>
 __global__ void __launch_bounds__(32 * MMVQ_WARPS) k_dequant_staged(const i64* __restrict__ P, __half* dst,
                                                                      const char* w) {
+    pdl_enter();
     __shared__ uint4 smem[MMVQ_WARPS][MMVQ_SEG / 16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 m = (i64)blockIdx.x * MMVQ_WARPS + warp;
@@ -1410,6 +1503,7 @@ __global__ void __launch_bounds__(32 * MMVQ_WARPS) k_dequant_staged(const i64* _
 // contiguous conversion (activations to the GEMM's type): no index arithmetic
 template <typename Td, typename Ts>
 __global__ void k_convert(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
     const i64 n = P[0];
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         st<Td>(dst + i * sizeof(Td), ld<Ts>(src + i * sizeof(Ts)));

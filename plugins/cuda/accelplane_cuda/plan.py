@@ -28,6 +28,7 @@ from accelplane.ops import (
 )
 from accelplane.types import GGMLType
 
+from .launch import Launch, pdl_wanted
 from .layout import X8, type_id
 
 T = GGMLType
@@ -102,7 +103,7 @@ def _names() -> list[str]:
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
     n += ["k_norm", "k_norm_vec", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
-    n += ["k_quant_x"]
+    n += ["k_quant_x", "k_glu_vec"]
     return n
 
 
@@ -144,6 +145,7 @@ def compile_module(device: int) -> dict:
             fns[f"k_mmv_pipe<{w}>"].max_dynamic_shared_size_bytes = optin
         fns["smem_optin"] = optin
         fns["sm_count"] = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+        fns["cc"] = int(cp.cuda.Device(device).compute_capability)
     return fns
 
 
@@ -212,6 +214,17 @@ def _f(x: float) -> int:
     return int(np.array([x], np.float64).view(np.int64)[0])
 
 
+def _written_buffers(graph) -> set[int]:
+    """ids of the buffers that some node of ``graph`` writes (its own tensor; CPY's and
+    SET_ROWS's destination)."""
+    out = set()
+    for n in graph.nodes:
+        if n.op is not None and n.op not in VIEW_OPS:
+            dst = n.src[1] if n.op is Op.CPY else n.src[0] if n.op is Op.SET_ROWS else n
+            out |= {id(n.buffer), id(dst.buffer)}
+    return out
+
+
 class CudaPlan:
     """Launches for every node of a graph on one stream, replayed (as a CUDA graph once
     warm) by ``run``."""
@@ -240,6 +253,10 @@ class CudaPlan:
         self.xq_ready: dict[int, tuple] = {}
         with cp.cuda.Device(sctx.device):
             self.fns = kernels(sctx.device)
+            self.pdl = pdl_wanted(self.fns["cc"])
+            # buffers some kernel of this graph writes: the register mat-vec waits before reading
+            # weights there (kernels.cu: pdl_enter)
+            self.written = _written_buffers(graph)
             fusion = Fusion(graph)
             covered = 0  # nodes still to skip: computed by the last fused kernel
             for i, n in enumerate(graph.nodes):
@@ -277,12 +294,13 @@ class CudaPlan:
         return int(m.ptr)
 
     def _launch(self, name: str, n: int, args: tuple, block: int = THREADS, grid=None, smem: int = 0) -> None:
-        fn = self.fns[name]
         self.kernel_names.append(name)
         if grid is None:
             grid = (max(1, min((n + block - 1) // block, 65535)),)
-        blk = (block,)
-        self.steps.append(lambda: fn(grid, blk, args, shared_mem=smem))
+        # a graph's first launch waits for all earlier work in the stream (kernels.cu: pdl_enter)
+        pdl = self.pdl and bool(self.steps)
+        stream = self.sctx.stream.ptr
+        self.steps.append(Launch(name, self.fns[name], grid, (block,), smem, stream, args, pdl))
 
     def _elementwise_copy(self, src, dst, sp=None, dp=None) -> None:
         """dst (any layout) ← src (any layout), element order row-major (CPY semantics)."""
@@ -343,7 +361,14 @@ class CudaPlan:
                 xp, gp, nbx, nbg = int(self._ptr(a)), int(self._ptr(b)), a.nb, b.nb
             P = self._P([n.nelements, *n.ne, *n.nb, *nbx, *nbg, int(op)])
             args = (P, self._ptr(n), np.uint64(xp), np.uint64(gp))
-            self._launch(f"k_glu<{CTYPE[n.type]}>", n.nelements, args)
+            vec = n.ne[0] % 32 == 0 and n.ne[2] == n.ne[3] == 1 and xp % 16 == 0 and gp % 16 == 0
+            vec = vec and self._f32_rows16(n) and all(q[0] == 4 and q[1] % 16 == 0 for q in (nbx, nbg))
+            vec = vec and a.type == T.F32 and (b is None or b.type == T.F32)
+            if vec:  # float4s, and the quantized activations of a register mat-vec reading it
+                grid = (-(-n.nelements // 1024),)
+                self._launch("k_glu_vec", 0, (*args, self._xq_for(n)), block=256, grid=grid)
+            else:
+                self._launch(f"k_glu<{CTYPE[n.type]}>", n.nelements, args)
         elif o in (Op.NORM, Op.RMS_NORM, Op.L2_NORM):
             self._norm(n)
         elif o is Op.SOFT_MAX:
@@ -425,18 +450,29 @@ class CudaPlan:
         # enough threads for 4 float4s each (one block per row: a decode has a single row)
         ts = [t for t in (a, out, w, add and add.src[1], add) if t is not None]
         vec = a.ne[0] % 4 == 0 and a.ne[0] <= 16384 and (w is None or w.ne[0] == a.ne[0])
-        vec = vec and all(t.type == T.F32 and t.nb[0] == 4 and all(x % 16 == 0 for x in t.nb[1:])
-                          and (t.buffer.ctx.ptr + t.offs) % 16 == 0 for t in ts)  # fmt: skip
+        vec = vec and all(map(self._f32_rows16, ts))
         if vec:
             threads = min(1024, max(32, -(-a.ne[0] // 16 // 32) * 32))
-            xq = np.uint64(0)
-            readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[1] is out and c.src[0].buffer]
-            if a.ne[0] % 32 == 0 and out.ne[2] == out.ne[3] == 1 and any(map(self._takes_row, readers)):
-                xq = np.uint64(self._scratch(out.ne[1] * out.ne[0] + out.ne[1] * out.ne[0] // 32 * 8))
-                self.xq_ready[id(out)] = (out, xq)
-            self._launch("k_norm_vec", 0, (*args, xq), block=threads, grid=(a.nrows,))
+            self._launch("k_norm_vec", 0, (*args, self._xq_for(out)), block=threads, grid=(a.nrows,))
         else:
             self._launch("k_norm", 0, args, block=256, grid=(a.nrows,))
+
+    @staticmethod
+    def _f32_rows16(t) -> bool:
+        """F32 rows of contiguous elements, every row 16-byte aligned (float4 kernels)."""
+        return (t.type == T.F32 and t.nb[0] == 4 and all(x % 16 == 0 for x in t.nb[1:])
+                and (t.buffer.ctx.ptr + t.offs) % 16 == 0)  # fmt: skip
+
+    def _xq_for(self, out) -> np.uint64:
+        """Scratch for ``out`` quantized as k_quant_x writes it, when a register mat-vec reads
+        ``out`` (rows of a multiple of 32 elements, ne2 = ne3 = 1): the kernel writing ``out``
+        then writes that too, and _mmv_row skips k_quant_x. Else a null pointer."""
+        readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[1] is out and c.src[0].buffer]
+        if out.ne[0] % 32 or out.ne[2] != 1 or out.ne[3] != 1 or not any(map(self._takes_row, readers)):
+            return np.uint64(0)
+        xq = np.uint64(self._scratch(out.ne[1] * out.ne[0] + out.ne[1] * out.ne[0] // 32 * 8))
+        self.xq_ready[id(out)] = (out, xq)
+        return xq
 
     def _fuse(self, fusion: Fusion, i: int, nodes) -> int:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
@@ -583,7 +619,7 @@ class CudaPlan:
         # rows per block for short rows, so every thread keeps u units in flight)
         lpr = min(128, max(8, 1 << (-(-units // u) - 1).bit_length()))
         P = self._P([a.ne[1], k, nrow, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
-                     *a.nb[1:], *n.nb[1:], lpr, xq_bytes])  # fmt: skip
+                     *a.nb[1:], *n.nb[1:], lpr, xq_bytes, int(id(a.buffer) not in self.written)])  # fmt: skip
         grid = (-(-a.ne[1] // (128 // lpr)), batches)
         name = f"k_mmv_row<{wt},{u},{1 if nrow == 1 else MMV_MAXN}>"
         self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
@@ -611,13 +647,16 @@ class CudaPlan:
             # graph is captured whole as one CUDA graph
             xp, xnb = self._x_f32(b)
             lanes = min(32, 1 << max(0, (a.ne[0] // 32 - 1).bit_length()))  # per row: >= its chunks
+            # the activation rows staged in shared memory where they fit the default 48 KiB
+            smem = nrow_b * a.ne[0] * 4
+            smem = smem if smem <= 48 * 1024 else 0
             P = self._P([a.ne[1], a.ne[0], nrow_b, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
-                         *a.nb[1:], *xnb[1:], *n.nb[1:], lanes])  # fmt: skip
+                         *a.nb[1:], *xnb[1:], *n.nb[1:], lanes, int(smem > 0)])  # fmt: skip
             warps = 4
             rows_per_block = warps * (32 // lanes)
             grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, b.ne[2] * b.ne[3])
             self._launch(f"k_mul_mat_vec<{type_id(a)}>", 0, (P, self._ptr(n), self._ptr(a), xp),
-                         block=32 * warps, grid=grid)  # fmt: skip
+                         block=32 * warps, grid=grid, smem=smem)  # fmt: skip
             return
         self._gemm(n)
 

@@ -307,6 +307,95 @@ def test_norm_quantizes_for_matvec(n):
         buf.free()
 
 
+@pytest.mark.parametrize("k, n", [(64, 8), (256, 8), (2048, 8), (128, 1)])
+@pytest.mark.parametrize("wtype", ["F16", "F32"])
+def test_small_products_stage_activations(k, n, wtype):
+    """The KV-cache products of a decode (F16/F32, few rows, batched over heads with
+    broadcast) by k_mul_mat_vec, with the activation rows staged in shared memory where they
+    fit 48 KiB (2048 x 8 floats do not: read from L2 instead), against float64 numpy."""
+    dev = _cuda()
+    m, heads, g = 96, 4, 2
+    rng = np.random.default_rng(7)
+    ctx = Context()
+    a = ctx.new_tensor_ne(T[wtype], k, m, heads, name="a")
+    b = ctx.new_tensor_ne(T.F32, k, n, heads * g, name="b")  # broadcast: g activation batches per a
+    y = ctx.mul_mat(a, b)
+    graph = ctx.graph(y)
+    buf = alloc_tensors(ctx.tensors + list(graph.nodes), dev.buffer_type)
+    av = rng.standard_normal((heads, m, k)).astype(np.float16 if wtype == "F16" else np.float32)
+    bv = rng.standard_normal((heads * g, n, k)).astype(np.float32)
+    a.set(av)
+    b.set(bv)
+    be = dev.new_backend()
+    try:
+        be.compute(graph)
+        plan = be.ctx.plans.get(graph)
+        assert plan.kernel_names == [f"k_mul_mat_vec<{0 if wtype == 'F32' else 1}>"], plan.kernel_names
+        want = np.einsum("hmk,hnk->hnm", np.repeat(av.astype(np.float64), g, axis=0), bv.astype(np.float64))
+        np.testing.assert_allclose(y.get().reshape(want.shape), want, rtol=1e-4, atol=1e-3)
+    finally:
+        be.free()
+        buf.free()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("merged", [True, False])
+def test_glu_quantizes_for_matvec(n, merged):
+    """A SWIGLU (of a merged gate/up tensor, or of two) read by a register mat-vec runs as the
+    vector kernel and writes the quantized activations itself (no k_quant_x launch); its float
+    result, read by another node too, stays exact. Rows of 2050 take the general kernel. Against
+    float64 numpy on the gguf package's dequantization."""
+    import gguf
+
+    dev = _cuda()
+    k, m = 1536, 96
+    rng = np.random.default_rng(6)
+    ctx = Context()
+    w = ctx.new_tensor_ne(T.Q4_0, k, m, name="w")
+    if merged:
+        gu = ctx.new_tensor_ne(T.F32, 2 * k, n, name="gu")
+        a = ctx.swiglu(gu)
+        ins = [gu]
+    else:
+        gt, up = ctx.new_tensor_ne(T.F32, k, n, name="g"), ctx.new_tensor_ne(T.F32, k, n, name="u")
+        a = ctx.swiglu(gt, up)
+        ins = [gt, up]
+    odd = ctx.new_tensor_ne(T.F32, 2050, n, name="odd")
+    outs = [ctx.mul_mat(w, a), ctx.scale(a, 2.0), ctx.swiglu(odd, odd)]
+    graph = ctx.graph(*outs)
+    buf = alloc_tensors(ctx.tensors + list(graph.nodes), dev.buffer_type)
+    vals = {t: rng.standard_normal(t.shape).astype(np.float32) for t in (*ins, odd)}
+    for t, v in vals.items():
+        t.set(v)
+    raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    w.set_bytes(raw.reshape(-1))
+    wf = gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType.Q4_0).reshape(m, k).astype(np.float64)
+    be = dev.new_backend()
+    try:
+        be.compute(graph)
+        names = be.ctx.plans.get(graph).kernel_names
+        assert names.count("k_glu_vec") == 1 and "k_quant_x" not in names, names
+        assert "k_glu<float>" in names, names  # the 2050-element rows
+
+        def swiglu(x, g):
+            return x / (1 + np.exp(-x)) * g
+
+        if merged:
+            v = vals[gu].astype(np.float64)
+            av = swiglu(v[:, :k], v[:, k:])
+        else:
+            av = swiglu(vals[gt].astype(np.float64), vals[up].astype(np.float64))
+        np.testing.assert_allclose(outs[1].get(), 2 * av, rtol=1e-5, atol=1e-5)
+        ov = vals[odd].astype(np.float64)
+        np.testing.assert_allclose(outs[2].get(), swiglu(ov, ov), rtol=1e-5, atol=1e-5)
+        want = av @ wf.T
+        err = np.abs(outs[0].get().reshape(want.shape) - want).max() / np.abs(want).max()
+        assert err < 2e-2, err  # int8 activations: ~1% of a row's scale
+    finally:
+        be.free()
+        buf.free()
+
+
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q8_0"])
 def test_x8_weights(wtype):
     """Q4_0/Q8_0 weights in a weights buffer are stored regrouped (accelplane_cuda.layout):
@@ -403,3 +492,70 @@ def test_x8_weights(wtype):
     be.free()
     for b in (wbuf, cbuf, bufs):
         b.free()
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_programmatic_launch_chain(monkeypatch, pdl):
+    """A decode-like chain (norm, mat-vecs on weights, residual adds, a SET_ROWS into a
+    cache that a product then reads) gives the float64 answer with and without programmatic
+    dependent launch, replayed as a CUDA graph too; the first launch of a graph never carries
+    the attribute, and the register mat-vec reads weights before waiting only when no kernel
+    of the graph writes their buffer (here: the CPY into a weights-buffer tensor disables it
+    for the weights sharing that buffer)."""
+    import gguf
+    from accelplane.backend import BufferUsage
+
+    monkeypatch.setenv("ACCELPLANE_CUDA_PDL", pdl)
+    dev = _cuda()
+    k, layers = 2048, 6
+    rng = np.random.default_rng(11)
+    ctx = Context()
+    ws = [ctx.new_tensor_ne(T.Q4_0, k, k, name=f"w{i}") for i in range(layers)]
+    wq = ctx.new_tensor_ne(T.Q8_0, k, 64, name="wq")  # written below, in a weights buffer
+    wo = ctx.new_tensor_ne(T.Q8_0, k, 64, name="wo")  # shares wq's buffer: no early reads
+    x = ctx.new_tensor_ne(T.F32, k, name="x")
+    src = ctx.new_tensor_ne(T.F32, k, 64, name="src")
+    wbuf = alloc_tensors(ws, dev.buffer_type, BufferUsage.WEIGHTS)
+    wbuf2 = alloc_tensors([wq, wo], dev.buffer_type, BufferUsage.WEIGHTS)
+    h = x
+    for w in ws:
+        h = ctx.add(ctx.mul_mat(w, ctx.rms_norm(h, 1e-5)), h)
+    filled = ctx.cpy(src, wq)
+    outs = [h, ctx.mul_mat(filled, h), ctx.mul_mat(wo, h)]
+    g = ctx.graph(*outs)
+    buf = alloc_tensors([x, src, *g.nodes], dev.buffer_type, BufferUsage.COMPUTE)
+    wf = []
+    for w in (*ws, wo):
+        qt = gguf.GGMLQuantizationType[w.type.name]
+        raw = gguf.quantize((rng.standard_normal((w.ne[1], k)) * 0.02).astype(np.float32), qt).reshape(-1)
+        w.set_bytes(raw)
+        wf.append(gguf.dequantize(raw, qt).reshape(w.ne[1], k).astype(np.float64))
+    be = dev.new_backend()
+    try:
+        for rep in range(3):  # eager, then captured, then replayed
+            xv = rng.standard_normal(k).astype(np.float32)
+            sv = rng.standard_normal((64, k)).astype(np.float32)
+            x.set(xv)
+            src.set(sv)
+            be.compute(g)
+            hv = xv.astype(np.float64)
+            for w in wf[:layers]:
+                hv = w @ (hv / np.sqrt((hv * hv).mean() + 1e-5)) + hv
+            svq = gguf.dequantize(gguf.quantize(sv, gguf.GGMLQuantizationType.Q8_0).reshape(-1),
+                                  gguf.GGMLQuantizationType.Q8_0).reshape(64, k)  # fmt: skip
+            for got, want in ((outs[0], hv), (outs[1], svq @ hv), (outs[2], wf[-1] @ hv)):
+                err = np.abs(got.get().reshape(want.shape) - want).max() / np.abs(want).max()
+                assert err < 2e-2, (pdl, rep, err)
+        plan = be.ctx.plans.get(g)
+        assert plan.cuda_graph is not None, plan.graph_error
+        flags = [s.config.n_attrs for s in plan.steps]
+        want_pdl = pdl == "1" and plan.fns["cc"] >= 90
+        assert flags == [0] + [int(want_pdl)] * (len(flags) - 1), flags
+        # the CPY into wq writes its weights buffer (wo's products wait), ws's is read early
+        assert id(wq.buffer) in plan.written and id(ws[0].buffer) not in plan.written
+        assert sum(n.startswith("k_mmv_row<") for n in plan.kernel_names) == layers + 2, plan.kernel_names
+    finally:
+        be.free()
+        buf.free()
+        wbuf.free()
+        wbuf2.free()

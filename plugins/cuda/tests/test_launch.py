@@ -1,0 +1,62 @@
+"""Host-side checks of programmatic dependent launch (no GPU needed)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from accelplane.errors import DeviceError
+from accelplane_cuda import launch
+
+
+def _kernels() -> dict[str, str]:
+    """name → body of every __global__ function of kernels.cu."""
+    src = (Path(launch.__file__).parent / "kernels.cu").read_text()
+    out = {}
+    for m in re.finditer(r"__global__[^{;]*?\b(k_\w+)\s*\(", src):
+        start = src.index("{", m.end())
+        depth, i = 0, start
+        while True:
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        out[m.group(1)] = src[start : i + 1]
+    return out
+
+
+def test_every_kernel_waits_for_its_predecessor():
+    """The contract that makes programmatic launches safe (kernels.cu: pdl_enter): every
+    kernel calls pdl_enter first, except the register mat-vec, which may only load weights
+    before it, and only when the plan allows it (P[15])."""
+    bodies = _kernels()
+    assert len(bodies) >= 30
+    for name, body in bodies.items():
+        stmts = [s.strip() for s in body[1:].split(";") if s.strip()]
+        if name == "k_mmv_row":
+            before = body[: body.index("pdl_enter();")]
+            assert "if (early) load(lid)" in before and "dst" not in before.split("const bool early")[1]
+            assert "if (!early) load(lid)" in body
+        else:
+            assert stmts[0] == "pdl_enter()", (name, stmts[0])
+
+
+def test_launch_takes_numpy_scalars_only():
+    class Fn:
+        class kernel:  # noqa: N801 - CuPy's attribute name
+            ptr = 0
+
+    with pytest.raises(TypeError, match="NumPy scalar"):
+        launch.Launch("k_x", Fn, (1,), (32,), 0, 0, (np.uint64(1), 7), True)
+
+
+def test_pdl_switch(monkeypatch):
+    monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "1")
+    assert launch.pdl_wanted(90) and not launch.pdl_wanted(80)
+    monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "0")
+    assert not launch.pdl_wanted(90)
+    monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "yes")
+    with pytest.raises(DeviceError, match="ACCELPLANE_CUDA_PDL"):
+        launch.pdl_wanted(90)
