@@ -945,6 +945,176 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
         if (live && sub == 0) *(float*)(dst + m * 4 + j * P[13] + i2 * P[14] + i3 * P[15]) = s;
     }
 }
+// ==== decode attention: MUL_MAT(K, Q) → SOFT_MAX(scale, mask) → MUL_MAT(V, ·) as one kernel ====
+// (an accelplane.fusion run; plan.py: _attention). A block of 128 threads takes ATT_C cache
+// positions of one head batch for all R query rows (the rows of a GQA group share the K and V
+// loads): four lanes per position for the scores, one thread per V row (V is stored transposed:
+// a row per output feature, positions contiguous) for the weighted sum, the V loads in flight
+// while the scores are computed. Each block leaves its partial softmax (row max, sum, weighted V)
+// in scratch; the last block of a batch to finish (an atomic count, which it resets) combines
+// them, so a decode step needs one launch for the three nodes and never writes the scores.
+// P: [D, n_kv, R, ne2, ne3, r2k, r3k, nbk1, nbk2, nbk3, nbq1, nbq2, nbq3, has_mask, nbm1, nbm2, nbm3,
+//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, v16]
+// D a multiple of 8 up to ATT_MAXD with 16-byte aligned K rows; Dv <= 128; R <= ATT_MAXR; n_kv <=
+// ATT_C * ATT_MAXCH; v16:
+// V rows 16-byte aligned (vector loads of whole chunks). grid (chunks of ATT_C positions, ne2 *
+// ne3); part: grid.y * grid.x * ATT_MAXR * (Dv + 2) floats; count: grid.y ints, zero.
+#define ATT_C 32
+#define ATT_MAXR 8
+#define ATT_MAXD 256
+#define ATT_MAXCH 256  // chunks: n_kv <= 8192
+template <typename T> __device__ __forceinline__ void ld8f(const char* p, float* f);
+template <> __device__ __forceinline__ void ld8f<__half>(const char* p, float* f) {
+    const uint4 u = __ldg((const uint4*)p);
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 v = __half22float2(*(const __half2*)&w[i]);
+        f[2 * i] = v.x; f[2 * i + 1] = v.y;
+    }
+}
+template <> __device__ __forceinline__ void ld8f<float>(const char* p, float* f) {
+    const float4 a = __ldg((const float4*)p), b = __ldg((const float4*)p + 1);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+template <typename TK, typename TV, typename TM>
+__global__ void __launch_bounds__(128) k_attention(const i64* __restrict__ P, char* dst, const char* kc,
+                                                   const char* q, const char* mask, const char* vc,
+                                                   float* part, int* count) {
+    pdl_enter();
+    __shared__ float qs[ATT_MAXR * ATT_MAXD];
+    __shared__ float ps[ATT_MAXR][ATT_C];
+    __shared__ float ms[ATT_MAXR], ls[ATT_MAXR];
+    __shared__ float wsh[ATT_MAXR][ATT_MAXCH];
+    __shared__ bool last;
+    const int D = (int)P[0], nkv = (int)P[1], R = (int)P[2], Dv = (int)P[20];
+    const int b = blockIdx.y, i2 = b % (int)P[3], i3 = b / (int)P[3];
+    const int t = threadIdx.x, j0 = blockIdx.x * ATT_C;
+    const char* kb = kc + (i2 / (int)P[5]) * P[8] + (i3 / (int)P[6]) * P[9];
+    const char* vr = vc + (i2 / (int)P[21]) * P[24] + (i3 / (int)P[22]) * P[25] + t * P[23] + j0 * (i64)sizeof(TV);
+    // this thread's V row over the chunk (zeros past the cache's end)
+    float vf[ATT_C];
+    if (t < Dv) {
+        if (P[29] != 0 && j0 + ATT_C <= nkv) {
+            #pragma unroll
+            for (int i = 0; i < ATT_C; i += 8) ld8f<TV>(vr + i * sizeof(TV), vf + i);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < ATT_C; ++i) vf[i] = j0 + i < nkv ? ld<TV>(vr + i * sizeof(TV)) : 0.0f;
+        }
+    }
+    for (int i = t; i < R * D; i += blockDim.x) {
+        const int r = i / D;
+        qs[i] = *(const float*)(q + r * P[10] + i2 * P[11] + i3 * P[12] + (i - r * D) * 4);
+    }
+    __syncthreads();
+    // scores: four lanes per position, eight K elements at a time
+    const int jj = t >> 2, sub = t & 3, j = j0 + jj;
+    float sc[ATT_MAXR];
+    #pragma unroll
+    for (int r = 0; r < ATT_MAXR; ++r) sc[r] = 0.0f;
+    if (j < nkv) {
+        const char* kp = kb + (i64)j * P[7];
+        #pragma unroll 4
+        for (int d0 = sub * 8; d0 < D; d0 += 32) {
+            float kf[8];
+            ld8f<TK>(kp + d0 * sizeof(TK), kf);
+            #pragma unroll
+            for (int r = 0; r < ATT_MAXR; ++r) {
+                if (r < R) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) sc[r] += kf[i] * qs[r * D + d0 + i];
+                }
+            }
+        }
+    }
+    const float scale = (float)pf(P, 19);
+    #pragma unroll
+    for (int r = 0; r < ATT_MAXR; ++r) {
+        sc[r] += __shfl_xor_sync(0xffffffff, sc[r], 1);
+        sc[r] += __shfl_xor_sync(0xffffffff, sc[r], 2);
+        if (sub == 0 && r < R) {
+            float v = -AP_INF;
+            if (j < nkv) {
+                v = sc[r] * scale;
+                if (P[13] != 0)
+                    v += ld<TM>(mask + r * P[14] + (i2 % (int)P[17]) * P[15] + (i3 % (int)P[18]) * P[16] +
+                                j * (i64)sizeof(TM));
+            }
+            ps[r][jj] = v;
+        }
+    }
+    __syncthreads();
+    // the chunk's softmax numerators, row max and sum: a warp per query row
+    const int lane = t & 31, warp = t >> 5;
+    for (int r = warp; r < R; r += blockDim.x >> 5) {
+        const float v = ps[r][lane], mx = warp_max(v);
+        const float e = mx == -AP_INF ? 0.0f : expf(v - mx);
+        ps[r][lane] = e;
+        const float l = warp_sum(e);
+        if (lane == 0) { ms[r] = mx; ls[r] = l; }
+    }
+    __syncthreads();
+    float acc[ATT_MAXR];
+    #pragma unroll
+    for (int r = 0; r < ATT_MAXR; ++r) {
+        acc[r] = 0.0f;
+        if (r < R) {
+            #pragma unroll
+            for (int i = 0; i < ATT_C; ++i) acc[r] += ps[r][i] * vf[i];
+        }
+    }
+    char* db = dst + i2 * P[27] + i3 * P[28] + t * 4;
+    if (gridDim.x == 1) {  // one chunk: the result directly
+        #pragma unroll
+        for (int r = 0; r < ATT_MAXR; ++r)
+            if (r < R && t < Dv) *(float*)(db + r * P[26]) = acc[r] / ls[r];
+        return;
+    }
+    const int stride = Dv + 2;
+    float* pb = part + ((i64)b * gridDim.x + blockIdx.x) * ATT_MAXR * stride;
+    #pragma unroll
+    for (int r = 0; r < ATT_MAXR; ++r)
+        if (r < R && t < Dv) pb[r * stride + t] = acc[r];
+    if (t < R) { pb[t * stride + Dv] = ms[t]; pb[t * stride + Dv + 1] = ls[t]; }
+    __threadfence();
+    __syncthreads();
+    if (t == 0) last = atomicAdd(count + b, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // the last block: each chunk's weight per row (its max against the overall max, over the
+    // overall sum), a warp per row, then every output as a weighted sum of the chunks' partials
+    const int nc = gridDim.x;
+    const float* pa = part + (i64)b * nc * ATT_MAXR * stride;
+    for (int r = warp; r < R; r += blockDim.x >> 5) {
+        float mx = -AP_INF;
+        for (int c = lane; c < nc; c += 32) {
+            const float m = __ldcg(pa + (c * ATT_MAXR + r) * stride + Dv);
+            wsh[r][c] = m;
+            mx = fmaxf(mx, m);
+        }
+        mx = warp_max(mx);
+        float l = 0.0f;
+        for (int c = lane; c < nc; c += 32) {
+            const float m = wsh[r][c], e = m == -AP_INF ? 0.0f : expf(m - mx);
+            wsh[r][c] = e;
+            l += e * __ldcg(pa + (c * ATT_MAXR + r) * stride + Dv + 1);
+        }
+        l = warp_sum(l);
+        for (int c = lane; c < nc; c += 32) wsh[r][c] /= l;  // all masked: 0 / 0, as the softmax
+    }
+    __syncthreads();
+    for (int i = t; i < R * Dv; i += blockDim.x) {
+        const int r = i / Dv, o = i - r * Dv;
+        float y = 0.0f;
+        #pragma unroll 8
+        for (int c = 0; c < nc; ++c) y += wsh[r][c] * __ldcg(pa + (c * ATT_MAXR + r) * stride + o);
+        *(float*)(dst + i2 * P[27] + i3 * P[28] + r * P[26] + o * 4) = y;
+    }
+    if (t == 0) count[b] = 0;  // ready for the next launch
+}
+
 // mul_mat_id: grid.y over (token, slot); one activation row each.
 // P: [M, K, n_used, n_tok, n_exp, nb_b1 (B), nbw1, nbw2, nbx1, nbx2, nbd1, nbd2, nbi0, nbi1]
 template <int WT>

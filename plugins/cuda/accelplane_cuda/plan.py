@@ -64,6 +64,14 @@ def _mmv_mode() -> str:
     return mode
 
 
+def _attn_fused() -> bool:
+    """ACCELPLANE_CUDA_ATTN: decode attention as one kernel (fused, default) or three (split)."""
+    mode = os.environ.get("ACCELPLANE_CUDA_ATTN", "fused")
+    if mode not in ("fused", "split"):
+        raise DeviceError(f"ACCELPLANE_CUDA_ATTN must be fused or split, got {mode!r}")
+    return mode == "fused"
+
+
 # tuning knobs, for measuring the alternatives side by side:
 #   ACCELPLANE_CUDA_MMV=row|pipe|f32  mat-vec by the register kernel where it applies (Q4_0x8,
 #     Q8_0x8, Q4_K; default) else the pipelined one; by the pipelined one; or by the plain one
@@ -104,6 +112,8 @@ def _names() -> list[str]:
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
     n += ["k_norm", "k_norm_vec", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
     n += ["k_quant_x", "k_glu_vec"]
+    h = ("float", "__half")
+    n += [f"k_attention<{k},{v},{m}>" for k in h for v in h for m in h]
     return n
 
 
@@ -497,7 +507,61 @@ class CudaPlan:
             self._norm(n, m)
             self.fused.append((n.op.name, "MUL"))
             return 2
+        attn = (Op.MUL_MAT, Op.SOFT_MAX, Op.MUL_MAT)
+        run = nodes[i : i + 3]
+        if n.op is Op.MUL_MAT and _attn_fused() and fusion.match(i, attn) and self._attention_fits(*run):
+            self._attention(*run)
+            self.fused.append(tuple(o.name for o in attn))
+            return 3
         return 0
+
+    @staticmethod
+    def _attention_fits(kq, sm, kqv) -> bool:
+        """MUL_MAT(K, Q) → SOFT_MAX → MUL_MAT(V, ·) in the shapes k_attention takes: F16/F32
+        caches with contiguous rows (K rows 16-byte aligned), D a multiple of 8 up to 256, Dv up
+        to 128, at most 8 query rows and 8192 positions, F32 queries and result, no ALiBi, the
+        softmax over the products it reads."""
+        k, q = kq.src
+        a, mask = sm.src
+        v, p = kqv.src
+        elt = (T.F16, T.F32)
+        if a is not kq or p is not sm or sm.op_params[1] != 0.0 or kq.type != T.F32 or sm.type != T.F32:
+            return False
+        if k.type not in elt or v.type not in elt or q.type != T.F32 or kqv.type != T.F32:
+            return False
+        if k.nb[0] != k.type.type_size or v.nb[0] != v.type.type_size or q.nb[0] != 4 or kqv.nb[0] != 4:
+            return False
+        if mask is not None and (mask.type not in elt or mask.nb[0] != mask.type.type_size
+                                 or mask.ne[0] < kq.ne[0] or mask.ne[1] < kq.ne[1]):  # fmt: skip
+            return False
+        d, dv = k.ne[0], v.ne[1]
+        k16 = all(x % 16 == 0 for x in k.nb[1:]) and (k.buffer.ctx.ptr + k.offs) % 16 == 0
+        return (d % 8 == 0 and d <= 256 and 0 < dv <= 128 and q.ne[1] <= 8 and k16 and 0 < kq.ne[0] <= 8192
+                and v.ne[0] == kq.ne[0] and kqv.ne[2] == kq.ne[2] and kqv.ne[3] == kq.ne[3])  # fmt: skip
+
+    def _attention(self, kq, sm, kqv) -> None:
+        """Decode attention as one launch (kernels.cu: k_attention)."""
+        k, q = kq.src
+        mask = sm.src[1]
+        v = kqv.src[0]
+        nkv, r, ne2, ne3 = kq.ne
+        chunks, batches = -(-nkv // 32), ne2 * ne3
+        dv = v.ne[1]
+        v16 = all(x % 16 == 0 for x in v.nb[1:]) and (v.buffer.ctx.ptr + v.offs) % 16 == 0
+        mnb = mask.nb[1:] if mask is not None else (0, 0, 0)
+        mne = (mask.ne[2], mask.ne[3]) if mask is not None else (1, 1)
+        P = self._P([k.ne[0], nkv, r, ne2, ne3, ne2 // k.ne[2], ne3 // k.ne[3], *k.nb[1:], *q.nb[1:],
+                     int(mask is not None), *mnb, *mne, _f(sm.op_params[0]), dv, ne2 // v.ne[2],
+                     ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(v16)])  # fmt: skip
+        part = np.uint64(self._scratch(batches * chunks * 8 * (dv + 2) * 4))
+        count = self.cp.zeros(batches, np.int32)
+        self.keep.append(count)
+        ct = {T.F16: "__half", T.F32: "float"}
+        name = f"k_attention<{ct[k.type]},{ct[v.type]},{ct[mask.type] if mask is not None else 'float'}>"
+        mp = self._ptr(mask) if mask is not None else np.uint64(0)
+        cp = np.uint64(count.data.ptr)
+        self._launch(name, 0, (P, self._ptr(kqv), self._ptr(k), self._ptr(q), mp, self._ptr(v), part, cp),
+                     block=128, grid=(chunks, batches))  # fmt: skip
 
     def _soft_max(self, n) -> None:
         a, mask = n.src
