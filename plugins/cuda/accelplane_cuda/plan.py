@@ -261,6 +261,7 @@ class CudaPlan:
         # activations already quantized for the register mat-vec by the kernel that produced
         # them: id(tensor) → (tensor, scratch address)
         self.xq_ready: dict[int, tuple] = {}
+        self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention
         with cp.cuda.Device(sctx.device):
             self.fns = kernels(sctx.device)
             self.pdl = pdl_wanted(self.fns["cc"])
@@ -553,15 +554,25 @@ class CudaPlan:
         P = self._P([k.ne[0], nkv, r, ne2, ne3, ne2 // k.ne[2], ne3 // k.ne[3], *k.nb[1:], *q.nb[1:],
                      int(mask is not None), *mnb, *mne, _f(sm.op_params[0]), dv, ne2 // v.ne[2],
                      ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(v16)])  # fmt: skip
-        part = np.uint64(self._scratch(batches * chunks * 8 * (dv + 2) * 4))
-        count = self.cp.zeros(batches, np.int32)
-        self.keep.append(count)
+        part, count = self._attention_scratch(batches * chunks * 8 * (dv + 2) * 4, batches)
         ct = {T.F16: "__half", T.F32: "float"}
         name = f"k_attention<{ct[k.type]},{ct[v.type]},{ct[mask.type] if mask is not None else 'float'}>"
         mp = self._ptr(mask) if mask is not None else np.uint64(0)
-        cp = np.uint64(count.data.ptr)
-        self._launch(name, 0, (P, self._ptr(kqv), self._ptr(k), self._ptr(q), mp, self._ptr(v), part, cp),
+        self._launch(name, 0, (P, self._ptr(kqv), self._ptr(k), self._ptr(q), mp, self._ptr(v), part, count),
                      block=128, grid=(chunks, batches))  # fmt: skip
+
+    def _attention_scratch(self, part_bytes: int, batches: int) -> tuple[np.uint64, np.uint64]:
+        """k_attention's partials and per-batch counts, shared by the plan's attention launches:
+        they run one after another on the stream (each waits for its predecessor, kernels.cu:
+        pdl_enter) and each leaves the counts at zero. Grown, not resized, when a launch needs
+        more (earlier launches keep their smaller scratch)."""
+        cur = self.attn_scratch
+        if cur is None or cur[1] < part_bytes or cur[2].size < batches:
+            part_bytes = max(part_bytes, cur[1] if cur else 0)
+            count = self.cp.zeros(max(batches, cur[2].size if cur else 0), np.int32)
+            self.keep.append(count)
+            cur = self.attn_scratch = (self._scratch(part_bytes), part_bytes, count)
+        return np.uint64(cur[0]), np.uint64(cur[2].data.ptr)
 
     def _soft_max(self, n) -> None:
         a, mask = n.src

@@ -314,27 +314,46 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
     """MUL_MAT(K, Q) → SOFT_MAX(scale, mask) → MUL_MAT(V, ·) over a KV cache laid out as the
     llama model's (K rows per position, V transposed, views of longer caches, query heads
     broadcast over KV heads) runs as one k_attention launch (9 query rows: the three kernels),
-    replays (the combining count resets) and matches float64 numpy, masked positions too."""
+    replays (the combining count resets) and matches float64 numpy, masked positions too. A
+    second attention over a shorter window in the same graph shares the first one's scratch."""
     dev = _cuda()
     kt = T[kv]
     n_ctx, hkv, g, dv = 1024 + 8, 2, 2, d
+    nkv2 = max(1, nkv // 3)
     rng = np.random.default_rng(12)
     ctx = Context()
     kc = ctx.new_tensor_ne(kt, d * hkv, n_ctx, name="kc")  # [n_ctx][hkv * d]
     vc = ctx.new_tensor_ne(kt, n_ctx, dv * hkv, name="vc")  # [hkv * dv][n_ctx]
     q = ctx.new_tensor_ne(T.F32, d, rows, hkv * g, name="q")
     es = kt.type_size
-    kk = ctx.view(kc, (d, nkv, hkv), (es, d * hkv * es, d * es))
-    vv = ctx.view(vc, (nkv, dv, hkv), (es, n_ctx * es, dv * n_ctx * es))
     mask = ctx.new_tensor_ne(T[mtype], nkv, rows, name="mask") if mtype else None
-    y = ctx.mul_mat(vv, ctx.soft_max(ctx.mul_mat(kk, q), mask, 0.125, 0.0))
-    graph = ctx.graph(y)
+
+    def attend(n: int, m):
+        kk = ctx.view(kc, (d, n, hkv), (es, d * hkv * es, d * es))
+        vv = ctx.view(vc, (n, dv, hkv), (es, n_ctx * es, dv * n_ctx * es))
+        return ctx.mul_mat(vv, ctx.soft_max(ctx.mul_mat(kk, q), m, 0.125, 0.0))
+
+    y, y2 = attend(nkv, mask), attend(nkv2, None)
+    graph = ctx.graph(y, y2)
     buf = alloc_tensors(ctx.tensors + list(graph.nodes), dev.buffer_type)
     npt = np.float16 if kv == "F16" else np.float32
     kcv = rng.standard_normal((n_ctx, hkv * d)).astype(npt)
     vcv = rng.standard_normal((hkv * dv, n_ctx)).astype(npt)
     kc.set(kcv)
     vc.set(vcv)
+
+    def reference(qv: np.ndarray, n: int, mv) -> np.ndarray:
+        k64 = kcv.astype(np.float64)[:n].reshape(n, hkv, d)
+        v64 = vcv.astype(np.float64)[:, :n].reshape(hkv, dv, n)
+        out = np.empty((hkv * g, rows, dv))
+        for h in range(hkv * g):
+            sc = qv[h].astype(np.float64) @ k64[:, h // g].T * 0.125
+            if mv is not None:
+                sc = sc + mv.astype(np.float16 if mtype == "F16" else np.float32)
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            out[h] = p / p.sum(-1, keepdims=True) @ v64[h // g].T
+        return out
+
     be = dev.new_backend()
     try:
         for rep in range(3):
@@ -347,26 +366,19 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
                 mv[:, 0] = 0.0
                 mask.set(mv.astype(np.float16 if mtype == "F16" else np.float32))
             be.compute(graph)
-            k64 = kcv.astype(np.float64)[:nkv].reshape(nkv, hkv, d)
-            v64 = vcv.astype(np.float64)[:, :nkv].reshape(hkv, dv, nkv)
-            want = np.empty((hkv * g, rows, dv))
-            for h in range(hkv * g):
-                sc = qv[h].astype(np.float64) @ k64[:, h // g].T * 0.125
-                if mv is not None:
-                    sc = sc + mv.astype(np.float16 if mtype == "F16" else np.float32)
-                p = np.exp(sc - sc.max(-1, keepdims=True))
-                p /= p.sum(-1, keepdims=True)
-                want[h] = p @ v64[h // g].T
             # nine query rows take cuBLAS, on queries rounded to F16 like the cache
             tol = 1e-4 if rows <= 8 else 5e-3
-            got = y.get().reshape(want.shape)
-            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rep {rep}")
+            for out, n, m in ((y, nkv, mv), (y2, nkv2, None)):
+                want = reference(qv, n, m)
+                got = out.get().reshape(want.shape)
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rep {rep}, n_kv {n}")
         plan = be.ctx.plans.get(graph)
         if rows <= 8:
-            assert plan.fused == [("MUL_MAT", "SOFT_MAX", "MUL_MAT")], plan.fused
-            assert len(plan.kernel_names) == 1 and plan.kernel_names[0].startswith("k_attention<")
+            assert plan.fused == [("MUL_MAT", "SOFT_MAX", "MUL_MAT")] * 2, plan.fused
+            assert all(n.startswith("k_attention<") for n in plan.kernel_names), plan.kernel_names
+            assert len(plan.kernel_names) == 2
         else:
-            assert not plan.fused and len(plan.kernel_names) == 3, plan.kernel_names
+            assert not plan.fused and len(plan.kernel_names) == 6, plan.kernel_names
     finally:
         be.free()
         buf.free()
