@@ -10,6 +10,7 @@ from accelplane.fusion import Fusion
 from accelplane.graph import Context, Graph
 from accelplane.ops import Op
 from accelplane.sched import Scheduler
+from accelplane.tensor import TensorFlag
 from accelplane.testing.plugins import cpu_and_async_registry
 from accelplane.types import GGMLType
 
@@ -164,6 +165,38 @@ def test_split_reading_copied_inputs_still_fuses():
         hv = 2 * ev + rv
         want = 3 * hv / np.sqrt(np.mean(hv * hv, -1, keepdims=True) + 1e-6) * wv + hv
         np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
+    finally:
+        s.free()
+        bd.free()
+        bc.free()
+        cbuf.free()
+        dbuf.free()
+
+
+def test_clone_of_an_in_place_op_stays_a_view():
+    """A SET_ROWS (its result a view of the destination it writes) that reads a copied input
+    is cloned as a plain view, not as a node owning memory: fusion never skips its write."""
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    bd, bc = dev.new_backend(), cpu.new_backend()
+    ctx = Context()
+    e = ctx.new_tensor(T.F32, (2, 64), "e")  # on the CPU: copied into the device's split
+    dst = ctx.new_tensor(T.F32, (8, 64), "dst")
+    idx = ctx.new_tensor(T.I32, (2,), "idx")
+    cbuf = alloc_tensors([e], cpu.buffer_type)
+    dbuf = alloc_tensors([dst, idx], dev.buffer_type)
+    rows = ctx.set_rows(dst, e, idx)
+    g = ctx.graph(ctx.scale(rows, 2.0))
+    s = Scheduler([bd, bc])
+    try:
+        for t in g.nodes:
+            s.set_tensor_backend(t, bd)
+        s.alloc_graph(g)
+        sg = next(sp for sp in s._allocated.splits if sp.backend == 0).graphs[0]
+        i = next(i for i, n in enumerate(sg.nodes) if n.op is Op.SET_ROWS)
+        clone = sg.nodes[i]
+        assert clone is not rows and clone.view_src is dst and not clone.flags & TensorFlag.CLONE
+        assert not Fusion(sg).match(i, (Op.SET_ROWS, Op.SCALE))
     finally:
         s.free()
         bd.free()

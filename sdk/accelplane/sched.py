@@ -396,7 +396,8 @@ class Scheduler(GraphRunner):
                                               for s in n.src),
                                     view_src=n.view_src or n, view_offs=n.view_offs if n.view_src
                                     else 0, name=n.name, ndim=n.ndim)  # fmt: skip
-                        cl.flags |= TensorFlag.CLONE
+                        if n.view_src is None:  # a clone of an in-place op writes another's memory
+                            cl.flags |= TensorFlag.CLONE
                         remap[id(n)] = cl
                         plan.clones.append(cl)
                         nodes.append(cl)

@@ -35,8 +35,9 @@ class TensorFlag(IntFlag):
     INPUT = 1  # graph input: allocated first, never overwritten by the allocator
     OUTPUT = 2  # graph output: never freed or reused by the allocator
     PARAM = 4  # a weight (model parameter)
-    # a scheduler clone: the same node reading copied inputs, a view of the original that
-    # writes the original's memory (accelplane.fusion treats it as owning that memory)
+    # a scheduler clone of a node that owns its memory: the same node reading copied inputs, a
+    # view of the original writing the original's memory (accelplane.fusion treats it as owning
+    # that memory; clones of in-place ops such as SET_ROWS stay plain views)
     CLONE = 8
 
 

@@ -43,6 +43,15 @@ template <> __device__ __forceinline__ void st<__nv_bfloat16>(char* p, float v) 
 }
 
 __device__ __forceinline__ float f16at(const u8* p) { return __half2float(*(const __half*)p); }
+// eight F16 values of a 16-byte word as floats
+__device__ __forceinline__ void half8(uint4 v, float* f) {
+    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 t = __half22float2(*(const __half2*)&u[i]);
+        f[2 * i] = t.x; f[2 * i + 1] = t.y;
+    }
+}
 
 // ---- fast division by a run-time constant (magic number, shift) ------------------------------------
 struct fastdiv_t { unsigned int mul, shift, d; };
@@ -161,15 +170,7 @@ template <> __device__ __forceinline__ void deq32<1>(const u8* row, int c, float
     const __half* p = (const __half*)row + 32 * c;
     if (((size_t)p & 15) == 0) {
         #pragma unroll
-        for (int l = 0; l < 4; ++l) {
-            const uint4 v = ((const uint4*)p)[l];
-            const unsigned int u[4] = {v.x, v.y, v.z, v.w};
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __half22float2(*(const __half2*)&u[i]);
-                y[8 * l + 2 * i] = f.x; y[8 * l + 2 * i + 1] = f.y;
-            }
-        }
+        for (int l = 0; l < 4; ++l) half8(((const uint4*)p)[l], y + 8 * l);
         return;
     }
     #pragma unroll
@@ -965,13 +966,7 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
 #define ATT_MAXCH 256  // chunks: n_kv <= 8192
 template <typename T> __device__ __forceinline__ void ld8f(const char* p, float* f);
 template <> __device__ __forceinline__ void ld8f<__half>(const char* p, float* f) {
-    const uint4 u = __ldg((const uint4*)p);
-    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 v = __half22float2(*(const __half2*)&w[i]);
-        f[2 * i] = v.x; f[2 * i + 1] = v.y;
-    }
+    half8(__ldg((const uint4*)p), f);
 }
 template <> __device__ __forceinline__ void ld8f<float>(const char* p, float* f) {
     const float4 a = __ldg((const float4*)p), b = __ldg((const float4*)p + 1);
@@ -1371,16 +1366,13 @@ __device__ __forceinline__ void mmvp_consume(const u8* stage, int s0, int nbytes
             if constexpr (WT == 0) {
                 wf[0] = __uint_as_float(wv.x); wf[1] = __uint_as_float(wv.y);
                 wf[2] = __uint_as_float(wv.z); wf[3] = __uint_as_float(wv.w);
-            } else {
+            } else if constexpr (WT == 1) {
+                half8(wv, wf);
+            } else {  // BF16: the high half of an F32
                 const unsigned int u4[4] = {wv.x, wv.y, wv.z, wv.w};
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    if constexpr (WT == 1) {
-                        const float2 f = __half22float2(*(const __half2*)&u4[i]);
-                        wf[2 * i] = f.x; wf[2 * i + 1] = f.y;
-                    } else {  // BF16: the high half of an F32
-                        wf[2 * i] = __uint_as_float(u4[i] << 16); wf[2 * i + 1] = __uint_as_float(u4[i] & 0xFFFF0000u);
-                    }
+                    wf[2 * i] = __uint_as_float(u4[i] << 16); wf[2 * i + 1] = __uint_as_float(u4[i] & 0xFFFF0000u);
                 }
             }
             #pragma unroll
