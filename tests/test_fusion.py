@@ -129,80 +129,75 @@ def test_a_split_without_outside_readers_may_fuse(sched_norm):
     assert Fusion(sg).match(sg.nodes.index(n), NM)
 
 
-def test_split_reading_copied_inputs_still_fuses():
+@pytest.fixture
+def on_device():
+    """Every node of a graph on the asynchronous test device, its leaves where they are
+    allocated (CPU leaves are copied into the device's split): ``place(graph, cpu_leaves,
+    device_leaves)`` allocates, schedules and returns the device split's graph; then the
+    scheduler (``place.sched``) computes it."""
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    bd, bc = dev.new_backend(), cpu.new_backend()
+    s = Scheduler([bd, bc])
+    bufs = []
+
+    def place(g: Graph, cpu_leaves: list, dev_leaves: list) -> Graph:
+        bufs.extend([alloc_tensors(cpu_leaves, cpu.buffer_type), alloc_tensors(dev_leaves, dev.buffer_type)])
+        for t in g.nodes:
+            s.set_tensor_backend(t, bd)
+        s.alloc_graph(g)
+        return next(sp for sp in s._allocated.splits if sp.backend == 0).graphs[0]
+
+    place.sched = s
+    yield place
+    s.free()
+    bd.free()
+    bc.free()
+    for b in bufs:
+        b.free()
+
+
+def test_split_reading_copied_inputs_still_fuses(on_device):
     """A split whose nodes descend from an input copied in from another backend computes
     clones of them (views writing the originals' memory); an ADD → RMS_NORM → MUL run among
     them still fuses, as in a model layer after the token embedding computed on the CPU, and
     the result is right."""
-    reg = cpu_and_async_registry(n_async=1, delay_us=0)
-    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
-    bd, bc = dev.new_backend(), cpu.new_backend()
     ctx = Context()
     e = ctx.new_tensor(T.F32, (3, 64), "e")  # on the CPU: copied into the device's split
     r = ctx.new_tensor(T.F32, (3, 64), "r")
     w = ctx.new_tensor(T.F32, (64,), "w")
-    cbuf = alloc_tensors([e], cpu.buffer_type)
-    dbuf = alloc_tensors([r, w], dev.buffer_type)
     h = ctx.add(ctx.scale(e, 2.0), r)
     y = ctx.mul(ctx.rms_norm(h, 1e-6), w)
     out = ctx.add(ctx.scale(y, 3.0), h)
     g = ctx.graph(out)
-    s = Scheduler([bd, bc])
-    try:
-        for t in g.nodes:
-            s.set_tensor_backend(t, bd)
-        s.alloc_graph(g)
-        sg = next(sp for sp in s._allocated.splits if sp.backend == 0).graphs[0]
-        add = next(i for i, n in enumerate(sg.nodes) if n.op is Op.ADD)
-        assert sg.nodes[add].view_src is h  # a clone, descending from the copy of e
-        assert Fusion(sg).match(add, (Op.ADD, Op.RMS_NORM, Op.MUL), written=(0,))
-        rng = np.random.default_rng(1)
-        ev, rv, wv = rng.standard_normal((3, 64)), rng.standard_normal((3, 64)), rng.standard_normal(64)
-        for t, v in ((e, ev), (r, rv), (w, wv)):
-            t.set(v.astype(np.float32))
-        s.graph_compute(g)
-        s.synchronize()
-        hv = 2 * ev + rv
-        want = 3 * hv / np.sqrt(np.mean(hv * hv, -1, keepdims=True) + 1e-6) * wv + hv
-        np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
-    finally:
-        s.free()
-        bd.free()
-        bc.free()
-        cbuf.free()
-        dbuf.free()
+    sg = on_device(g, [e], [r, w])
+    add = next(i for i, n in enumerate(sg.nodes) if n.op is Op.ADD)
+    assert sg.nodes[add].view_src is h  # a clone, descending from the copy of e
+    assert Fusion(sg).match(add, (Op.ADD, Op.RMS_NORM, Op.MUL), written=(0,))
+    rng = np.random.default_rng(1)
+    ev, rv, wv = rng.standard_normal((3, 64)), rng.standard_normal((3, 64)), rng.standard_normal(64)
+    for t, v in ((e, ev), (r, rv), (w, wv)):
+        t.set(v.astype(np.float32))
+    on_device.sched.graph_compute(g)
+    on_device.sched.synchronize()
+    hv = 2 * ev + rv
+    want = 3 * hv / np.sqrt(np.mean(hv * hv, -1, keepdims=True) + 1e-6) * wv + hv
+    np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_clone_of_an_in_place_op_stays_a_view():
+def test_clone_of_an_in_place_op_stays_a_view(on_device):
     """A SET_ROWS (its result a view of the destination it writes) that reads a copied input
     is cloned as a plain view, not as a node owning memory: fusion never skips its write."""
-    reg = cpu_and_async_registry(n_async=1, delay_us=0)
-    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
-    bd, bc = dev.new_backend(), cpu.new_backend()
     ctx = Context()
     e = ctx.new_tensor(T.F32, (2, 64), "e")  # on the CPU: copied into the device's split
     dst = ctx.new_tensor(T.F32, (8, 64), "dst")
     idx = ctx.new_tensor(T.I32, (2,), "idx")
-    cbuf = alloc_tensors([e], cpu.buffer_type)
-    dbuf = alloc_tensors([dst, idx], dev.buffer_type)
     rows = ctx.set_rows(dst, e, idx)
-    g = ctx.graph(ctx.scale(rows, 2.0))
-    s = Scheduler([bd, bc])
-    try:
-        for t in g.nodes:
-            s.set_tensor_backend(t, bd)
-        s.alloc_graph(g)
-        sg = next(sp for sp in s._allocated.splits if sp.backend == 0).graphs[0]
-        i = next(i for i, n in enumerate(sg.nodes) if n.op is Op.SET_ROWS)
-        clone = sg.nodes[i]
-        assert clone is not rows and clone.view_src is dst and not clone.flags & TensorFlag.CLONE
-        assert not Fusion(sg).match(i, (Op.SET_ROWS, Op.SCALE))
-    finally:
-        s.free()
-        bd.free()
-        bc.free()
-        cbuf.free()
-        dbuf.free()
+    sg = on_device(ctx.graph(ctx.scale(rows, 2.0)), [e], [dst, idx])
+    i = next(i for i, n in enumerate(sg.nodes) if n.op is Op.SET_ROWS)
+    clone = sg.nodes[i]
+    assert clone is not rows and clone.view_src is dst and not clone.flags & TensorFlag.CLONE
+    assert not Fusion(sg).match(i, (Op.SET_ROWS, Op.SCALE))
 
 
 def test_written_nodes_may_have_other_readers():
