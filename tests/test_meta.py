@@ -160,6 +160,52 @@ def test_layer_matches_single_device(cpu, adevs, kind, n):
     run.meta.free()
 
 
+@pytest.mark.parametrize(("kind", "env", "why"), [
+    ("async", None, ""),
+    ("async", "0", "ACCELPLANE_META_RECORD=0"),
+    ("cpu", None, "all-reduces ran through butterfly"),  # the CPU plugin has no comm
+    ("mixed", None, "all-reduces ran through butterfly"),
+])  # fmt: skip
+def test_recorded_steps_replay_with_new_inputs(cpu, adevs, monkeypatch, kind, env, why):
+    """From the second compute on, backends that can record replay the steps with one call
+    each, reading the inputs set since; where they cannot, the steps run as before."""
+    if env is not None:
+        monkeypatch.setenv("ACCELPLANE_META_RECORD", env)
+    p = LayerParams(n_layers=2)
+    weights, _ = layer_values(p.build(), seed=5)
+    ref = single(cpu, p, weights)
+    run = tensor_parallel(_devices(kind, 2, cpu, adevs), p, weights)
+    for rep in range(4):
+        _, inputs = layer_values(p.build(), seed=100 + rep)  # new inputs every compute
+        _close(run(inputs), ref(inputs), f"{kind} rep {rep}")
+    st = run.meta.stats
+    assert st.computes == 4 and st.record_error == why, st
+    assert st.replays == (3 if not why else 0), st
+    run.meta.free()
+
+
+def test_recording_that_fails_runs_the_steps(adevs, cpu, monkeypatch):
+    """A backend whose record_end fails: the plan runs unrecorded, with the same results."""
+    p = LayerParams(n_layers=1)
+    weights, _ = layer_values(p.build(), seed=6)
+    ref = single(cpu, p, weights)
+    run = tensor_parallel(adevs[:2], p, weights)
+    bad = run.meta.backends[1]
+    end = type(bad).record_end
+
+    def failing_end(self):  # stops recording as usual, then reports a failure for one backend
+        rec = end(self)
+        return None if self is bad else rec
+
+    monkeypatch.setattr(type(bad), "record_end", failing_end)
+    for rep in range(3):
+        _, inputs = layer_values(p.build(), seed=200 + rep)
+        _close(run(inputs), ref(inputs), f"rep {rep}")
+    st = run.meta.stats
+    assert st.replays == 0 and st.record_error == "a backend's recording failed", st
+    run.meta.free()
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["cpu", "async"])
 def test_butterfly_and_ring_agree_byte_for_byte(cpu, adevs, kind, n):

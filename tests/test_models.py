@@ -302,15 +302,31 @@ def test_kv_cache_decode_equals_full_prefill(models):
 
 
 # --- devices -----------------------------------------------------------------------------------------
-def _teacher_forced_64(path: Path, devices, cpu, **kw) -> np.ndarray:
+def _teacher_forced_64(path: Path, devices, cpu, inspect=None, **kw) -> np.ndarray:
     tokens = np.random.default_rng(7).integers(0, TINY["n_vocab"], 64)
     m = LlamaModel.from_gguf(path, devices, cpu=cpu, n_ctx=128, kv_pad=64, **kw)
     try:
         out = [m.eval(tokens[:8], all_logits=True).logits]
         out += [m.eval([t]).logits for t in tokens[8:]]
+        if inspect is not None:
+            inspect(m)
     finally:
         m.free()
     return np.concatenate(out)
+
+
+def test_tensor_split_decode_replays_recordings(reg, models):
+    """Tensor split over two devices that can record: from the second decode step on, each
+    step is one replay per device (accelplane.meta), with the CPU plugin's logits."""
+    cpu = reg.device("CPU")
+    stats = []
+    want = _teacher_forced_64(models["q8_0"], [cpu], cpu)
+    got = _teacher_forced_64(models["q8_0"], [reg.device("ASYNC0"), reg.device("ASYNC1")], cpu,
+                             inspect=lambda m: stats.append(m.meta.stats), split="tensor")  # fmt: skip
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+    assert nmse(got, want) <= NMSE_TOL
+    st = stats[0]
+    assert st.record_error == "" and st.replays == 56 - 1, st  # 56 decode steps: the first records
 
 
 def _installed_devices() -> list[str]:

@@ -24,7 +24,7 @@ from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
 from accelplane.backend import Device
 from accelplane.cpu import plugin as cpu_plugin
 from accelplane.errors import AccelplaneError
-from accelplane.hookspecs import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
+from accelplane.hookspecs import API_VERSION, HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
 from accelplane.registry import Registry
 from accelplane.testing.plugins import host_plugin
 
@@ -74,7 +74,7 @@ BROKEN: dict[str, tuple[str, str, tuple[str, ...]]] = {
             """
         ),
         "api_version",
-        ("bad_major", "2.0", "1.0"),
+        ("bad_major", "2.0", "{}.{}".format(*API_VERSION)),
     ),
     "bad_argname": (
         plugin_src(

@@ -409,6 +409,24 @@ class Backend:
         self.graph_compute(graph)
         self.synchronize()
 
+    # recording (hookspecs.record_begin): a caller that queues the same sequence every step
+    # (the meta device's decode) records it once and replays it with one call per backend
+    def record_begin(self) -> bool:
+        """Start recording (work queued until record_end is recorded, not run); False when
+        this backend cannot record."""
+        self._check()
+        f = self._fn.get("record_begin")
+        return bool(f is not None and f(self))
+
+    def record_end(self) -> Any:
+        """Stop recording: the recording, or None if it failed (nothing recorded has run)."""
+        return self._fn["record_end"](self)
+
+    def record_replay(self, recording: Any) -> None:
+        """Queue a recording of this backend again."""
+        self._check()
+        self._fn["record_replay"](self, recording)
+
     def graph_optimize(self, graph: Graph) -> None:
         f = self._fn.get("graph_optimize")
         if f:

@@ -26,7 +26,7 @@ from typing import Any
 import pluggy
 
 PROJECT = "accelplane"
-API_VERSION: tuple[int, int] = (1, 0)
+API_VERSION: tuple[int, int] = (1, 1)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -262,6 +262,27 @@ class Specs:
         """Make later work on the stream wait for ``event``, device-side where possible
         (not by blocking the host). Fallback: event_synchronize."""
 
+    # --- recording (1.1): replay a whole sequence of queued work with one call -----------------
+    @hookspec
+    def record_begin(self, backend) -> bool:
+        """Start recording the backend's queue: until record_end, graph_compute and
+        comm_allreduce_tensor calls on it are recorded, NOT executed. The caller queues nothing
+        else on it meanwhile (no tensor copies, events or synchronize), and keeps every tensor
+        the recorded work touches at the same address while it keeps the recording. Return
+        False when recording is not possible now. Fallback: False (work is queued each time)."""
+
+    @hookspec
+    def record_end(self, backend) -> Any:
+        """Stop recording. Return a recording for record_replay, which keeps alive whatever
+        the recorded work needs (plans, scratch), or None if recording failed. Either way the
+        recorded work has not run. Required when record_begin is implemented."""
+
+    @hookspec
+    def record_replay(self, backend, recording) -> None:
+        """Queue the recorded work again, in order, with the inputs' current contents, as
+        if each call were made now (docs/ordering.md: same ordering as the calls it stands
+        for). Required when record_begin is implemented."""
+
     # --- comm extension (tensor parallelism) ---------------------------------------------------
     @hookspec
     def comm_init(self, backends) -> Any:
@@ -291,5 +312,5 @@ REQUIRED_HOOKS = frozenset(
      "supports_buft", "buft_alloc", "buffer_set_tensor", "buffer_get_tensor", "graph_compute"}
 )  # fmt: skip
 HOOK_NAMES = tuple(n for n in vars(Specs) if not n.startswith("_"))
-# hooks new in a minor version: name -> minor that introduced it (none yet beyond 1.0)
-HOOK_MIN_MINOR: dict[str, int] = {}
+# hooks new in a minor version: name -> minor that introduced it
+HOOK_MIN_MINOR: dict[str, int] = {"record_begin": 1, "record_end": 1, "record_replay": 1}

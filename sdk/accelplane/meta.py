@@ -46,6 +46,14 @@ the local sum is then summed across processes through host memory. Because the c
 the first consumer that needs the sum, ggml's MoE delay (the all-reduce after the weighted sum
 of the experts, not per expert) falls out of the rules.
 
+Recording: a decode step is the same sequence of subgraphs and all-reduces every token. From a
+plan's second compute on, when every backend can record (``hookspecs.record_begin``) and every
+all-reduce went through the plugins' communicator, the sequence is recorded once per backend and
+each later compute is one ``record_replay`` per backend (the CUDA plugin: one CUDA graph per GPU,
+all-reduces included). A backend that cannot record, a recording that fails, an SDK fallback
+all-reduce, a process group, or ``ACCELPLANE_META_RECORD=0`` leave the steps submitted one by one;
+``stats.record_error`` says which.
+
 Why an executor and not a plugin
 --------------------------------
 ggml makes the meta device a backend with meta buffers whose tensors hold per-device "simple
@@ -465,7 +473,9 @@ class MetaStats:
     gathers: int = 0  # split values made whole (all-reduces of zero-padded copies)
     reduce_bytes: int = 0  # bytes per device summed per compute
     computes: int = 0
+    replays: int = 0  # computes that replayed the backends' recordings of the steps
     algorithms: dict[str, int] = field(default_factory=dict)  # comm algorithm -> calls, last compute
+    record_error: str = ""  # why the last computed plan is not recorded ("" if it is or may be)
 
 
 # --- the buffer of logical tensors ----------------------------------------------------------------------
@@ -573,6 +583,10 @@ class _Plan:
         self._build()
         self.alloc_graphs = [Graph.from_nodes(self.nodes[j], self.inputs[j]) for j in range(nl)]
         self.layout: tuple[int, ...] = ()
+        self.runs = 0  # computes since planned or last moved (recording starts at the second)
+        self.recordings: list | None = None  # one per backend: the steps, replayed as one call
+        self.record_error = ""  # why this plan is not recorded, once that is known
+        self.algorithms: dict[str, int] = {}  # all-reduce algorithm -> calls, last run
 
     # --- helpers
     def _v(self, t: Tensor | None) -> _Val | None:
@@ -1376,6 +1390,7 @@ class MetaDevice(GraphRunner):
 
     def _drop(self, plan: _Plan) -> None:
         plan.metabuf.freed = True  # its logical tensors now raise BufferFreedError
+        plan.recordings = None  # before the memory and comm they reference go
         for b in plan.zero_bufs:
             b.free()
         plan.zero_bufs = []
@@ -1399,6 +1414,7 @@ class MetaDevice(GraphRunner):
             return  # nothing moved since this plan was bound: a decode step skips the rebinding
         if layout != plan.layout:  # tensors moved: plugins must re-plan the cached subgraphs
             plan.layout = layout
+            plan.recordings, plan.runs = None, 0
             for st in plan.steps:
                 if isinstance(st, _Compute):
                     for g in st.graphs:
@@ -1422,7 +1438,13 @@ class MetaDevice(GraphRunner):
     def graph_compute(self, graph: Graph) -> None:
         """Queue every device's subgraphs and the all-reduces between them (allocating first
         if ``graph`` is not the allocated one); returns before the devices finish, except
-        around process-group reductions (host-staged)."""
+        around process-group reductions (host-staged).
+
+        From the second compute of a plan on, when every backend can record
+        (hookspecs.record_begin) and every all-reduce ran through the plugins' communicator,
+        the steps are recorded once per backend and then replayed with one call each: a
+        decode token costs the host a few calls instead of two per segment
+        (ACCELPLANE_META_RECORD=0 turns this off)."""
         self._check()
         plan = self._plans.get(graph.uid)
         if plan is None or plan is not self._allocated:
@@ -1430,7 +1452,26 @@ class MetaDevice(GraphRunner):
             plan = self._allocated
         assert plan is not None
         self.stats.computes += 1
-        self.stats.algorithms = {}
+        if plan.recordings is not None:
+            for b, r in zip(self.backends, plan.recordings, strict=True):
+                b.record_replay(r)
+            self.stats.replays += 1
+            self.stats.record_error = ""
+            return
+        plan.runs += 1
+        if plan.runs >= 2 and not plan.record_error:
+            plan.record_error = self._why_not_record(plan)
+            if not plan.record_error:
+                plan.recordings, plan.record_error = self._record(plan)
+                if plan.recordings is not None:
+                    self.graph_compute(graph)
+                    self.stats.computes -= 1
+                    return
+        self.stats.record_error = plan.record_error
+        self._run_steps(plan)
+
+    def _run_steps(self, plan: _Plan) -> None:
+        self.stats.algorithms = plan.algorithms = {}
         for st in plan.steps:
             if isinstance(st, _Compute):
                 for b, g in zip(self.backends, st.graphs, strict=True):
@@ -1438,6 +1479,37 @@ class MetaDevice(GraphRunner):
                         b.graph_compute(g)
             else:
                 self._allreduce(st)
+
+    def _why_not_record(self, plan: _Plan) -> str:
+        if os.environ.get("ACCELPLANE_META_RECORD", "1") == "0":
+            return "ACCELPLANE_META_RECORD=0"
+        if self.group is not None and self.group.size > 1:
+            return "process-group all-reduces go through the host"
+        other = sorted(set(plan.algorithms) - {"plugin"})
+        if other:  # the SDK's fallbacks copy and wait on events: not recordable as a whole
+            return f"all-reduces ran through {', '.join(other)}"
+        return ""
+
+    def _record(self, plan: _Plan) -> tuple[list | None, str]:
+        """(each backend's recording of the plan's steps, "") or (None, why not); nothing has
+        run either way."""
+        begun: list[Backend] = []
+        why = ""
+        try:
+            for b in self.backends:
+                if not b.record_begin():
+                    why = f"{b.name} cannot record"
+                    break
+                begun.append(b)
+            else:
+                self._run_steps(plan)
+        except Exception as e:  # e.g. a library call that refuses recording: run unrecorded
+            why = f"recording failed: {type(e).__name__}: {e}"
+        finally:
+            recs = [b.record_end() for b in begun]  # always: the queues must stop recording
+        if not why and any(r is None for r in recs):
+            why = "a backend's recording failed"
+        return (None, why) if why else (recs, "")
 
     def _allreduce(self, st: _Reduce) -> None:
         if self._ar is not None:

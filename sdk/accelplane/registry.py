@@ -49,6 +49,7 @@ GROUP = "accelplane.plugins"
 HOOK_GROUPS = {
     "event_new": frozenset({"event_new", "event_record", "event_synchronize"}),
     "comm_init": frozenset({"comm_init", "comm_allreduce_tensor"}),
+    "record_begin": frozenset({"record_begin", "record_end", "record_replay"}),
 }
 
 

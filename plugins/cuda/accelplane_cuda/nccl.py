@@ -1,11 +1,14 @@
-"""NCCL all-reduce for the CUDA plugin's comm hooks.
+"""The CUDA plugin's comm hooks: NCCL all-reduce, with small F32 tensors through peer memory.
 
 A communicator needs two or more backends on distinct CUDA devices (NCCL allows one rank per
 GPU); otherwise, or with ACCELPLANE_CUDA_ALLREDUCE=none, comm_init returns None and the SDK's
-fallback serves. Small F32 tensors are reduced in F32 in place; from a size threshold on (32768
-elements for 2 devices, 131072 for 3, 262144 for 4 or more; ACCELPLANE_CUDA_NCCL_BF16_MIN
-overrides, in elements, 0 = never) they travel as BF16, are summed in BF16 by NCCL and are
-widened back to F32: half the bytes for a bounded loss of precision.
+fallback serves. With peer access between the GPUs, small F32 tensors (up to
+ACCELPLANE_CUDA_P2P_MAX bytes) are summed by one kernel per GPU over peer memory (p2p.py);
+ACCELPLANE_CUDA_ALLREDUCE=nccl sends everything through NCCL. In NCCL, F32 tensors are reduced
+in F32 in place; from a size threshold on (32768 elements for 2 devices, 131072 for 3, 262144
+for 4 or more; ACCELPLANE_CUDA_NCCL_BF16_MIN overrides, in elements, 0 = never) they travel as
+BF16, are summed in BF16 by NCCL and are widened back to F32: half the bytes for a bounded loss
+of precision.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from accelplane.errors import DeviceError
 from accelplane.tensor import Tensor
 from accelplane.types import GGMLType
+
+from .p2p import PeerAllReduce, max_bytes, peer_access
 
 # NCCL stays off NVLink multicast: on shared hosts it can take the GPUs out of service
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -24,11 +30,12 @@ _SUM = 0
 
 
 class NcclComm:
-    def __init__(self, devices: list[int]) -> None:
+    def __init__(self, devices: list[int], p2p: PeerAllReduce | None = None) -> None:
         from cupy.cuda import nccl
 
         self.nccl = nccl
         self.devices = devices
+        self.p2p = p2p
         self.comms = nccl.NcclCommunicator.initAll(devices)
         default = {2: 32768, 3: 131072}.get(len(devices), 262144)
         self.bf16_min = int(os.environ.get("ACCELPLANE_CUDA_NCCL_BF16_MIN", default))
@@ -39,6 +46,9 @@ class NcclComm:
         import cupy as cp
 
         t0 = tensors[0]
+        if self.p2p is not None and self.p2p.serves(tensors):
+            self.p2p.allreduce(backends, tensors)
+            return True
         if t0.type not in _DTYPE or not all(t.is_contiguous() for t in tensors):
             return False
         compress = t0.type == GGMLType.F32 and self.bf16_min > 0 and t0.nelements >= self.bf16_min
@@ -97,6 +107,9 @@ class NcclComm:
                       (np.uint64(P.data.ptr), np.uint64(dp), np.uint64(sp)))  # fmt: skip
 
     def free(self) -> None:
+        if self.p2p is not None:
+            self.p2p.free()
+            self.p2p = None
         for c in self.comms:
             c.destroy()
         self.comms = []
@@ -107,15 +120,23 @@ class NcclComm:
 def init(backends) -> NcclComm | None:
     from .plugin import StreamCtx
 
-    if os.environ.get("ACCELPLANE_CUDA_ALLREDUCE", "nccl") == "none":
+    mode = os.environ.get("ACCELPLANE_CUDA_ALLREDUCE", "auto")
+    if mode not in ("auto", "nccl", "none"):
+        raise DeviceError(f"ACCELPLANE_CUDA_ALLREDUCE must be auto, nccl or none, got {mode!r}")
+    if mode == "none":
         return None
     if len(backends) < 2 or not all(isinstance(b.ctx, StreamCtx) for b in backends):
         return None
     devices = [b.ctx.device for b in backends]
     if len(set(devices)) != len(devices):
         return None  # NCCL takes one rank per GPU
+    limit = max_bytes() if mode == "auto" else 0
+    why = peer_access(devices) if limit >= 16 else f"off (ACCELPLANE_CUDA_ALLREDUCE={mode}, P2P_MAX={limit})"
+    p2p = None if why else PeerAllReduce(devices, limit)
     try:
-        return NcclComm(devices)
+        comm = NcclComm(devices, p2p)
+        comm.p2p_why = why  # why small tensors go through NCCL too, if they do (diagnostics)
+        return comm
     except Exception as e:  # NCCL missing or failing: the SDK fallback serves, loudly
         import warnings
 

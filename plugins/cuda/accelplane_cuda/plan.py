@@ -35,6 +35,7 @@ T = GGMLType
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}
 THREADS = 256
 MMV_MAXN = 8  # batches up to this many activation rows use the mat-vec kernels
+P2P_MAX_RANKS = 8  # the peer-memory all-reduce kernel is built for 2 to this many GPUs (p2p.py)
 MMV_SMALL = 1 << 22  # float weight matrices up to this many elements use them too
 MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_staged
 # segments are multiples of these (and of 16)
@@ -114,6 +115,7 @@ def _names() -> list[str]:
     n += ["k_quant_x", "k_glu_vec"]
     h = ("float", "__half")
     n += [f"k_attention<{k},{v},{m}>" for k in h for v in h for m in h]
+    n += [f"k_allreduce_p2p<{r}>" for r in range(2, P2P_MAX_RANKS + 1)]
     return n
 
 
@@ -821,13 +823,24 @@ class CudaPlan:
                      block=32 * rows_per_block, grid=grid)  # fmt: skip
 
     # --- replay -------------------------------------------------------------------------------------------
-    def run(self) -> None:
+    def check_buffers(self) -> None:
         for b in self.buffers.values():
             if b.freed:
                 raise BufferFreedError(f"a graph computed on CUDA uses freed buffer {b.name!r}")
+
+    def run(self) -> None:
+        self.check_buffers()
         cp = self.cp
         stream = self.sctx.stream
         with cp.cuda.Device(self.sctx.device), stream:
+            if self.sctx.recording is not None:  # the backend's stream is being captured
+                if self.library_steps:  # fail before queuing anything: the caller runs unrecorded
+                    raise ComputeError("a graph with cuBLAS calls cannot be recorded (CuPy refuses "
+                                       "cuBLAS during stream capture)")  # fmt: skip
+                self.sctx.recording.append(self)  # (kept alive by the recording)
+                for s in self.steps:
+                    s()
+                return
             if self.cuda_graph is not None:
                 self.cuda_graph.launch(stream)
                 return

@@ -78,6 +78,7 @@ class StreamCtx:
         self.device = device
         self.check_err = False
         self.plans = PlanCache(lambda g, s=self: _build_plan(g, s))
+        self.recording: list | None = None  # plans run while the stream is captured (record_begin)
 
 
 def _build_plan(graph, sctx: StreamCtx):
@@ -285,6 +286,9 @@ def synchronize(backend):
         flag = int(sc.err.get()[0])
         if flag:
             sc.err.fill(0)
+            if flag == 2:  # kernels.cu: k_allreduce_p2p
+                raise ComputeError(f"{backend.device.name}: a peer GPU never joined an all-reduce (~10 s); "
+                                   "the communicator is out of step and must be freed")  # fmt: skip
             raise ComputeError(f"{backend.device.name}: a row or expert index was out of range")
 
 
@@ -354,6 +358,48 @@ def graph_compute(backend, graph):
     sc: StreamCtx = backend.ctx
     plan = sc.plans.get(graph)
     plan.run()
+
+
+# --- recording: one CUDA graph of everything queued between record_begin and record_end ----------
+class Recording:
+    def __init__(self, graph, plans: list) -> None:
+        self.graph = graph
+        self.plans = plans  # their parameter arrays and scratch are what the graph's kernels read
+
+
+@hookimpl
+def record_begin(backend):
+    sc: StreamCtx = backend.ctx
+    if os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0":
+        return False
+    cp = _cp()
+    with cp.cuda.Device(sc.device):
+        sc.stream.begin_capture()  # relaxed mode: other streams and devices go on meanwhile
+    sc.recording = []
+    return True
+
+
+@hookimpl
+def record_end(backend):
+    sc: StreamCtx = backend.ctx
+    plans, sc.recording = sc.recording, None
+    cp = _cp()
+    with cp.cuda.Device(sc.device):
+        try:
+            graph = sc.stream.end_capture()
+        except Exception:  # the capture was invalidated (an uncapturable call): not recorded
+            return None
+    return Recording(graph, plans or [])
+
+
+@hookimpl
+def record_replay(backend, recording):
+    sc: StreamCtx = backend.ctx
+    for p in recording.plans:
+        p.check_buffers()
+    cp = _cp()
+    with cp.cuda.Device(sc.device):
+        recording.graph.launch(sc.stream)
 
 
 # --- events ------------------------------------------------------------------------------------------------

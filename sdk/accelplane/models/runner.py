@@ -206,6 +206,12 @@ def cmd_run(args, out: TextIO | None = None) -> int:
         shown = " ".join(map(str, res.tokens[:16])) + (" ..." if len(res.tokens) > 16 else "")
         p(f"generated token ids: {shown}")
         p(f"plans: {model.sched.stats.plans} scheduler plans for {len(model._steps)} graphs")
+        if model.meta is not None:
+            m = meta_summary(model.meta)
+            why = m["record_error"]
+            rec = f"not recorded ({why})" if why else "recorded: one replay per device"
+            p(f"tensor split: {m['segments']} segments and {m['allreduces']} all-reduces "
+              f"({', '.join(m['algorithms']) or '-'}) per step; {rec}")  # fmt: skip
     finally:
         model.free()
     if not check:
@@ -250,6 +256,13 @@ def bench_configs(
     if len(others) >= 2 and others[0].type != DeviceType.CPU and (not splits or "layer" in splits):
         out.append((others, "layer"))
     return out
+
+
+def meta_summary(meta) -> dict:
+    """The meta device's last computed step: segments, all-reduces and how they ran."""
+    st = meta.stats
+    return {"segments": st.segments, "allreduces": st.allreduces, "algorithms": sorted(st.algorithms),
+            "replays": st.replays, "computes": st.computes, "record_error": st.record_error}
 
 
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
@@ -300,6 +313,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "devices": label, "split": split, "test": f"{test}{n}", "n_tokens": n,
                        "reps": reps, "seconds": times, "tokens_per_s": float(np.mean(tps)),
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
+                if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
+                    row["meta"] = meta_summary(model.meta)
                 if test == "tg":  # every weight is read once per token
                     row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
                     bw = copy_bw.get(label)

@@ -46,11 +46,15 @@ class Stream:
         self.error: BaseException | None = None
         self.timeline: list[tuple[str, float, float]] = []  # (label, start, end) when recording
         self.record_timeline = False
+        self.recording: list | None = None  # between record_begin and record_end: (fn, label, plan)
         self.thread = threading.Thread(target=self._run, name=f"asyncdev-{name}", daemon=True)
         self.thread.start()
 
-    def submit(self, fn, label: str = "") -> None:
-        self.q.put((fn, label))
+    def submit(self, fn, label: str = "", plan=None) -> None:
+        if self.recording is not None:
+            self.recording.append((fn, label, plan))
+        else:
+            self.q.put((fn, label))
 
     def _run(self) -> None:
         while True:
@@ -292,7 +296,29 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
 def graph_compute(backend, graph):
     plan = backend.ctx.plans.get(graph)
     plan.check_buffers()  # on the host, so the caller gets the error
-    backend.ctx.stream.submit(plan.run, f"graph#{graph.uid}")
+    backend.ctx.stream.submit(plan.run, f"graph#{graph.uid}", plan)
+
+
+# --- recording: the queued tasks, kept and queued again ------------------------------------------
+@hookimpl
+def record_begin(backend):
+    backend.ctx.stream.recording = []
+    return True
+
+
+@hookimpl
+def record_end(backend):
+    st = backend.ctx.stream
+    rec, st.recording = st.recording, None
+    return rec
+
+
+@hookimpl
+def record_replay(backend, recording):
+    for fn, label, plan in recording:
+        if plan is not None:
+            plan.check_buffers()
+        backend.ctx.stream.submit(fn, label)
 
 
 # --- events ----------------------------------------------------------------------------------------
