@@ -184,6 +184,29 @@ def test_recorded_steps_replay_with_new_inputs(cpu, adevs, monkeypatch, kind, en
     run.meta.free()
 
 
+def test_weights_allocated_again_replan(cpu, adevs):
+    """The same graph after its weights were freed and allocated again with another split:
+    the next compute plans anew (and drops the old recording) and gives the same results."""
+    p = LayerParams(n_layers=1)
+    weights, inputs = layer_values(p.build(), seed=8)
+    want = single(cpu, p, weights)(inputs)
+    run = tensor_parallel(adevs[:2], p, weights)
+    for _ in range(3):  # the third compute replays the recording
+        _close(run(inputs), want, "first weights")
+    assert run.meta.stats.plans == 1 and run.meta.stats.replays == 2
+    for buf in run.meta._weights:
+        buf.free()
+    for w in run.lg.weights:
+        w.buffer, w.extra = None, None
+    run.meta.alloc_weights(run.lg.weights, lambda t: None)  # every weight mirrored now
+    for w in run.lg.weights:
+        w.set(weights[w.name])
+    _close(run(inputs), want, "weights mirrored")
+    st = run.meta.stats
+    assert st.plans == 2 and st.replays == 2 and st.allreduces == 0, st
+    run.meta.free()
+
+
 def test_recording_that_fails_runs_the_steps(adevs, cpu, monkeypatch):
     """A backend whose record_end fails: the plan runs unrecorded, with the same results."""
     p = LayerParams(n_layers=1)

@@ -583,6 +583,7 @@ class _Plan:
         self._build()
         self.alloc_graphs = [Graph.from_nodes(self.nodes[j], self.inputs[j]) for j in range(nl)]
         self.layout: tuple[int, ...] = ()
+        self.weights_seen = -1  # MetaDevice._weights_version when the weights were last compared
         self.runs = 0  # computes since planned or last moved (recording starts at the second)
         self.recordings: list | None = None  # one per backend: the steps, replayed as one call
         self.record_error = ""  # why this plan is not recorded, once that is known
@@ -1162,6 +1163,7 @@ class MetaDevice(GraphRunner):
         self._plans: dict[int, _Plan] = {}
         self._allocated: _Plan | None = None
         self._weights: list[MetaBuffer] = []
+        self._weights_version = 0  # bumped by alloc_weights
         self.freed = False
         if self.n_local > 1:  # fail early on bad comm settings (nothing is opened yet)
             try:
@@ -1283,6 +1285,7 @@ class MetaDevice(GraphRunner):
         for t, st, shards in plan:
             t.buffer, t.offs, t.extra = mb, 0, _Val(st, shards)
         self._weights.append(mb)
+        self._weights_version += 1  # plans re-check which weights their graphs are bound to
         return mb
 
     def _state_with(self, fn: SplitFn | None, t: Tensor) -> SplitState:
@@ -1363,14 +1366,17 @@ class MetaDevice(GraphRunner):
     # --- graphs
     def _plan_for(self, graph: Graph) -> _Plan:
         plan = self._plans.get(graph.uid)
-        if plan is not None:
+        if plan is not None and plan.weights_seen != self._weights_version:
+            # weights were (re)allocated since this plan last looked: are its own still bound?
             now = tuple(id(t.extra) for t in graph.leafs
                         if isinstance(t.buffer, MetaBuffer) and t.buffer.kind == "weights")  # fmt: skip
+            plan.weights_seen = self._weights_version
             if now != plan.weights:
                 self._drop(plan)
                 plan = None
         if plan is None:
             plan = _Plan(self, graph)
+            plan.weights_seen = self._weights_version
             try:
                 self._alloc_zeros(plan)
             except BaseException:

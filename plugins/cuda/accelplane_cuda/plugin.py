@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 from accelplane.backend import BufferUsage
-from accelplane.errors import AllocationError, ComputeError, DeviceError
+from accelplane.errors import AllocationError, BufferFreedError, ComputeError, DeviceError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
 
@@ -365,6 +365,8 @@ class Recording:
     def __init__(self, graph, plans: list) -> None:
         self.graph = graph
         self.plans = plans  # their parameter arrays and scratch are what the graph's kernels read
+        # every buffer the recorded plans use, once (a replay checks none was freed)
+        self.buffers = list({id(b): b for p in plans for b in p.buffers.values()}.values())
 
 
 @hookimpl
@@ -395,8 +397,9 @@ def record_end(backend):
 @hookimpl
 def record_replay(backend, recording):
     sc: StreamCtx = backend.ctx
-    for p in recording.plans:
-        p.check_buffers()
+    for b in recording.buffers:
+        if b.freed:
+            raise BufferFreedError(f"a recording replayed on CUDA uses freed buffer {b.name!r}")
     cp = _cp()
     with cp.cuda.Device(sc.device):
         recording.graph.launch(sc.stream)
