@@ -123,6 +123,8 @@ def test_set_get_every_state(cpu):
             rb.free()
         else:
             assert np.array_equal(t.get(), v), k
+    # a mirrored tensor's every copy holds the whole value
+    assert all(np.array_equal(sh.get(), ts["mir"].get()) for sh in meta.shards(ts["mir"]))
     # a shard is the device's slice: AXIS_1 split [6, 4, 2] of 12 rows in granules of 2
     sh = meta.shards(ts["a1"])
     assert [s.ne[1] for s in sh] == [4, 4, 4]

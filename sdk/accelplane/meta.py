@@ -530,6 +530,16 @@ class MetaBuffer(CompositeBuffer):
         self._check()
         owner, v = self._val(t)
         start = t.offs - owner.offs + offset
+        if start == 0 and size == owner.nbytes and v.state.axis is M_ and owner.is_contiguous():
+            # a whole mirrored input (a decode step's tokens, positions, mask): the same bytes
+            # to every copy, without the unit reshaping of the general path
+            raw = np.ascontiguousarray(data[:size])
+            for x in v.t:
+                if x.nelements and x.is_contiguous():
+                    x.set_bytes(raw)
+                elif x.nelements:
+                    _write_units(x, strided_view(owner, raw))
+            return
         if start == 0 and size == owner.nbytes:
             img = data[:size]
         else:  # part of the tensor: read, patch, write back
