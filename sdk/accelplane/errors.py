@@ -65,8 +65,9 @@ class CommError(ComputeError):
 
 
 class CommTimeoutError(CommError):
-    """A collective across processes did not complete within its deadline
-    (``ACCELPLANE_MPI_TIMEOUT``): a peer died, hung, or did not enter the same collective."""
+    """A collective did not complete within its deadline: across processes
+    (``ACCELPLANE_MPI_TIMEOUT``) or across the GPUs of a plugin's communicator (the CUDA
+    peer-memory all-reduce, ~10 s): a peer died, hung, or did not enter the same collective."""
 
 
 class GGUFError(AccelplaneError):

@@ -9,8 +9,8 @@ same bits. No host work per call, and the kernel records into a CUDA graph like 
 Serves contiguous F32 tensors of a multiple of 4 elements at 16-byte aligned addresses, up to
 ``ACCELPLANE_CUDA_P2P_MAX`` bytes (default 1 MiB; 0 turns the path off); the rest goes to
 NCCL. Needs peer access between every pair of the 2 to 8 GPUs (``cudaDeviceCanAccessPeer``).
-A peer that never arrives raises ComputeError at the next synchronize (after ~10 s) instead of
-hanging; the communicator is unusable after that.
+A peer that never arrives raises CommTimeoutError at the next synchronize (after ~10 s) instead
+of hanging; the communicator is unusable after that.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 from accelplane.backend import BufferUsage
-from accelplane.errors import AllocationError, BufferFreedError, ComputeError, DeviceError
+from accelplane.errors import AllocationError, BufferFreedError, CommTimeoutError, ComputeError, DeviceError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
 
@@ -287,8 +287,8 @@ def synchronize(backend):
         if flag:
             sc.err.fill(0)
             if flag == 2:  # kernels.cu: k_allreduce_p2p
-                raise ComputeError(f"{backend.device.name}: a peer GPU never joined an all-reduce (~10 s); "
-                                   "the communicator is out of step and must be freed")  # fmt: skip
+                raise CommTimeoutError(f"{backend.device.name}: a peer GPU never joined an all-reduce "
+                                       "(~10 s); the communicator is out of step and must be freed")
             raise ComputeError(f"{backend.device.name}: a row or expert index was out of range")
 
 
