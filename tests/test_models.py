@@ -522,6 +522,8 @@ def test_accelplane_run_split_tensor_and_bench_model(cli_env, models, tmp_path, 
     assert tg["copy_gb_per_s"] > 0.1
     assert tg["weights_frac_of_copy"] == pytest.approx(tg["weights_gb_per_s"] / tg["copy_gb_per_s"])
     assert "% of copy" in out
+    # the decode graph alone, computed back to back (no host work between tokens)
+    assert tg["graph_only_tokens_per_s"] > 0 and "graph only t/s" in out
 
 
 def test_bench_model_multi_device_rows_get_their_speedup(reg, models):
@@ -540,6 +542,8 @@ def test_bench_model_multi_device_rows_get_their_speedup(reg, models):
     assert layer["vs_first_device"] == pytest.approx(layer["tokens_per_s"] / one["tokens_per_s"])
     assert "vs_first_device" not in by[(f"{a1.name},{a0.name}", "tensor", "tg2")]  # a1 alone did not run
     assert "vs 1 device" in format_bench(rows)
+    tensor = by[(f"{a1.name},{a0.name}", "tensor", "tg2")]
+    assert tensor["graph_only_tokens_per_s"] > 0 and tensor["meta"]["replays"] > 0, tensor
 
 
 def test_bench_configs_pair_splits_with_the_device_sets_they_fit(reg):

@@ -265,6 +265,20 @@ def meta_summary(meta) -> dict:
             "replays": st.replays, "computes": st.computes, "record_error": st.record_error}
 
 
+def graph_only_rate(model: LlamaModel, n: int) -> float:
+    """Tokens/s of the last decode step's graph computed ``n`` times back to back, without the
+    host's work between tokens (inputs set, results read, Python): what the devices alone
+    allow. (It rewrites the last position's cache rows: call it after the timed runs.)"""
+    g = model.step(1, model.window(model.n_past)).graph
+    model.sched.alloc_graph(g)
+    model.sched.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        model.sched.graph_compute(g)
+    model.sched.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
                 reps: int = 2, progress: Callable[[str], None] | None = None,
                 profiler=None) -> list[dict]:  # fmt: skip
@@ -315,6 +329,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
                 if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
                     row["meta"] = meta_summary(model.meta)
+                if test == "tg":
+                    row["graph_only_tokens_per_s"] = graph_only_rate(model, n)
                 if test == "tg":  # every weight is read once per token
                     row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
                     bw = copy_bw.get(label)
@@ -334,11 +350,13 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
 
 def format_bench(rows: list[dict]) -> str:
     """llama-bench's markdown table (with the weights' read rate for tg, and that rate as a
-    fraction of the same run's device copy bandwidth, read + written; multi-device rows also
-    get their speed-up over their first device alone, when that config ran too)."""
+    fraction of the same run's device copy bandwidth, read + written; tg rows also get the
+    decode graph's rate computed back to back, without the host's work between tokens;
+    multi-device rows also get their speed-up over their first device alone, when that config
+    ran too)."""
     cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
             ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">"),
-            ("copy GB/s", 10, ">"), ("% of copy", 9, ">")]  # fmt: skip
+            ("copy GB/s", 10, ">"), ("% of copy", 9, ">"), ("graph only t/s", 14, ">")]  # fmt: skip
     multi = any("vs_first_device" in r for r in rows)
     if multi:
         cols.append(("vs 1 device", 11, ">"))
@@ -351,7 +369,8 @@ def format_bench(rows: list[dict]) -> str:
                 f"{r['weights_gb_per_s']:.2f}" if "weights_gb_per_s" in r else "",
                 f"{r['copy_gb_per_s']:.1f}" if "copy_gb_per_s" in r else "",
                 f"{100 * r['weights_frac_of_copy']:.1f} %" if "weights_frac_of_copy" in r
-                else ""]  # fmt: skip
+                else "",
+                f"{r['graph_only_tokens_per_s']:.2f}" if "graph_only_tokens_per_s" in r else ""]  # fmt: skip
         if multi:
             vals.append(f"{r['vs_first_device']:.2f}x" if "vs_first_device" in r else "")
         lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")
