@@ -268,8 +268,9 @@ class Specs:
         """Start recording the backend's queue: until record_end, graph_compute and
         comm_allreduce_tensor calls on it are recorded, NOT executed. The caller queues nothing
         else on it meanwhile (no tensor copies, events or synchronize), and keeps every tensor
-        the recorded work touches at the same address while it keeps the recording. Return
-        False when recording is not possible now. Fallback: False (work is queued each time)."""
+        the recorded work touches at the same address while it keeps the recording. Several
+        backends may record at once, with comm calls spanning them. Return False when
+        recording is not possible now. Fallback: False (work is queued each time)."""
 
     @hookspec
     def record_end(self, backend) -> Any:

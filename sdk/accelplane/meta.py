@@ -1468,23 +1468,19 @@ class MetaDevice(GraphRunner):
             plan = self._allocated
         assert plan is not None
         self.stats.computes += 1
-        if plan.recordings is not None:
-            for b, r in zip(self.backends, plan.recordings, strict=True):
-                b.record_replay(r)
-            self.stats.replays += 1
-            self.stats.record_error = ""
-            return
-        plan.runs += 1
-        if plan.runs >= 2 and not plan.record_error:
-            plan.record_error = self._why_not_record(plan)
-            if not plan.record_error:
-                plan.recordings, plan.record_error = self._record(plan)
-                if plan.recordings is not None:
-                    self.graph_compute(graph)
-                    self.stats.computes -= 1
-                    return
+        if plan.recordings is None:
+            plan.runs += 1
+            if plan.runs >= 2 and not plan.record_error:
+                plan.record_error = self._why_not_record(plan)
+                if not plan.record_error:  # nothing runs while recording: replayed just below
+                    plan.recordings, plan.record_error = self._record(plan)
         self.stats.record_error = plan.record_error
-        self._run_steps(plan)
+        if plan.recordings is None:
+            self._run_steps(plan)
+            return
+        for b, r in zip(self.backends, plan.recordings, strict=True):
+            b.record_replay(r)
+        self.stats.replays += 1
 
     def _run_steps(self, plan: _Plan) -> None:
         self.stats.algorithms = plan.algorithms = {}

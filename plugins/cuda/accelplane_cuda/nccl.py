@@ -30,12 +30,13 @@ _SUM = 0
 
 
 class NcclComm:
-    def __init__(self, devices: list[int], p2p: PeerAllReduce | None = None) -> None:
+    def __init__(self, devices: list[int], p2p: PeerAllReduce | None = None, p2p_why: str = "") -> None:
         from cupy.cuda import nccl
 
         self.nccl = nccl
         self.devices = devices
         self.p2p = p2p
+        self.p2p_why = p2p_why  # why small tensors go through NCCL too, if they do (diagnostics)
         self.comms = nccl.NcclCommunicator.initAll(devices)
         default = {2: 32768, 3: 131072}.get(len(devices), 262144)
         self.bf16_min = int(os.environ.get("ACCELPLANE_CUDA_NCCL_BF16_MIN", default))
@@ -134,9 +135,7 @@ def init(backends) -> NcclComm | None:
     why = peer_access(devices) if limit >= 16 else f"off (ACCELPLANE_CUDA_ALLREDUCE={mode}, P2P_MAX={limit})"
     p2p = None if why else PeerAllReduce(devices, limit)
     try:
-        comm = NcclComm(devices, p2p)
-        comm.p2p_why = why  # why small tensors go through NCCL too, if they do (diagnostics)
-        return comm
+        return NcclComm(devices, p2p, why)
     except Exception as e:  # NCCL missing or failing: the SDK fallback serves, loudly
         import warnings
 

@@ -237,6 +237,13 @@ def _written_buffers(graph) -> set[int]:
     return out
 
 
+def check_buffers(buffers) -> None:
+    """BufferFreedError if work about to be queued (a plan, a recording) uses a freed buffer."""
+    for b in buffers:
+        if b.freed:
+            raise BufferFreedError(f"a graph computed on CUDA uses freed buffer {b.name!r}")
+
+
 class CudaPlan:
     """Launches for every node of a graph on one stream, replayed (as a CUDA graph once
     warm) by ``run``."""
@@ -824,9 +831,7 @@ class CudaPlan:
 
     # --- replay -------------------------------------------------------------------------------------------
     def check_buffers(self) -> None:
-        for b in self.buffers.values():
-            if b.freed:
-                raise BufferFreedError(f"a graph computed on CUDA uses freed buffer {b.name!r}")
+        check_buffers(self.buffers.values())
 
     def run(self) -> None:
         self.check_buffers()

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 from accelplane.backend import BufferUsage
-from accelplane.errors import AllocationError, BufferFreedError, CommTimeoutError, ComputeError, DeviceError
+from accelplane.errors import AllocationError, CommTimeoutError, ComputeError, DeviceError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
 
@@ -396,10 +396,10 @@ def record_end(backend):
 
 @hookimpl
 def record_replay(backend, recording):
+    from .plan import check_buffers
+
     sc: StreamCtx = backend.ctx
-    for b in recording.buffers:
-        if b.freed:
-            raise BufferFreedError(f"a recording replayed on CUDA uses freed buffer {b.name!r}")
+    check_buffers(recording.buffers)
     cp = _cp()
     with cp.cuda.Device(sc.device):
         recording.graph.launch(sc.stream)

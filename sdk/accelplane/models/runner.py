@@ -329,9 +329,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
                 if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
                     row["meta"] = meta_summary(model.meta)
-                if test == "tg":
-                    row["graph_only_tokens_per_s"] = graph_only_rate(model, n)
                 if test == "tg":  # every weight is read once per token
+                    row["graph_only_tokens_per_s"] = graph_only_rate(model, n)
                     row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
                     bw = copy_bw.get(label)
                     if bw:  # the same run's device copy (read + written) as the limit
