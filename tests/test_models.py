@@ -15,7 +15,7 @@ import accelplane
 import gguf
 import numpy as np
 import pytest
-from accelplane.errors import GGUFError, ShapeError
+from accelplane.errors import DeviceError, GGUFError, ShapeError
 from accelplane.hookspecs import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
 from accelplane.models.gguf import MetaValue, synthetic_tensor
@@ -456,6 +456,30 @@ def test_split_tensor_matches_split_none(reg, models):
     for got, want in zip(outs["tensor"][:2], outs["none"][:2], strict=True):
         assert _nmse(got, want) < 1e-8
     assert np.array_equal(outs["tensor"][2], outs["none"][2])
+
+
+def test_embeddings_on_the_device(reg, models, monkeypatch):
+    """embd="device" keeps the token embeddings on the first layer's device: a decode step is
+    then one scheduler split, with the same logits as the default (embeddings in host memory,
+    GET_ROWS on the CPU, its result copied over); a bad value is a DeviceError."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    toks = [3, 17, 5, 125, 9, 1]
+    outs = {}
+    for embd in ("cpu", "device"):
+        monkeypatch.setenv("ACCELPLANE_MODEL_EMBD", embd)
+        m = LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu)
+        try:
+            assert m.placement["token_embd.weight"] is (dev if embd == "device" else cpu)
+            pre = m.eval(toks, all_logits=True)
+            dec = m.eval([int(pre.ids[-1])])
+            outs[embd] = (pre.logits, dec.logits)
+            assert m.sched.stats.splits == (1 if embd == "device" else 2), m.sched.stats  # the decode's
+        finally:
+            m.free()
+    for got, want in zip(outs["device"], outs["cpu"], strict=True):
+        assert _nmse(got, want) < 1e-12
+    with pytest.raises(DeviceError, match="ACCELPLANE_MODEL_EMBD"):
+        LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, embd="gpu")
 
 
 def test_split_modes(reg, models):

@@ -151,6 +151,22 @@ template <> __device__ __forceinline__ void deq32<108>(const u8* row, int c, flo
         y[l + 16] = d * (float)(signed char)g[128 + 16 * j + l];
     }
 }
+// Q4_Kx8 super-block: 144 bytes, sub-block j's nibbles at 16j (Q4_0x8's order), then GGUF's
+// header at 128 (F16 d, F16 dmin, 12 bytes of 6-bit scales and mins)
+template <> __device__ __forceinline__ void deq32<112>(const u8* row, int c, float* y) {
+    const u8* g = row + (i64)(c >> 3) * 144;
+    const int j = c & 7;
+    const u8* s = g + 132 + (j & 3);
+    int sc, m;
+    q4k_scale_min(s[0], s[4], s[8], j, sc, m);
+    const float dl = f16at(g + 128) * (float)sc, ml = f16at(g + 130) * (float)m;
+    #pragma unroll
+    for (int l = 0; l < 16; ++l) {
+        const int q = g[16 * j + l];
+        y[l] = dl * (float)(q & 0xF) - ml;
+        y[l + 16] = dl * (float)(q >> 4) - ml;
+    }
+}
 // float rows through the same interface
 // (16-byte loads where the chunk is aligned: a KV cache's rows usually are)
 template <> __device__ __forceinline__ void deq32<0>(const u8* row, int c, float* y) {
@@ -389,6 +405,22 @@ __device__ __forceinline__ void quantize4(char* sx, float4 v, int e, int total) 
         *(int*)(xq + (l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)) =
             (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
         if ((lane & 7) == 0) { xd[e / 32] = d; xs[e / 32] = sum; }
+    }
+}
+
+// Element e of the total into quantize4's layout, one element per lane: called by all 32 lanes
+// of a warp together, holding one whole 32-element unit (lane == e & 31). Same rounding.
+__device__ __forceinline__ void quantize1(char* sx, float v, int e, int total) {
+    const float d = warp_max(fabsf(v)) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = __float2int_rn(v * id);
+    int sum = q;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    const int l = e & 31;
+    ((signed char*)sx)[(l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)] = (signed char)q;
+    if (l == 0) {
+        ((float*)(sx + total))[e / 32] = d;
+        ((int*)(sx + total + total / 32 * 4))[e / 32] = sum;
     }
 }
 
@@ -955,11 +987,13 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
 // in scratch; the last block of a batch to finish (an atomic count, which it resets) combines
 // them, so a decode step needs one launch for the three nodes and never writes the scores.
 // P: [D, n_kv, R, ne2, ne3, r2k, r3k, nbk1, nbk2, nbk3, nbq1, nbq2, nbq3, has_mask, nbm1, nbm2, nbm3,
-//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, v16]
+//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, v16, total]
 // D a multiple of 8 up to ATT_MAXD with 16-byte aligned K rows; Dv <= 128; R <= ATT_MAXR; n_kv <=
 // ATT_C * ATT_MAXCH; v16:
 // V rows 16-byte aligned (vector loads of whole chunks). grid (chunks of ATT_C positions, ne2 *
-// ne3); part: grid.y * grid.x * ATT_MAXR * (Dv + 2) floats; count: grid.y ints, zero.
+// ne3); part: grid.y * grid.x * ATT_MAXR * (Dv + 2) floats; count: grid.y ints, zero. xq: when not
+// null (Dv a multiple of 32, dst contiguous: output element (b, r, o) is number (b R + r) Dv + o of
+// total), the result is also written quantized as k_quant_x writes it, for the output projection.
 #define ATT_C 32
 #define ATT_MAXR 8
 #define ATT_MAXD 256
@@ -975,7 +1009,7 @@ template <> __device__ __forceinline__ void ld8f<float>(const char* p, float* f)
 template <typename TK, typename TV, typename TM>
 __global__ void __launch_bounds__(128) k_attention(const i64* __restrict__ P, char* dst, const char* kc,
                                                    const char* q, const char* mask, const char* vc,
-                                                   float* part, int* count) {
+                                                   float* part, int* count, char* xq) {
     pdl_enter();
     __shared__ float qs[ATT_MAXR * ATT_MAXD];
     __shared__ float ps[ATT_MAXR][ATT_C];
@@ -1060,10 +1094,16 @@ __global__ void __launch_bounds__(128) k_attention(const i64* __restrict__ P, ch
         }
     }
     char* db = dst + i2 * P[27] + i3 * P[28] + t * 4;
+    const int total = (int)P[30];
     if (gridDim.x == 1) {  // one chunk: the result directly
         #pragma unroll
-        for (int r = 0; r < ATT_MAXR; ++r)
-            if (r < R && t < Dv) *(float*)(db + r * P[26]) = acc[r] / ls[r];
+        for (int r = 0; r < ATT_MAXR; ++r) {
+            if (r < R && t < Dv) {
+                const float y = acc[r] / ls[r];
+                *(float*)(db + r * P[26]) = y;
+                if (xq) quantize1(xq, y, (b * R + r) * Dv + t, total);  // whole warps: Dv % 32 == 0
+            }
+        }
         return;
     }
     const int stride = Dv + 2;
@@ -1106,6 +1146,7 @@ __global__ void __launch_bounds__(128) k_attention(const i64* __restrict__ P, ch
         #pragma unroll 8
         for (int c = 0; c < nc; ++c) y += wsh[r][c] * __ldcg(pa + (c * ATT_MAXR + r) * stride + o);
         *(float*)(dst + i2 * P[27] + i3 * P[28] + r * P[26] + o * 4) = y;
+        if (xq) quantize1(xq, y, b * R * Dv + i, total);  // whole warps: R Dv % 32 == 0
     }
     if (t == 0) count[b] = 0;  // ready for the next launch
 }
@@ -1174,6 +1215,7 @@ template <> struct qfmt<12> { enum { BB = 144, UPB = 8, UNIT = 144 }; };
 template <> struct qfmt<14> { enum { BB = 210, UPB = 8, UNIT = 1680 }; };
 template <> struct qfmt<102> { enum { BB = 144, UPB = 8, UNIT = 144 }; };  // a group of 8 blocks
 template <> struct qfmt<108> { enum { BB = 272, UPB = 8, UNIT = 272 }; };
+template <> struct qfmt<112> { enum { BB = 144, UPB = 8, UNIT = 144 }; };
 
 // dot of 32-element unit u of a row (in shared memory) with activation unit (xq words, d, sum)
 template <int WT> __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* xq, float dx, int sx);
@@ -1250,6 +1292,18 @@ template <> __device__ __forceinline__ float unit_dot<108>(const u8* row, int u,
     const int acc = dot_q8x8(*(const uint4*)(g + 16 * j), *(const uint4*)(g + 128 + 16 * j), xq);
     return f16at(g + 256 + 2 * j) * dx * (float)acc;
 }
+// Q4_Kx8: sub-block j's scale and min from the header's scale bytes (j & 3) of words 1..3
+__device__ __forceinline__ float q4kx8_dot(uint4 q, uint4 h, int j, const int* xq, float dx, int sx) {
+    const int sh = 8 * (j & 3);
+    int sc, m;
+    q4k_scale_min((h.y >> sh) & 0xFF, (h.z >> sh) & 0xFF, (h.w >> sh) & 0xFF, j, sc, m);
+    const float2 dm = __half22float2(*(const __half2*)&h.x);  // d, dmin
+    return dx * (dm.x * (float)sc * (float)dot_q4x8(q, xq) - dm.y * (float)m * (float)sx);
+}
+template <> __device__ __forceinline__ float unit_dot<112>(const u8* row, int u, const int* xq, float dx, int sx) {
+    const u8* g = row + (u >> 3) * 144;
+    return q4kx8_dot(*(const uint4*)(g + 16 * (u & 7)), *(const uint4*)(g + 128), u & 7, xq, dx, sx);
+}
 template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, const int* xq, float dx, int sx) {
     const u8* b = row + (u >> 3) * 210;
     const int j = u & 7, n = j >> 2, quarter = j & 3;
@@ -1275,7 +1329,7 @@ template <> __device__ __forceinline__ float unit_dot<14>(const u8* row, int u, 
 #ifndef MMVP_NS
 #define MMVP_NS 2      // stages per warp (plan.py passes its MMVP_NS)
 #endif
-template <int WT> struct is_quant { enum { v = WT == 2 || WT == 8 || WT == 12 || WT == 14 || WT == 102 || WT == 108 }; };
+template <int WT> struct is_quant { enum { v = WT == 2 || WT == 8 || WT == 12 || WT == 14 || WT == 102 || WT == 108 || WT == 112 }; };
 
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {
     const unsigned int sa = (unsigned int)__cvta_generic_to_shared(s);
@@ -1449,7 +1503,7 @@ __global__ void __launch_bounds__(512) k_mmv_pipe(const i64* __restrict__ P, cha
     cp_async_wait<0>();
 }
 
-// ==== mat-vec (n <= MMV_MAXN) of Q4_0x8, Q8_0x8 and Q4_K weights from registers ====
+// ==== mat-vec (n <= MMV_MAXN) of Q4_0x8, Q8_0x8, Q4_Kx8 and Q4_K weights from registers ====
 // The activations are quantized once, by k_quant_x or by the k_norm_vec that produced them, into
 // global memory (quantize4's layout); then each thread loads U units of its row straight into
 // registers, all U loads in flight before any is used, and blocks of 128 threads (1 to 16 rows)
@@ -1457,7 +1511,10 @@ __global__ void __launch_bounds__(512) k_mmv_pipe(const i64* __restrict__ P, cha
 // set-up: the pipelined kernel's per-block quantization of the activations (3-5 us on a
 // 4096 x 14336 product, its loads queued behind the weights') is what this one avoids.
 template <int WT> struct unit_regs;
+// A unit_regs holds W 32-element units of a row (one load's worth: W = 1, or 2 where two units
+// share a header); load(row, u) takes load-unit u (units W·u .. W·u + W - 1), dot(s, ..) unit W·u + s.
 template <> struct unit_regs<102> {
+    static constexpr int W = 1;
     uint4 q;
     unsigned short d;
     __device__ __forceinline__ void load(const u8* row, int u) {
@@ -1465,11 +1522,12 @@ template <> struct unit_regs<102> {
         q = __ldcs((const uint4*)(g + 16 * (u & 7)));
         d = __ldcs((const unsigned short*)(g + 128 + 2 * (u & 7)));
     }
-    __device__ __forceinline__ float dot(const int* xq, float dx, int sx) const {
+    __device__ __forceinline__ float dot(int, const int* xq, float dx, int sx) const {
         return __half2float(__ushort_as_half(d)) * dx * (float)(dot_q4x8(q, xq) - 8 * sx);
     }
 };
 template <> struct unit_regs<108> {
+    static constexpr int W = 1;
     uint4 lo, hi;
     unsigned short d;
     __device__ __forceinline__ void load(const u8* row, int u) {
@@ -1478,11 +1536,12 @@ template <> struct unit_regs<108> {
         hi = __ldcs((const uint4*)(g + 128 + 16 * (u & 7)));
         d = __ldcs((const unsigned short*)(g + 256 + 2 * (u & 7)));
     }
-    __device__ __forceinline__ float dot(const int* xq, float dx, int sx) const {
+    __device__ __forceinline__ float dot(int, const int* xq, float dx, int sx) const {
         return __half2float(__ushort_as_half(d)) * dx * (float)dot_q8x8(lo, hi, xq);
     }
 };
 template <> struct unit_regs<12> {
+    static constexpr int W = 1;
     uint4 q0, q1;
     unsigned int dm;  // d, dmin
     unsigned char b0, b1, b2;
@@ -1495,12 +1554,29 @@ template <> struct unit_regs<12> {
         dm = __ldcs((const unsigned int*)b);
         b0 = __ldcs(b + 4 + (j & 3)), b1 = __ldcs(b + 8 + (j & 3)), b2 = __ldcs(b + 12 + (j & 3));
     }
-    __device__ __forceinline__ float dot(const int* xq, float dx, int sx) const {
+    __device__ __forceinline__ float dot(int, const int* xq, float dx, int sx) const {
         int sc, m;
         q4k_scale_min(b0, b1, b2, j, sc, m);
         const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
         const float dmin = __half2float(__ushort_as_half((unsigned short)(dm >> 16)));
         return d * (float)sc * dx * (float)dot_q4k(q0, q1, (j & 1) * 4, xq) - dmin * (float)m * dx * (float)sx;
+    }
+};
+// Q4_Kx8: two sub-blocks (32 contiguous bytes) and their super-block's header per load, so a
+// thread holds 36 bytes of weights in 13 registers (one sub-block per load would spend 9)
+template <> struct unit_regs<112> {
+    static constexpr int W = 2;
+    uint4 q0, q1, h;
+    int j0;  // the first sub-block
+    __device__ __forceinline__ void load(const u8* row, int u) {
+        const u8* g = row + (u >> 2) * 144;
+        j0 = 2 * (u & 3);
+        q0 = __ldcs((const uint4*)(g + 16 * j0));
+        q1 = __ldcs((const uint4*)(g + 16 * j0 + 16));
+        h = __ldcs((const uint4*)(g + 128));
+    }
+    __device__ __forceinline__ float dot(int s, const int* xq, float dx, int sx) const {
+        return q4kx8_dot(s ? q1 : q0, h, j0 + s, xq, dx, sx);
     }
 };
 
@@ -1546,10 +1622,12 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     #pragma unroll
     for (int j = 0; j < NMAX; ++j) acc[j] = 0.0f;
     unit_regs<WT> r[U];
+    constexpr int W = unit_regs<WT>::W;
+    const int loads = units / W;
     auto load = [&](int u0) {
         #pragma unroll
         for (int i = 0; i < U; ++i)
-            if (u0 + lpr * i < units) r[i].load(row, u0 + lpr * i);
+            if (u0 + lpr * i < loads) r[i].load(row, u0 + lpr * i);
     };
     // P[15] set (plan.py: no kernel of the graph writes the weights' buffer): the first pass's
     // weights are in flight before waiting for the kernel that wrote the activations
@@ -1557,19 +1635,22 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     if (early) load(lid);
     pdl_enter();
     if (!early) load(lid);
-    for (int u0 = lid; u0 < units; u0 += lpr * U) {
+    for (int u0 = lid; u0 < loads; u0 += lpr * U) {
         if (u0 != lid) load(u0);
         #pragma unroll
         for (int i = 0; i < U; ++i) {
             const int u = u0 + lpr * i;
-            if (u < units) {
+            if (u < loads) {
                 #pragma unroll
-                for (int j = 0; j < NMAX; ++j) {
-                    if (j < N) {
-                        const int xr = j * units + u;
-                        const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
-                        const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                        acc[j] += r[i].dot(xw, __ldg(xd + xr), __ldg(xs + xr));
+                for (int s = 0; s < W; ++s) {
+                    #pragma unroll
+                    for (int j = 0; j < NMAX; ++j) {
+                        if (j < N) {
+                            const int xr = j * units + W * u + s;
+                            const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
+                            const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                            acc[j] += r[i].dot(s, xw, __ldg(xd + xr), __ldg(xs + xr));
+                        }
                     }
                 }
             }

@@ -1,4 +1,4 @@
-"""The x8 weight layouts: Q4_0 and Q8_0 rows regrouped so that mat-vec reads are aligned.
+"""The x8 weight layouts: Q4_0, Q8_0 and Q4_K rows regrouped so that mat-vec reads are aligned.
 
 GGUF's Q4_0 block is 18 bytes (an F16 scale, 16 bytes of nibbles) and Q8_0's 34 bytes, so a
 block's quants sit at 2-byte alignment and lanes reading consecutive blocks from shared memory
@@ -9,16 +9,22 @@ row's size and regroup every run of 8 blocks (256 elements) in place:
   128 + 2·j.
 - Q8_0x8, 272 bytes per group: elements 0..15 of block j at 16·j, elements 16..31 at
   128 + 16·j, then the 8 scales at 256 + 2·j.
+- Q4_Kx8, 144 bytes per super-block (already 256 elements): sub-block j's 32 nibbles at 16·j as
+  Q4_0x8 holds a block's (element l < 16 the low nibble of byte l, element l + 16 its high
+  nibble), then GGUF's 16-byte header (F16 d, F16 dmin, the 12 bytes of 6-bit scales and mins)
+  at 128. GGUF interleaves two sub-blocks in 32 bytes (low and high nibbles), so a lane reading
+  one sub-block loaded 32 bytes and used half, and gathered its scale from three single bytes.
 
 Every quant word is then 16-byte aligned and lanes reading consecutive blocks read consecutive
-words. Rows stay rows (same byte size, same stride), so views that select whole rows (the
-model's merged Q/K/V views) stay valid.
+words (a Q4_Kx8 lane reads two words and the header that its neighbours read too). Rows stay
+rows (same byte size, same stride), so views that select whole rows (the model's merged Q/K/V
+views) stay valid.
 
 Where: tensors of a CUDA *weights* buffer (BufferUsage.WEIGHTS at allocation) whose type is
-Q4_0 or Q8_0, with contiguous rows of a multiple of 256 elements starting 16-byte aligned. The
-buffer hooks convert on the host side of every set/get (so users, other plugins and the SDK's
+Q4_0, Q8_0 or Q4_K, with contiguous rows of a multiple of 256 elements starting 16-byte aligned.
+The buffer hooks convert on the host side of every set/get (so users, other plugins and the SDK's
 copies always see GGUF bytes), and kernels that read or write such tensors use the layout's
-type id (102, 108). ACCELPLANE_CUDA_REPACK=0 turns it off (for new buffers).
+type id (102, 108, 112). ACCELPLANE_CUDA_REPACK=0 turns it off (for new buffers).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 from accelplane.errors import UnsupportedOpError
 from accelplane.types import GGMLType as T
 
-X8 = {T.Q4_0: 102, T.Q8_0: 108}  # kernel type ids of the x8 layouts
+X8 = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}  # kernel type ids of the x8 layouts
 GROUP = 8  # blocks per group
 _BLOCK = {T.Q4_0: 18, T.Q8_0: 34}
 
@@ -43,8 +49,32 @@ def enabled() -> bool:
     return v == "1"
 
 
+def _nibbles_to_words(sub: np.ndarray) -> np.ndarray:
+    """[..., 32] 4-bit values → [..., 16] bytes: element l < 16 low nibble of byte l, l + 16 high."""
+    return sub[..., :16] | (sub[..., 16:] << 4)
+
+
+def _q4k_to_x8(rows: np.ndarray) -> np.ndarray:
+    n, rb = rows.shape
+    sb = rows.reshape(n, rb // 144, 144)
+    qs = sb[..., 16:].reshape(n, -1, 4, 32)  # pair p: sub-block 2p low nibbles, 2p + 1 high
+    sub = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+    return np.concatenate([_nibbles_to_words(sub).reshape(n, -1, 128), sb[..., :16]], axis=2).reshape(n, rb)
+
+
+def _q4k_from_x8(rows: np.ndarray) -> np.ndarray:
+    n, rb = rows.shape
+    sb = rows.reshape(n, rb // 144, 144)
+    w = sb[..., :128].reshape(n, -1, 4, 2, 16)  # [pair, low/high sub-block, byte]
+    sub = np.concatenate([w & 0xF, w >> 4], axis=4)  # [pair, low/high, 32 elements]
+    qs = (sub[..., 0, :] | (sub[..., 1, :] << 4)).reshape(n, -1, 128)
+    return np.concatenate([sb[..., 128:], qs], axis=2).reshape(n, rb)
+
+
 def to_x8(ty: T, rows: np.ndarray) -> np.ndarray:
     """GGUF rows (uint8 [n_rows, row_bytes]) → x8 rows of the same shape."""
+    if ty == T.Q4_K:
+        return _q4k_to_x8(rows)
     bb = _BLOCK[ty]
     n, rb = rows.shape
     g = rows.reshape(n, rb // (GROUP * bb), GROUP, bb)
@@ -58,6 +88,8 @@ def to_x8(ty: T, rows: np.ndarray) -> np.ndarray:
 
 def from_x8(ty: T, rows: np.ndarray) -> np.ndarray:
     """x8 rows → GGUF rows (the inverse of :func:`to_x8`)."""
+    if ty == T.Q4_K:
+        return _q4k_from_x8(rows)
     bb = _BLOCK[ty]
     n, rb = rows.shape
     g = rows.reshape(n, rb // (GROUP * bb), GROUP * bb)
@@ -95,7 +127,7 @@ def region(t):
 
 
 def type_id(t) -> int:
-    """The kernels' type id for reading or writing ``t``: 102/108 for x8 tensors, else its
+    """The kernels' type id for reading or writing ``t``: 102/108/112 for x8 tensors, else its
     ggml type. A view into x8 memory that does not keep whole rows raises UnsupportedOpError
     (no kernel can address it)."""
     r = region(t)

@@ -28,6 +28,7 @@ from accelplane.ops import (
 )
 from accelplane.types import GGMLType
 
+from . import layout
 from .launch import Launch, pdl_wanted
 from .layout import X8, type_id
 
@@ -39,7 +40,7 @@ P2P_MAX_RANKS = 8  # the peer-memory all-reduce kernel is built for 2 to this ma
 MMV_SMALL = 1 << 22  # float weight matrices up to this many elements use them too
 MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_staged
 # segments are multiples of these (and of 16)
-MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680, 102: 144, 108: 272}
+MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680, 102: 144, 108: 272, 112: 144}
 
 
 def _mmvp_config() -> tuple[int, int]:
@@ -75,21 +76,25 @@ def _attn_fused() -> bool:
 
 # tuning knobs, for measuring the alternatives side by side:
 #   ACCELPLANE_CUDA_MMV=row|pipe|f32  mat-vec by the register kernel where it applies (Q4_0x8,
-#     Q8_0x8, Q4_K; default) else the pipelined one; by the pipelined one; or by the plain one
+#     Q8_0x8, Q4_Kx8, Q4_K; default) else the pipelined one; by the pipelined one; or by the plain one
 #   ACCELPLANE_CUDA_MMV_WARPS=16|8|4  warps per block of the pipelined kernel (default: most that fit)
 #   ACCELPLANE_CUDA_MMVP=SEG,NS  its stage bytes and stages per warp (default 4096,2: best of 2048,2,
 #     4096,2, 2048,4 and 2048,6 on an H200)
 #   ACCELPLANE_CUDA_GEMM_OUT=f32|f16   cuBLAS writes F32 directly (default) or F16 then widened
+#   ACCELPLANE_CUDA_XQ=1|0  kernels producing a register mat-vec's activations quantize them too
+#     (default), or k_quant_x does
 _SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
            Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
 _BIN = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
-_XT = (102, 108)  # Q4_0 and Q8_0 in the x8 layouts of weights buffers (layout.py)
+_XT = (102, 108, 112)  # Q4_0, Q8_0 and Q4_K in the x8 layouts of weights buffers (layout.py)
 _QT = (2, 8, 12, 14) + _XT  # quant type ids the kernels dequantize (Q4_0, Q8_0, Q4_K, Q6_K, x8)
 _WT = (0, 1, 30) + _QT  # weight types of the mat-vec kernels
-_QW = (2, 8) + _XT  # quant type ids the kernels write (CPY and SET_ROWS into Q4_0/Q8_0)
-# the register mat-vec (k_mmv_row): weight types and the units a thread holds in flight (more
-# registers per unit, fewer units: 4 for Q4_0x8's 18 bytes, 2 for Q8_0x8's and Q4_K's)
-_ROW_U = {102: 4, 108: 2, 12: 2}
+_QW = (2, 8, 102, 108)  # quant type ids the kernels write (CPY and SET_ROWS into Q4_0/Q8_0)
+# the register mat-vec (k_mmv_row): weight types and the loads a thread holds in flight (more
+# registers per load, fewer loads: 4 for Q4_0x8's 18 bytes, 2 for Q8_0x8's 34 and Q4_K's 18 in
+# 32, 2 for Q4_Kx8's 36, two sub-blocks per load), and the 32-element units of a load
+_ROW_U = {102: 4, 108: 2, 12: 2, 112: 2}
+_ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
 
 
 def _names() -> list[str]:
@@ -267,9 +272,11 @@ class CudaPlan:
         self.cuda_graph = None
         self.graph_failed = os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0"
         self.nodes = graph.nodes
-        # activations already quantized for the register mat-vec by the kernel that produced
-        # them: id(tensor) → (tensor, scratch address)
+        # activations already quantized for the register mat-vec, by the kernel that produced
+        # them or by an earlier product's k_quant_x: id(tensor) → (tensor, scratch address,
+        # index of the node after which the quantized copy matches the tensor)
         self.xq_ready: dict[int, tuple] = {}
+        self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention
         with cp.cuda.Device(sctx.device):
             self.fns = kernels(sctx.device)
@@ -484,15 +491,45 @@ class CudaPlan:
                 and (t.buffer.ctx.ptr + t.offs) % 16 == 0)  # fmt: skip
 
     def _xq_for(self, out) -> np.uint64:
-        """Scratch for ``out`` quantized as k_quant_x writes it, when a register mat-vec reads
-        ``out`` (rows of a multiple of 32 elements, ne2 = ne3 = 1): the kernel writing ``out``
-        then writes that too, and _mmv_row skips k_quant_x. Else a null pointer."""
-        readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[1] is out and c.src[0].buffer]
-        if out.ne[0] % 32 or out.ne[2] != 1 or out.ne[3] != 1 or not any(map(self._takes_row, readers)):
+        """Scratch for ``out`` quantized as k_quant_x writes it (flat over its elements), when a
+        register mat-vec reads ``out``, directly or through a contiguous view of all of it in the
+        same memory order (the attention's permuted, reshaped output), as rows of a multiple of
+        32 elements with ne2 = ne3 = 1: the kernel writing ``out`` then writes that too, and
+        _mmv_row skips k_quant_x. Else a null pointer."""
+
+        def reads_as_is(b) -> bool:
+            return b is out or (layout.root(b) is layout.root(out) and b.buffer is out.buffer
+                                and b.offs == out.offs and b.nelements == out.nelements
+                                and b.is_contiguous() and out.is_contiguous())  # fmt: skip
+
+        if os.environ.get("ACCELPLANE_CUDA_XQ", "1") == "0":
             return np.uint64(0)
-        xq = np.uint64(self._scratch(out.ne[1] * out.ne[0] + out.ne[1] * out.ne[0] // 32 * 8))
-        self.xq_ready[id(out)] = (out, xq)
+        readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[0].buffer and reads_as_is(c.src[1])]
+        readers = [c for c in readers if c.src[1].ne[0] % 32 == 0 and c.src[1].ne[2] == c.src[1].ne[3] == 1
+                   and self._takes_row(c)]  # fmt: skip
+        if not readers:
+            return np.uint64(0)
+        total = out.nelements
+        xq = np.uint64(self._scratch(total + total // 32 * 8))
+        for c in readers:
+            self.xq_ready[id(c.src[1])] = (c.src[1], xq, self.index[id(out)])
         return xq
+
+    def _xq_of(self, b, i: int) -> np.uint64 | None:
+        """The quantized copy of ``b`` for node ``i``'s register mat-vec, if one was made and no
+        node since wrote into ``b``'s memory (CPY or SET_ROWS into it, an op on a view of it);
+        scratch is never shared, so only such writes could make the copy stale."""
+        ready = self.xq_ready.get(id(b))
+        if ready is None or ready[0] is not b:
+            return None
+        own = layout.root(b)
+        for n in self.nodes[ready[2] + 1 : i]:
+            if n.op is None or n.op in VIEW_OPS:
+                continue
+            dst = n.src[1] if n.op is Op.CPY else n.src[0] if n.op is Op.SET_ROWS else n
+            if layout.root(dst) is own:
+                return None
+        return ready[1]
 
     def _fuse(self, fusion: Fusion, i: int, nodes) -> int:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
@@ -562,13 +599,16 @@ class CudaPlan:
         mne = (mask.ne[2], mask.ne[3]) if mask is not None else (1, 1)
         P = self._P([k.ne[0], nkv, r, ne2, ne3, ne2 // k.ne[2], ne3 // k.ne[3], *k.nb[1:], *q.nb[1:],
                      int(mask is not None), *mnb, *mne, _f(sm.op_params[0]), dv, ne2 // v.ne[2],
-                     ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(v16)])  # fmt: skip
+                     ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(v16), kqv.nelements])  # fmt: skip
         part, count = self._attention_scratch(batches * chunks * 8 * (dv + 2) * 4, batches)
+        # the output also quantized for the output projection (kernels.cu: quantize1 wants whole
+        # warps over 32-element units: Dv a multiple of 32, kqv contiguous)
+        xq = self._xq_for(kqv) if dv % 32 == 0 and kqv.is_contiguous() else np.uint64(0)
         ct = {T.F16: "__half", T.F32: "float"}
         name = f"k_attention<{ct[k.type]},{ct[v.type]},{ct[mask.type] if mask is not None else 'float'}>"
         mp = self._ptr(mask) if mask is not None else np.uint64(0)
-        self._launch(name, 0, (P, self._ptr(kqv), self._ptr(k), self._ptr(q), mp, self._ptr(v), part, count),
-                     block=128, grid=(chunks, batches))  # fmt: skip
+        args = (P, self._ptr(kqv), self._ptr(k), self._ptr(q), mp, self._ptr(v), part, count, xq)
+        self._launch(name, 0, args, block=128, grid=(chunks, batches))
 
     def _attention_scratch(self, part_bytes: int, batches: int) -> tuple[np.uint64, np.uint64]:
         """k_attention's partials and per-batch counts, shared by the plan's attention launches:
@@ -689,19 +729,20 @@ class CudaPlan:
         k, nrow = a.ne[0], b.ne[1]
         units, batches = k // 32, b.ne[2] * b.ne[3]
         xq_bytes = nrow * k + nrow * units * 8  # int8 quants, then a float scale and an int sum per unit
-        ready = self.xq_ready.get(id(b))
-        if ready is not None and ready[0] is b:  # quantized by the norm that wrote b
-            xq = ready[1]
-        else:
+        # quantized by the norm that wrote b, or for an earlier product of b (Q, K and V; the gate
+        # and up projections; repeated products in a benchmark): once per graph
+        xq = self._xq_of(b, self.index[id(n)])
+        if xq is None:
             xp, xnb = self._x_f32(b)
             xq = np.uint64(self._scratch(xq_bytes * batches))
             P = self._P([k, nrow, b.ne[2], *xnb[1:], xq_bytes])
             self._launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-nrow * k // 1024), batches))
+            self.xq_ready[id(b)] = (b, xq, self.index[id(n)])
         wt = type_id(a)
-        u = _ROW_U[wt]
-        # lanes per row: enough for a row's units in one pass of u per lane where it fits (more
-        # rows per block for short rows, so every thread keeps u units in flight)
-        lpr = min(128, max(8, 1 << (-(-units // u) - 1).bit_length()))
+        u, loads = _ROW_U[wt], units // _ROW_W.get(wt, 1)
+        # lanes per row: enough for a row's loads in one pass of u per lane where it fits (more
+        # rows per block for short rows, so every thread keeps u loads in flight)
+        lpr = min(128, max(8, 1 << (-(-loads // u) - 1).bit_length()))
         P = self._P([a.ne[1], k, nrow, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
                      *a.nb[1:], *n.nb[1:], lpr, xq_bytes, int(id(a.buffer) not in self.written)])  # fmt: skip
         grid = (-(-a.ne[1] // (128 // lpr)), batches)

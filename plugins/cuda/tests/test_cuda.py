@@ -11,7 +11,7 @@ from accelplane.alloc import alloc_tensors
 from accelplane.backend import Comm
 from accelplane.errors import AccelplaneError
 from accelplane.graph import Context
-from accelplane.types import GGMLType
+from accelplane.types import GGMLType, quantize
 
 T = GGMLType
 
@@ -250,8 +250,8 @@ def test_matvec_kernels(monkeypatch, wtype, mode):
         be.compute(g)
         names = be.ctx.plans.get(g).kernel_names
         want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
-        # Q4_0/Q8_0 weights in a weights buffer (alloc_tensors' default) take the x8 layouts
-        want_id = {T.Q4_0: 102, T.Q8_0: 108}.get(wt, int(wt))
+        # Q4_0/Q8_0/Q4_K weights in a weights buffer (alloc_tensors' default) take the x8 layouts
+        want_id = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}.get(wt, int(wt))
         if mode == "row" and want_id in plan._ROW_U:
             assert "k_quant_x" in names and any(s.startswith(f"k_mmv_row<{want_id},") for s in names), names
         else:
@@ -367,7 +367,9 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
     llama model's (K rows per position, V transposed, views of longer caches, query heads
     broadcast over KV heads) runs as one k_attention launch (9 query rows: the three kernels),
     replays (the combining count resets) and matches float64 numpy, masked positions too. A
-    second attention over a shorter window in the same graph shares the first one's scratch."""
+    second attention over a shorter window in the same graph shares the first one's scratch. A
+    Q4_0 output projection of the first one's result (through a reshape, as the model's) reads
+    the activations the attention kernel quantized: no k_quant_x launch."""
     dev = _cuda()
     kt = T[kv]
     n_ctx, hkv, g, dv = 1024 + 8, 2, 2, d
@@ -386,8 +388,13 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
         return ctx.mul_mat(vv, ctx.soft_max(ctx.mul_mat(kk, q), m, 0.125, 0.0))
 
     y, y2 = attend(nkv, mask), attend(nkv2, None)
-    graph = ctx.graph(y, y2)
+    ko = dv * rows * hkv * g  # the projection's input: y flattened (a register mat-vec's K)
+    wo = ctx.new_tensor_ne(T.Q4_0, ko, 48, name="wo") if ko % 256 == 0 else None
+    proj = ctx.mul_mat(wo, ctx.reshape_ne(y, ko, 1)) if wo is not None else None
+    graph = ctx.graph(y, y2, *([proj] if proj is not None else []))
     buf = alloc_tensors(ctx.tensors + list(graph.nodes), dev.buffer_type)
+    if wo is not None:
+        wo.set(rng.uniform(-1, 1, wo.shape).astype(np.float32))
     npt = np.float16 if kv == "F16" else np.float32
     kcv = rng.standard_normal((n_ctx, hkv * d)).astype(npt)
     vcv = rng.standard_normal((hkv * dv, n_ctx)).astype(npt)
@@ -424,13 +431,21 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
                 want = reference(qv, n, m)
                 got = out.get().reshape(want.shape)
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rep {rep}, n_kv {n}")
+            if proj is not None:
+                want = reference(qv, nkv, mv).reshape(-1) @ wo.get().astype(np.float64).T
+                err = np.abs(proj.get().reshape(-1) - want).max() / np.abs(want).max()
+                assert err < 2e-2, (rep, err)  # int8 activations: ~1% of a row's scale
         plan = be.ctx.plans.get(graph)
+        names = plan.kernel_names
+        if proj is not None:  # its kernels come last
+            assert names[-1].startswith("k_mmv_row<102,"), names
+            names = names[:-2] if names[-2] == "k_quant_x" else names[:-1]
         if rows <= 8:
             assert plan.fused == [("MUL_MAT", "SOFT_MAX", "MUL_MAT")] * 2, plan.fused
-            assert all(n.startswith("k_attention<") for n in plan.kernel_names), plan.kernel_names
-            assert len(plan.kernel_names) == 2
+            assert all(n.startswith("k_attention<") for n in names) and len(names) == 2, plan.kernel_names
+            assert "k_quant_x" not in plan.kernel_names, plan.kernel_names  # the attention quantized
         else:
-            assert not plan.fused and len(plan.kernel_names) == 6, plan.kernel_names
+            assert not plan.fused and len(names) == 6, plan.kernel_names
     finally:
         be.free()
         buf.free()
@@ -525,13 +540,50 @@ def test_glu_quantizes_for_matvec(n, merged):
         buf.free()
 
 
-@pytest.mark.parametrize("wtype", ["Q4_0", "Q8_0"])
+def test_activations_quantized_once_per_graph():
+    """Register mat-vecs of one activation vector share its quantization (one k_quant_x), until
+    a node writes into that vector: the product after a CPY into it quantizes it again and sees
+    the new values (against float64 numpy)."""
+    dev = _cuda()
+    rng = np.random.default_rng(5)
+    k, m = 512, 64
+    ctx = Context()
+    ws = [ctx.new_tensor_ne(T.Q4_0, k, m, name=f"w{i}") for i in range(3)]
+    x = ctx.new_tensor_ne(T.F32, k, 1, name="x")
+    src = ctx.new_tensor_ne(T.F32, k, 1, name="src")
+    y0, y1 = ctx.mul_mat(ws[0], x), ctx.mul_mat(ws[1], x)
+    c = ctx.cpy(src, x)
+    y2 = ctx.mul_mat(ws[2], x)
+    g = ctx.graph(y0, y1, c, y2)
+    assert g.nodes.index(c) < g.nodes.index(y2)
+    bufs = [alloc_tensors(ws, dev.buffer_type), alloc_tensors([x, src, *g.nodes], dev.buffer_type)]
+    for w in ws:
+        w.set(rng.uniform(-1, 1, w.shape).astype(np.float32))
+    xv, sv = (rng.uniform(-1, 1, (1, k)).astype(np.float32) for _ in range(2))
+    x.set(xv)
+    src.set(sv)
+    be = dev.new_backend()
+    try:
+        be.compute(g)
+        names = be.ctx.plans.get(g).kernel_names
+        assert names.count("k_quant_x") == 2, names  # y0 and y1 share one; y2 after the CPY
+        for y, w, v in ((y0, ws[0], xv), (y1, ws[1], xv), (y2, ws[2], sv)):
+            want = v.astype(np.float64) @ w.get().astype(np.float64).T
+            err = np.abs(y.get().reshape(want.shape) - want).max() / np.abs(want).max()
+            assert err < 2e-2, err  # int8 activations
+    finally:
+        be.free()
+        for b in bufs:
+            b.free()
+
+
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q8_0", "Q4_K"])
 def test_x8_weights(wtype):
-    """Q4_0/Q8_0 weights in a weights buffer are stored regrouped (accelplane_cuda.layout):
+    """Q4_0/Q8_0/Q4_K weights in a weights buffer are stored regrouped (accelplane_cuda.layout):
     set/get give GGUF bytes back (partial rows too), every kernel that reads or writes them
     (mat-vec for 1 and 3 rows, the dequantize + GEMM path, GET_ROWS, CPY to F32, CPY and
-    SET_ROWS into them) agrees with float64 numpy on the gguf package's dequantization, and a
-    copy to a compute buffer holds GGUF bytes."""
+    SET_ROWS into them: Q4_0 and Q8_0) agrees with float64 numpy on the gguf package's
+    dequantization, and a copy to a compute buffer holds GGUF bytes."""
     import gguf
     from accelplane.backend import BufferUsage, tensor_copy
     from accelplane_cuda import layout
@@ -548,7 +600,9 @@ def test_x8_weights(wtype):
     wbuf = alloc_tensors([w, wq], dev.buffer_type, BufferUsage.WEIGHTS)
     cbuf = alloc_tensors([wc], dev.buffer_type, BufferUsage.COMPUTE)
     assert layout.region(w) is w and layout.region(wc) is None
-    raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), qt).reshape(-1)
+    wv = rng.standard_normal((m, k)).astype(np.float32)
+    # the gguf package has no Q4_K quantizer; the SDK's is byte-exact with ggml's (tests/test_types.py)
+    raw = quantize(wt, wv).reshape(-1) if wt == T.Q4_K else gguf.quantize(wv, qt).reshape(-1)
     w.set_bytes(raw)
     np.testing.assert_array_equal(w.get_bytes(), raw)
     # a write cutting rows 5 and 6: row 7's bytes from the same in-row offset (valid blocks)
@@ -590,6 +644,9 @@ def test_x8_weights(wtype):
         tol = 2e-2 if i in (0, 1, 2, 5) else 1e-6
         err = np.abs(got - wv).max() / max(np.abs(wv).max(), 1e-30)
         assert err < tol, (wtype, i, err)
+
+    if wt == T.Q4_K:
+        return  # no kernel writes Q4_K (supports_op refuses CPY and SET_ROWS into it)
 
     # kernels writing into x8 weights: CPY (quantizing) and SET_ROWS; against the gguf
     # package's quantization, within one quantization step (rounding of ties may differ)

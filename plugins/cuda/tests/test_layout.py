@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from accelplane.errors import UnsupportedOpError
 from accelplane.graph import Context
-from accelplane.types import GGMLType
+from accelplane.types import GGMLType, quantize
 from accelplane_cuda import layout
 
 T = GGMLType
@@ -16,6 +16,8 @@ T = GGMLType
 
 def _rows(ty: T, n_rows: int, k: int, seed: int = 0) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((n_rows, k)).astype(np.float32)
+    if ty == T.Q4_K:  # the gguf package has no Q4_K quantizer (its dequantizer is the oracle)
+        return quantize(ty, x).reshape(n_rows, -1)
     return gguf.quantize(x, gguf.GGMLQuantizationType[ty.name]).reshape(n_rows, -1)
 
 
@@ -23,6 +25,8 @@ def _deq_x8(ty: T, rows: np.ndarray) -> np.ndarray:
     """Dequantize x8 rows as the module docstring lays them out (what the kernels read),
     independently of to_x8/from_x8."""
     n, rb = rows.shape
+    if ty == T.Q4_K:
+        return _deq_q4k_x8(rows)
     gb = 144 if ty == T.Q4_0 else 272
     out = []
     for g in rows.reshape(n, rb // gb, gb).transpose(1, 0, 2):  # each group: [n, gb]
@@ -40,14 +44,35 @@ def _deq_x8(ty: T, rows: np.ndarray) -> np.ndarray:
     return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("ty", [T.Q4_0, T.Q8_0])
+def _deq_q4k_x8(rows: np.ndarray) -> np.ndarray:
+    """Q4_Kx8: sub-block j's nibbles at 16·j (Q4_0x8's order), GGUF's header at 128; the 6-bit
+    scale and min of sub-block j decoded as ggml's get_scale_min_k4 does."""
+    n, rb = rows.shape
+    out = []
+    for sb in rows.reshape(n, rb // 144, 144).transpose(1, 0, 2):
+        d = sb[:, 128:130].copy().view(np.float16).astype(np.float32)
+        dmin = sb[:, 130:132].copy().view(np.float16).astype(np.float32)
+        s = sb[:, 132:144].astype(np.int32)
+        for j in range(8):
+            if j < 4:
+                sc, m = s[:, j] & 63, s[:, j + 4] & 63
+            else:
+                sc = (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4)
+                m = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+            q = sb[:, 16 * j : 16 * j + 16].astype(np.int32)
+            v = np.concatenate([q & 0xF, q >> 4], axis=1).astype(np.float32)
+            out.append(d * sc[:, None].astype(np.float32) * v - dmin * m[:, None].astype(np.float32))
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("ty", [T.Q4_0, T.Q8_0, T.Q4_K])
 @pytest.mark.parametrize("k", [256, 2048])
 def test_x8_is_the_documented_layout_and_round_trips(ty, k):
     rows = _rows(ty, 5, k)
     x8 = layout.to_x8(ty, rows)
     assert x8.shape == rows.shape and not np.array_equal(x8, rows)
     want = gguf.dequantize(rows.reshape(-1), gguf.GGMLQuantizationType[ty.name]).reshape(5, k)
-    np.testing.assert_array_equal(_deq_x8(ty, x8), want)
+    np.testing.assert_allclose(_deq_x8(ty, x8), want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(layout.from_x8(ty, x8), rows)
 
 
@@ -71,7 +96,7 @@ class _Buf:
         self.ctx = mem
 
 
-@pytest.mark.parametrize("ty", [T.Q4_0, T.Q8_0])
+@pytest.mark.parametrize("ty", [T.Q4_0, T.Q8_0, T.Q4_K])
 def test_write_read_whole_and_partial_rows(ty):
     """Whole-row writes are regrouped directly; a range cutting rows is read, patched and
     written back; reads of any range (views too) give GGUF bytes."""
@@ -117,7 +142,7 @@ def test_write_read_whole_and_partial_rows(ty):
 def test_not_regrouped_where_it_does_not_apply():
     ctx = Context()
     short = ctx.new_tensor_ne(T.Q4_0, 224, 2, name="short")  # rows of 7 blocks: no whole group
-    other = ctx.new_tensor_ne(T.Q4_K, 256, 2, name="q4k")
+    other = ctx.new_tensor_ne(T.Q6_K, 256, 2, name="q6k")
     for t in (short, other):
         t.buffer, t.offs = _Buf(_Mem(t.nbytes)), 0
         assert layout.region(t) is None and layout.type_id(t) == int(t.type)

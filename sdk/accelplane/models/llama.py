@@ -2,7 +2,8 @@
 
 The forward pass is llama.cpp's ``llm_build_llama`` written as accelplane graph ops:
 
-* token embedding: GET_ROWS of ``token_embd`` (kept in host memory, like llama.cpp's input layer);
+* token embedding: GET_ROWS of ``token_embd`` (in host memory by default, like llama.cpp's input layer;
+  ``embd="device"`` keeps it on the first layer's device);
 * per layer: RMS_NORM · attn_norm → Q/K/V projections → ROPE (normal or NEOX per config) →
   K and V written into the KV cache with SET_ROWS at the tokens' positions → grouped-query
   attention over a fixed window of the cache with a causal mask (SOFT_MAX with scale and mask;
@@ -272,8 +273,11 @@ class LlamaModel:
     docstring). ``merge``: store each layer's Q, K and V (and FFN gate and up) projections as
     one matrix when their types match, so a decode step runs one product where it ran three
     (two); the GGUF names stay as views of it. Default: on, unless ACCELPLANE_MODEL_MERGE=0;
-    never with ``split='tensor'`` (the shards cut per projection). Call :meth:`load_weights`
-    (or use :meth:`from_gguf`) before :meth:`eval`.
+    never with ``split='tensor'`` (the shards cut per projection). ``embd``: where the token
+    embeddings live: "cpu" (host memory, llama.cpp's input layer; the default, unless
+    ACCELPLANE_MODEL_EMBD says otherwise) or "device" (the first layer's device, so a step on
+    one device is one scheduler split: no host computation and copy before it; not with
+    ``split='tensor'``). Call :meth:`load_weights` (or use :meth:`from_gguf`) before :meth:`eval`.
     """
 
     def __init__(
@@ -289,6 +293,7 @@ class LlamaModel:
         cpu: Device | None = None,
         policy: str = "strict",
         merge: bool | None = None,
+        embd: str | None = None,
     ) -> None:
         check_split(split)
         if not devices:
@@ -318,6 +323,10 @@ class LlamaModel:
             else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
         )  # fmt: skip
         self.output_dev = self.layer_dev[-1]
+        embd = embd or os.environ.get("ACCELPLANE_MODEL_EMBD", "cpu")
+        if embd not in ("cpu", "device"):
+            raise DeviceError(f"embd (ACCELPLANE_MODEL_EMBD) must be 'cpu' or 'device', got {embd!r}")
+        self.embd_dev = self.layer_dev[0] if embd == "device" and split != "tensor" else cpu
         self.meta = None
         if split == "tensor":
             from ..meta import MetaDevice
@@ -341,8 +350,8 @@ class LlamaModel:
 
     # --- weights and cache ---------------------------------------------------------------------
     def _device_of(self, spec: WeightSpec) -> Device:
-        if spec.layer < 0:  # input layer on the CPU (llama.cpp), unless the head shares it
-            return self.output_dev if self.cfg.tied_output else self.cpu
+        if spec.layer < 0:  # the input layer (``embd``), unless the head shares it
+            return self.output_dev if self.cfg.tied_output else self.embd_dev
         if spec.layer >= self.cfg.n_layers:
             return self.output_dev
         return self.layer_dev[spec.layer]
