@@ -460,11 +460,19 @@ def test_split_tensor_matches_split_none(reg, models):
 
 def test_embeddings_on_the_device(reg, models, monkeypatch):
     """embd="device" keeps the token embeddings on the first layer's device: a decode step is
-    then one scheduler split, with the same logits as the default (embeddings in host memory,
-    GET_ROWS on the CPU, its result copied over); a bad value is a DeviceError."""
+    then one scheduler split, with the same logits as embd="cpu" (embeddings in host memory,
+    GET_ROWS on the CPU, its result copied over). The default, "auto", picks the device when it
+    runs the GET_ROWS, and host memory on a CPU; a bad value is a DeviceError."""
     cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
     toks = [3, 17, 5, 125, 9, 1]
     outs = {}
+    monkeypatch.delenv("ACCELPLANE_MODEL_EMBD", raising=False)
+    m = LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu)
+    assert m.placement["token_embd.weight"] is dev  # auto: ASYNC0 runs GET_ROWS
+    m.free()
+    m = LlamaModel.from_gguf(models["f32"], [cpu], cpu=cpu)
+    assert m.placement["token_embd.weight"] is cpu
+    m.free()
     for embd in ("cpu", "device"):
         monkeypatch.setenv("ACCELPLANE_MODEL_EMBD", embd)
         m = LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu)
@@ -485,7 +493,7 @@ def test_embeddings_on_the_device(reg, models, monkeypatch):
 def test_split_modes(reg, models):
     cpu = reg.device("CPU")
     m = LlamaModel.from_gguf(models["moe"], [reg.device("ASYNC0"), reg.device("ASYNC1")], cpu=cpu,
-                             split="layer")  # fmt: skip
+                             split="layer", embd="cpu")  # fmt: skip
     try:
         assert [d.name for d in m.layer_dev] == ["ASYNC0", "ASYNC1"]
         assert m.placement["token_embd.weight"] is cpu and m.placement["output.weight"].name == "ASYNC1"

@@ -1687,6 +1687,65 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     }
 }
 
+// k_mmv_row for the common decode case, one activation row and one batch, with the lanes per row
+// (LPR: 32, 64 or 128) and the occupancy bound (MINB blocks of 128 threads per SM) fixed at
+// compile time: the reduction and the lane split are then constants, no batch or row-count
+// logic is left, and the weights of a pass sit in one register array; 7-13 % faster than the
+// general kernel on an H200 (Q4_0x8, Q4_Kx8, Q8_0x8 at 4096 x 14336, measured side by side). Same P.
+template <int WT, int U, int LPR, int MINB>
+__global__ void __launch_bounds__(128, MINB)
+k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
+    constexpr int W = unit_regs<WT>::W, RPB = 128 / LPR;
+    const int M = (int)P[0], K = (int)P[1], units = K / 32, loads = units / W;
+    const int lid = threadIdx.x % LPR, m = blockIdx.x * RPB + threadIdx.x / LPR;
+    const u8* row = (const u8*)w + (i64)min(m, M - 1) * P[7];
+    const int4* x0 = (const int4*)xq;  // quantize4's layout for total = K
+    const int4* x1 = (const int4*)(xq + K / 2);
+    const float* xd = (const float*)(xq + K);
+    const int* xs = (const int*)(xd + units);
+    unit_regs<WT> r[U];
+    auto load = [&](int u0) {
+        #pragma unroll
+        for (int i = 0; i < U; ++i)
+            if (u0 + LPR * i < loads) r[i].load(row, u0 + LPR * i);
+    };
+    const bool early = P[15] != 0;  // as k_mmv_row (one load site: fewer registers)
+    if (!early) pdl_enter();
+    load(lid);
+    if (early) pdl_enter();
+    float acc = 0.0f;
+    for (int u0 = lid; u0 < loads; u0 += LPR * U) {
+        if (u0 != lid) load(u0);
+        #pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int u = u0 + LPR * i;
+            if (u < loads) {
+                #pragma unroll
+                for (int s = 0; s < W; ++s) {
+                    const int xr = W * u + s;
+                    const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
+                    const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                    acc += r[i].dot(s, xw, __ldg(xd + xr), __ldg(xs + xr));
+                }
+            }
+        }
+    }
+    acc = warp_sum(acc);  // LPR >= 32: a row's lanes are whole warps
+    if constexpr (LPR == 32) {
+        if (lid == 0 && m < M) *(float*)(dst + m * 4) = acc;
+    } else {
+        __shared__ float part[4];
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+        __syncthreads();
+        if (lid == 0 && m < M) {
+            float t = 0.0f;
+            #pragma unroll
+            for (int k = 0; k < LPR / 32; ++k) t += part[threadIdx.x / 32 + k];
+            *(float*)(dst + m * 4) = t;
+        }
+    }
+}
+
 #define MMVQ_WARPS 4
 #define MMVQ_SEG 4096
 // copy nvec 16-byte words of a row segment into shared memory, all loads issued before any

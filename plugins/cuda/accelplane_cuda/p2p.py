@@ -111,7 +111,7 @@ class PeerAllReduce:
             P = cp.asarray(np.asarray([n4, rank, self.cap, *self.bases], np.int64))
             grid = max(1, min(AR_MAXB, -(-n4 // THREADS)))
             name = f"k_allreduce_p2p<{len(self.devices)}>"
-            args = (np.uint64(P.data.ptr), np.uint64(ptr), np.uint64(b.ctx.err.data.ptr))
+            args = (np.uint64(P.data.ptr), np.uint64(ptr), b.ctx.err.ptr)
             launch = Launch(name, fns[name], (grid,), (THREADS,), 0, b.ctx.stream.ptr, args,
                             pdl_wanted(fns["cc"]))  # fmt: skip
             cp.cuda.runtime.deviceSynchronize()  # the parameter upload, before any launch reads it

@@ -95,6 +95,9 @@ _QW = (2, 8, 102, 108)  # quant type ids the kernels write (CPY and SET_ROWS int
 # 32, 2 for Q4_Kx8's 36, two sub-blocks per load), and the 32-element units of a load
 _ROW_U = {102: 4, 108: 2, 12: 2, 112: 2}
 _ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
+# k_mmv_row1 (one activation row, one batch, 32-128 lanes per row): blocks per SM it is bounded
+# to (registers: Q8_0x8 fits 12 in 40, the others 8 in 64; best measured on an H200)
+_ROW1_MINB = {102: 8, 108: 12, 112: 8, 12: 8}
 
 
 def _names() -> list[str]:
@@ -114,6 +117,7 @@ def _names() -> list[str]:
     n += [f"k_dequant_f16<{w}>" for w in _WT]
     n += [f"k_mmv_pipe<{w}>" for w in _WT] + [f"k_dequant_staged<{w}>" for w in _QT]
     n += [f"k_mmv_row<{w},{u},{nm}>" for w, u in _ROW_U.items() for nm in (1, MMV_MAXN)]
+    n += [f"k_mmv_row1<{w},{u},{lpr},{_ROW1_MINB[w]}>" for w, u in _ROW_U.items() for lpr in (32, 64, 128)]
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
     n += ["k_norm", "k_norm_vec", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
@@ -410,7 +414,7 @@ class CudaPlan:
             a, idx = s
             self.uses_index = True
             P = self._P([*n.ne, *n.nb, *a.nb, *idx.nb[:3], a.ne[1]])
-            args = (P, self._ptr(n), self._ptr(a), self._ptr(idx), np.uint64(self.sctx.err.data.ptr))
+            args = (P, self._ptr(n), self._ptr(a), self._ptr(idx), self.sctx.err.ptr)
             if a.type in QUANT:
                 self._launch(f"k_get_rows_q<{type_id(a)}>", n.nelements // 32, args)
             elif a.type == T.I32:
@@ -421,7 +425,7 @@ class CudaPlan:
             dst, src, idx = s
             self.uses_index = True
             P = self._P([*src.ne, *src.nb, *dst.nb, *idx.nb[:3], idx.ne[1], idx.ne[2], dst.ne[1]])
-            args = (P, self._ptr(dst), self._ptr(src), self._ptr(idx), np.uint64(self.sctx.err.data.ptr))
+            args = (P, self._ptr(dst), self._ptr(src), self._ptr(idx), self.sctx.err.ptr)
             if dst.type in QUANT:
                 self._launch(f"k_set_rows_q<{type_id(dst)}>", src.nelements // 32, args)
             else:
@@ -747,6 +751,8 @@ class CudaPlan:
                      *a.nb[1:], *n.nb[1:], lpr, xq_bytes, int(id(a.buffer) not in self.written)])  # fmt: skip
         grid = (-(-a.ne[1] // (128 // lpr)), batches)
         name = f"k_mmv_row<{wt},{u},{1 if nrow == 1 else MMV_MAXN}>"
+        if nrow == 1 and batches == 1 and lpr >= 32:
+            name = f"k_mmv_row1<{wt},{u},{lpr},{_ROW1_MINB[wt]}>"
         self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
 
     def _takes_row(self, n) -> bool:
@@ -867,7 +873,7 @@ class CudaPlan:
         rows_per_block = 4
         grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, ids.ne[0] * ids.ne[1])
         self._launch(f"k_mul_mat_id<{type_id(a)}>", 0,
-                     (P, self._ptr(n), self._ptr(a), xp, self._ptr(ids), np.uint64(self.sctx.err.data.ptr)),
+                     (P, self._ptr(n), self._ptr(a), xp, self._ptr(ids), self.sctx.err.ptr),
                      block=32 * rows_per_block, grid=grid)  # fmt: skip
 
     # --- replay -------------------------------------------------------------------------------------------

@@ -68,12 +68,27 @@ class PinnedMem:
         self.ptr = int(self.mem.ptr)
 
 
+class ErrFlag:
+    """The int32 that kernels set on a bad row or expert index (1) or a peer that never joined
+    an all-reduce (2), in page-locked host memory: with unified addressing a kernel writes it
+    through the host pointer, and the host reads it after a stream synchronization with no
+    device-to-host copy (one per synchronize before; a decode synchronizes several times)."""
+
+    __slots__ = ("mem", "arr", "ptr")
+
+    def __init__(self) -> None:
+        self.mem = _cp().cuda.alloc_pinned_memory(4)
+        self.arr = np.frombuffer(self.mem, np.int32, 1)
+        self.arr[0] = 0
+        self.ptr = np.uint64(self.mem.ptr)  # a kernel argument
+
+
 class StreamCtx:
     def __init__(self, device: int) -> None:
         cp = _cp()
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.err = cp.zeros(1, np.int32)  # set by kernels that index (bad row / expert id)
+            self.err = ErrFlag()
             cp.cuda.runtime.deviceSynchronize()
         self.device = device
         self.check_err = False
@@ -283,9 +298,9 @@ def synchronize(backend):
     sc: StreamCtx = backend.ctx
     sc.stream.synchronize()
     if sc.check_err:
-        flag = int(sc.err.get()[0])
+        flag = int(sc.err.arr[0])
         if flag:
-            sc.err.fill(0)
+            sc.err.arr[0] = 0
             if flag == 2:  # kernels.cu: k_allreduce_p2p
                 raise CommTimeoutError(f"{backend.device.name}: a peer GPU never joined an all-reduce "
                                        "(~10 s); the communicator is out of step and must be freed")

@@ -233,9 +233,10 @@ def test_matvec_kernels(monkeypatch, wtype, mode):
         monkeypatch.setenv("ACCELPLANE_CUDA_MMV_WARPS", "4")
     wt = T[wtype]
     rng = np.random.default_rng(7)
-    # (K, M, N, weight batches, broadcast); K = 16640 takes two passes of the register kernel
+    # (K, M, N, weight batches, broadcast); K = 16640 takes two passes of the register kernel;
+    # one activation row of K = 4096 and 14336 takes k_mmv_row1 with 32-64 and 128 lanes per row
     shapes = ((4096, 3000, 1, 1, 1), (1024, 37, 3, 2, 2), (512, 129, 8, 1, 1), (16640, 40, 2, 1, 1),
-              (256, 5, 1, 3, 1))  # fmt: skip
+              (256, 5, 1, 3, 1), (14336, 70, 1, 1, 1))  # fmt: skip
     for k, m, n, ne2, r2 in shapes:
         ctx = Context()
         a = ctx.new_tensor_ne(wt, k, m, ne2, name="a")
@@ -253,7 +254,8 @@ def test_matvec_kernels(monkeypatch, wtype, mode):
         # Q4_0/Q8_0/Q4_K weights in a weights buffer (alloc_tensors' default) take the x8 layouts
         want_id = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}.get(wt, int(wt))
         if mode == "row" and want_id in plan._ROW_U:
-            assert "k_quant_x" in names and any(s.startswith(f"k_mmv_row<{want_id},") for s in names), names
+            row = (f"k_mmv_row<{want_id},", f"k_mmv_row1<{want_id},")
+            assert "k_quant_x" in names and any(s.startswith(row) for s in names), names
         else:
             assert f"{want_kernel}<{want_id}>" in names, names
         w = a.get().astype(np.float64)  # the weights as stored (dequantized)
@@ -346,7 +348,7 @@ def test_norm_quantizes_for_matvec(n):
         be.compute(graph)
         names = be.ctx.plans.get(graph).kernel_names
         assert "k_norm_vec" in names and "k_quant_x" not in names, names
-        assert sum(s.startswith("k_mmv_row<") for s in names) == 2, names
+        assert sum(s.startswith(("k_mmv_row<", "k_mmv_row1<")) for s in names) == 2, names
         x64 = xv.astype(np.float64)
         hv = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * gv
         np.testing.assert_allclose(outs[2].get(), hv + x64, rtol=1e-5, atol=1e-5)
@@ -438,7 +440,7 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
         plan = be.ctx.plans.get(graph)
         names = plan.kernel_names
         if proj is not None:  # its kernels come last
-            assert names[-1].startswith("k_mmv_row<102,"), names
+            assert names[-1].startswith(("k_mmv_row<102,", "k_mmv_row1<102,")), names
             names = names[:-2] if names[-2] == "k_quant_x" else names[:-1]
         if rows <= 8:
             assert plan.fused == [("MUL_MAT", "SOFT_MAX", "MUL_MAT")] * 2, plan.fused
@@ -633,7 +635,8 @@ def test_x8_weights(wtype):
     be.compute(g)
     names = be.ctx.plans.get(g).kernel_names
     x8 = layout.X8[wt]
-    assert any(n.startswith(f"k_mmv_row<{x8},") for n in names) and f"k_get_rows_q<{x8}>" in names, names
+    assert any(n.startswith((f"k_mmv_row<{x8},", f"k_mmv_row1<{x8},")) for n in names), names
+    assert f"k_get_rows_q<{x8}>" in names, names
     assert f"k_cpy_dq<{x8}>" in names
     assert f"k_dequant_staged<{x8}>" in names or f"k_dequant_f16<{x8}>" in names
     want = [xs[x1] @ wf.T, xs[x3] @ wf.T, xs[x64] @ wf.T, wf[[3, 0, 71, 8, 3]], wf, xs[x1] @ wf[8:24].T]
@@ -739,7 +742,8 @@ def test_programmatic_launch_chain(monkeypatch, pdl):
         assert flags == [0] + [int(want_pdl)] * (len(flags) - 1), flags
         # the CPY into wq writes its weights buffer (wo's products wait), ws's is read early
         assert id(wq.buffer) in plan.written and id(ws[0].buffer) not in plan.written
-        assert sum(n.startswith("k_mmv_row<") for n in plan.kernel_names) == layers + 2, plan.kernel_names
+        rows = sum(n.startswith(("k_mmv_row<", "k_mmv_row1<")) for n in plan.kernel_names)
+        assert rows == layers + 2, plan.kernel_names
     finally:
         be.free()
         buf.free()

@@ -2,8 +2,8 @@
 
 The forward pass is llama.cpp's ``llm_build_llama`` written as accelplane graph ops:
 
-* token embedding: GET_ROWS of ``token_embd`` (in host memory by default, like llama.cpp's input layer;
-  ``embd="device"`` keeps it on the first layer's device);
+* token embedding: GET_ROWS of ``token_embd`` (on the first layer's device where it runs there, else
+  in host memory like llama.cpp's input layer: the ``embd`` argument);
 * per layer: RMS_NORM · attn_norm → Q/K/V projections → ROPE (normal or NEOX per config) →
   K and V written into the KV cache with SET_ROWS at the tokens' positions → grouped-query
   attention over a fixed window of the cache with a causal mask (SOFT_MAX with scale and mask;
@@ -244,6 +244,13 @@ def check_split(split: str) -> None:
         raise DeviceError(f"unknown split mode {split!r} (none, layer, tensor)")
 
 
+def _gets_rows(dev: Device, ty: GGMLType, cfg: LlamaConfig) -> bool:
+    """``dev`` runs the token embedding's GET_ROWS for weights of type ``ty``."""
+    ctx = Context("embd-probe")
+    w = ctx.new_tensor_ne(ty, cfg.d_model, cfg.n_vocab)
+    return dev.supports_op(ctx.get_rows(w, ctx.new_tensor_ne(T.I32, 1)))
+
+
 @dataclass(frozen=True)
 class _Place:
     """Where a tensor-split weight lives, for reports: all the meta device's devices."""
@@ -274,10 +281,12 @@ class LlamaModel:
     one matrix when their types match, so a decode step runs one product where it ran three
     (two); the GGUF names stay as views of it. Default: on, unless ACCELPLANE_MODEL_MERGE=0;
     never with ``split='tensor'`` (the shards cut per projection). ``embd``: where the token
-    embeddings live: "cpu" (host memory, llama.cpp's input layer; the default, unless
-    ACCELPLANE_MODEL_EMBD says otherwise) or "device" (the first layer's device, so a step on
-    one device is one scheduler split: no host computation and copy before it; not with
-    ``split='tensor'``). Call :meth:`load_weights` (or use :meth:`from_gguf`) before :meth:`eval`.
+    embeddings live: "device" (the first layer's device, so a step on one device is one
+    scheduler split, with no host computation and copy before it; not with ``split='tensor'``),
+    "cpu" (host memory, llama.cpp's input layer) or "auto" (the default, unless
+    ACCELPLANE_MODEL_EMBD says otherwise): "device" when the first layer's device is not a CPU
+    and runs GET_ROWS of the embeddings' type, else "cpu". Call :meth:`load_weights` (or use
+    :meth:`from_gguf`) before :meth:`eval`.
     """
 
     def __init__(
@@ -323,10 +332,14 @@ class LlamaModel:
             else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
         )  # fmt: skip
         self.output_dev = self.layer_dev[-1]
-        embd = embd or os.environ.get("ACCELPLANE_MODEL_EMBD", "cpu")
-        if embd not in ("cpu", "device"):
-            raise DeviceError(f"embd (ACCELPLANE_MODEL_EMBD) must be 'cpu' or 'device', got {embd!r}")
-        self.embd_dev = self.layer_dev[0] if embd == "device" and split != "tensor" else cpu
+        embd = embd or os.environ.get("ACCELPLANE_MODEL_EMBD", "auto")
+        if embd not in ("auto", "cpu", "device"):
+            raise DeviceError(f"embd (ACCELPLANE_MODEL_EMBD) must be auto, cpu or device, got {embd!r}")
+        first = self.layer_dev[0]
+        if embd == "auto":
+            ety = parse_type((types or {}).get("token_embd.weight", T.F32))
+            embd = "device" if first.type != DeviceType.CPU and _gets_rows(first, ety, cfg) else "cpu"
+        self.embd_dev = first if embd == "device" and split != "tensor" else cpu
         self.meta = None
         if split == "tensor":
             from ..meta import MetaDevice
