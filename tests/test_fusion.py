@@ -228,3 +228,36 @@ def test_cpu_plugin_fuses_norm_and_mul(op, keep_norm):
     # the CPU plugin's backend context is its plan cache
     plan = run_norm_mul(accelplane.device("CPU"), lambda be, g: be.ctx.get(g), op, keep_norm, ne0=64)
     assert plan.fused == ([] if keep_norm else [(op, "MUL")])
+
+
+def _rope_into_cache(ctx: Context, n_tok: int = 2):
+    """The llama model's K path: ROPE of [head_dim, heads, tokens], reshaped to one row per
+    token, SET_ROWS into a [n_ctx, heads * head_dim] cache at the tokens' positions."""
+    k = ctx.new_tensor_ne(T.F32, 16, 2, n_tok, name="k")
+    pos = ctx.new_tensor_ne(T.I32, n_tok, name="pos")
+    cache = ctx.new_tensor_ne(T.F16, 32, 64, name="cache")
+    r = ctx.rope(k, pos, 16)
+    v = ctx.reshape_ne(r, 32, n_tok)
+    return r, v, ctx.set_rows(cache, v, pos)
+
+
+@pytest.mark.parametrize("why", [None, "rope_read", "view_read", "output", "env"])
+def test_rope_view_set_rows(why, monkeypatch):
+    """fusion.rope_set_rows: ROPE → its reshape → SET_ROWS is one run unless the rope's result
+    or its view has another reader or is wanted, or fusion is off."""
+    if why == "env":
+        monkeypatch.setenv("ACCELPLANE_FUSION", "0")
+    ctx = Context()
+    r, v, sr = _rope_into_cache(ctx)
+    outs = [sr]
+    if why == "rope_read":
+        outs.append(ctx.scale(r, 2.0))
+    elif why == "view_read":
+        outs.append(ctx.scale(v, 2.0))
+    elif why == "output":
+        r.set_output()
+    g = ctx.graph(*outs)
+    i = _index(g, r)
+    assert g.nodes[i + 1] is v and g.nodes[i + 2] is sr
+    assert Fusion(g).rope_set_rows(i) is (sr if why is None else None)
+    assert Fusion(g).rope_set_rows(i + 1) is None  # not at a ROPE

@@ -82,6 +82,25 @@ class Fusion:
                 return False
         return True
 
+    def rope_set_rows(self, i: int) -> Tensor | None:
+        """The SET_ROWS after ROPE node ``i`` when the three nodes ROPE → a reshape or view of
+        its result → SET_ROWS of that into a cache may run as one kernel (ggml's CUDA backend
+        fuses the same run): the rope's result and the view are read only by the next node
+        of the run and are not kept; the kernel writes the rotated rows straight into the
+        cache and leaves the rope's own memory unwritten. Else None; the caller still checks
+        the shapes its kernel handles."""
+        if self.keep is None or i + 3 > len(self.nodes):
+            return None
+        rope, view, sr = self.nodes[i : i + 3]
+        if rope.op is not Op.ROPE or view.op not in (Op.RESHAPE, Op.VIEW) or sr.op is not Op.SET_ROWS:
+            return None
+        if view.view_src is not rope or sr.src[1] is not view or not _own_memory(rope):
+            return None
+        if any(id(t) in self.keep or t.flags & TensorFlag.OUTPUT for t in (rope, view)):
+            return None
+        # readers of the rope's memory: the view itself and the SET_ROWS through it
+        return sr if self.uses.get(id(rope), 0) == 2 else None
+
     def norm_mul(self, i: int) -> Tensor | None:
         """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales
         the norm's rows (:func:`scales_rows`); else None."""

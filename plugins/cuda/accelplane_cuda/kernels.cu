@@ -561,9 +561,13 @@ __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, 
 }
 
 // ---- rope (normal and NEOX) with YaRN --------------------------------------------------------------
-// P: [ne0..3, nba0..3, nbd0..3, n_dims, mode, freq_scale, ext_factor, attn_factor, corr0, corr1, theta_scale]
-template <typename T>
-__global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, const int* pos) {
+// P: [ne0..3, nba0..3, nbd0..3, n_dims, mode, freq_scale, ext_factor, attn_factor, corr0, corr1, theta_scale,
+//     n_rows, nbr0]. T: the source's element type, TD the result's. rows: when not null, ROPE →
+// view → SET_ROWS as one kernel (plan.py: _rope): token i2's result goes to row rows[i2 * nbr0 /
+// 4] of dst (P[10] its row stride, n_rows rows; a bad index sets *err), head i1 at P[9].
+template <typename T, typename TD>
+__global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, const int* pos, const int* rows,
+                       int* err) {
     pdl_enter();
     const i64 half = P[0] / 2;
     const i64 n = half * P[1] * P[2] * P[3];
@@ -577,7 +581,12 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
         const i64 i1 = r % P[1]; r /= P[1];
         const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
         const char* s = a + i1 * P[5] + i2 * P[6] + i3 * P[7];
-        char* d = dst + i1 * P[9] + i2 * P[10] + i3 * P[11];
+        i64 drow = i2;
+        if (rows) {
+            drow = *(const int*)((const char*)rows + i2 * P[21]);
+            if (drow < 0 || drow >= P[20]) { *err = 1; continue; }
+        }
+        char* d = dst + i1 * P[9] + drow * P[10] + i3 * P[11];
         i64 e0, e1;
         bool rot;
         if (neox) {
@@ -588,7 +597,7 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
             e0 = 2 * ic; e1 = e0 + 1; rot = e0 < n_dims;
         }
         const float x0 = ld<T>(s + e0 * P[4]), x1 = ld<T>(s + e1 * P[4]);
-        if (!rot) { st<T>(d + e0 * P[8], x0); st<T>(d + e1 * P[8], x1); continue; }
+        if (!rot) { st<TD>(d + e0 * P[8], x0); st<TD>(d + e1 * P[8], x1); continue; }
         const float te = (float)pos[i2] * powf(theta_scale, (float)ic);
         const float ti = freq_scale * te;
         float theta = ti, mscale = attn;
@@ -599,8 +608,8 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
             mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
         }
         const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
-        st<T>(d + e0 * P[8], x0 * cs - x1 * sn);
-        st<T>(d + e1 * P[8], x0 * sn + x1 * cs);
+        st<TD>(d + e0 * P[8], x0 * cs - x1 * sn);
+        st<TD>(d + e1 * P[8], x0 * sn + x1 * cs);
     }
 }
 

@@ -103,7 +103,7 @@ _ROW1_MINB = {102: 8, 108: 12, 112: 8, 12: 8}
 def _names() -> list[str]:
     f = list(CTYPE.values())
     n = [f"k_unary<{t}>" for t in f] + [f"k_glu<{t}>" for t in f]
-    n += [f"k_rope<{t}>" for t in ("float", "__half")]
+    n += [f"k_rope<{t},{d}>" for t in ("float", "__half") for d in ("float", "__half")]
     n += [f"k_binary<{a},{b}>" for a in f for b in f]
     n += [f"k_soft_max<{t}>" for t in ("float", "__half")]
     n += [f"k_get_rows<{t}>" for t in f] + [f"k_get_rows_q<{q}>" for q in _QT]
@@ -539,6 +539,13 @@ class CudaPlan:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
         accelplane.fusion allows it; returns how many nodes that covered (0: none)."""
         n = nodes[i]
+        if n.op is Op.ROPE:
+            sr = fusion.rope_set_rows(i)
+            if sr is not None and self._rope_rows_fit(n, nodes[i + 1], sr):
+                self._rope(n, sr)
+                self.fused.append(("ROPE", "SET_ROWS"))
+                return 3
+            return 0
         if n.op is Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op in NORMS:
             a, b = n.src
             same = tuple(a.ne) == tuple(b.ne) == tuple(n.ne)
@@ -642,16 +649,41 @@ class CudaPlan:
         mp = self._ptr(mask) if mask is not None else np.uint64(0)
         self._launch(f"k_soft_max<{mt}>", 0, (P, self._ptr(n), self._ptr(a), mp), block=256, grid=(a.nrows,))
 
-    def _rope(self, n) -> None:
+    def _rope(self, n, sr=None) -> None:
+        """ROPE node ``n``; with ``sr`` (a SET_ROWS of its result, fusion.rope_set_rows and
+        _rope_rows_fit said yes), each token's rotated values go straight into the cache row
+        that SET_ROWS names, converted to the cache's type, and the rope's memory stays unwritten."""
         a, pos = n.src
         (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
          beta_fast, beta_slow) = n.op_params  # fmt: skip
         c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
         c1 = c1 if math.isfinite(c1) else -1e30
-        P = self._P([*a.ne, *a.nb, *n.nb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, _f(freq_scale),
-                     _f(ext_factor), _f(attn_factor), _f(c0), _f(c1), _f(freq_base ** (-2.0 / n_dims))])
+        out, dnb, rows, extra = n, list(n.nb), np.uint64(0), [0, 0]
+        if sr is not None:
+            out, idx = sr.src[0], sr.src[2]
+            es = out.nb[0]
+            dnb = [es, es * n.ne[0], out.nb[1], 0]  # head i1 within the row, token i2 → row idx[i2]
+            rows, extra = self._ptr(idx), [out.ne[1], idx.nb[0]]
+            self.uses_index = True
+        theta = _f(freq_base ** (-2.0 / n_dims))
+        P = self._P([*a.ne, *a.nb, *dnb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, _f(freq_scale),
+                     _f(ext_factor), _f(attn_factor), _f(c0), _f(c1), theta, *extra])
         cnt = a.ne[0] // 2 * a.nrows
-        self._launch(f"k_rope<{CTYPE[a.type]}>", cnt, (P, self._ptr(n), self._ptr(a), self._ptr(pos)))
+        args = (P, self._ptr(out), self._ptr(a), self._ptr(pos), rows, self.sctx.err.ptr)
+        self._launch(f"k_rope<{CTYPE[a.type]},{CTYPE[out.type]}>", cnt, args)
+
+    @staticmethod
+    def _rope_rows_fit(rope, view, sr) -> bool:
+        """ROPE → view → SET_ROWS in the shape k_rope's rows mode writes: a contiguous rope
+        result of one batch whose view is its tokens as rows (ne0 · ne1 values each), set into
+        a 2-D F16/F32 cache of rows that long by a contiguous I32 index per token."""
+        cache, src, idx = sr.src
+        return (rope.type in (T.F32, T.F16) and rope.is_contiguous() and rope.ne[3] == 1
+                and cache.type in (T.F32, T.F16) and cache.nb[0] == cache.type.type_size
+                and cache.ne[2] == cache.ne[3] == 1 and src is view and view.view_offs == 0
+                and tuple(view.ne) == (rope.ne[0] * rope.ne[1], rope.ne[2], 1, 1)
+                and view.is_contiguous() and cache.ne[0] == view.ne[0]
+                and idx.type == T.I32 and tuple(idx.ne) == (rope.ne[2], 1, 1, 1))  # fmt: skip
 
     def _im2col(self, n) -> None:
         k, x = n.src

@@ -361,6 +361,53 @@ def test_norm_quantizes_for_matvec(n):
         buf.free()
 
 
+@pytest.mark.parametrize("cache_type", ["F16", "F32"])
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_into_cache_fused(cache_type, neox):
+    """ROPE → reshape → SET_ROWS (the model's K path) runs as one k_rope launch that writes the
+    rotated rows into the cache at the given positions, converted to the cache's type; the rest
+    of the cache is untouched; matches the float64 reference; a position past the cache is a
+    ComputeError."""
+    from accelplane import reference
+    from accelplane.errors import ComputeError
+    from accelplane.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL
+
+    dev = _cuda()
+    rng = np.random.default_rng(21)
+    hd, heads, n_tok, n_ctx = 64, 4, 3, 40
+    ctx = Context()
+    k = ctx.new_tensor_ne(T.F32, hd, heads, n_tok, name="k")
+    pos = ctx.new_tensor_ne(T.I32, n_tok, name="pos")
+    cache = ctx.new_tensor_ne(T[cache_type], hd * heads, n_ctx, name="cache")
+    r = ctx.rope(k, pos, hd, ROPE_TYPE_NEOX if neox else ROPE_TYPE_NORMAL, n_ctx_orig=4096, freq_base=5e5)
+    sr = ctx.set_rows(cache, ctx.reshape_ne(r, hd * heads, n_tok), pos)
+    g = ctx.graph(sr)
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        for rep, where in enumerate(([5, 0, 39], [7, 8, 9])):
+            kv = rng.standard_normal((n_tok, heads, hd)).astype(np.float32)
+            cv = rng.standard_normal((n_ctx, hd * heads)).astype(np.float32)
+            k.set(kv)
+            cache.set(cv)
+            pos.set(np.array(where, np.int32))
+            want = reference.evaluate(g, {k: kv, cache: cv, pos: np.array(where)})[sr].reshape(n_ctx, -1)
+            be.compute(g)
+            got = cache.get().astype(np.float64)
+            tol = 2e-3 if cache_type == "F16" else 1e-5
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rep {rep}")
+        plan = be.ctx.plans.get(g)
+        td = "__half" if cache_type == "F16" else "float"
+        assert plan.fused == [("ROPE", "SET_ROWS")], plan.fused
+        assert plan.kernel_names == [f"k_rope<float,{td}>"], plan.kernel_names
+        pos.set(np.array([1, n_ctx, 2], np.int32))
+        with pytest.raises(ComputeError, match="out of range"):
+            be.compute(g)
+    finally:
+        be.free()
+        buf.free()
+
+
 @pytest.mark.parametrize("kv, d, rows, nkv, mtype", [
     ("F16", 128, 4, 200, "F16"), ("F16", 64, 8, 1, "F32"), ("F32", 64, 1, 32, "F16"),
     ("F16", 128, 2, 1000, None), ("F32", 96, 3, 45, "F32"), ("F16", 64, 9, 64, "F16")])  # fmt: skip
