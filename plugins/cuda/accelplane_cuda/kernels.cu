@@ -1589,6 +1589,30 @@ template <> struct unit_regs<112> {
     }
 };
 
+// One pass of the register mat-vecs: the U loads in r (load-units u0, u0 + step, ...; those past
+// `loads` absent) against activation row xr0 / units of the quantized activations (quantize4's
+// planes x0, x1, scales xd, sums xs; xr0 the row's first unit).
+template <int WT, int U>
+__device__ __forceinline__ float pass_dot(const unit_regs<WT>* r, int u0, int step, int loads, int xr0,
+                                          const int4* x0, const int4* x1, const float* xd, const int* xs) {
+    constexpr int W = unit_regs<WT>::W;
+    float acc = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < U; ++i) {
+        const int u = u0 + step * i;
+        if (u < loads) {
+            #pragma unroll
+            for (int s = 0; s < W; ++s) {
+                const int xr = xr0 + W * u + s;
+                const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
+                const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                acc += r[i].dot(s, xw, __ldg(xd + xr), __ldg(xs + xr));
+            }
+        }
+    }
+    return acc;
+}
+
 // P: [K, N, ne2, nbx1, nbx2, nbx3, xq_bytes]; grid (warps of 128 elements / 8, ne2 * ne3), 256 threads.
 // Batch b's N x K activations → xq + b * xq_bytes, in quantize4's layout.
 __global__ void k_quant_x(const i64* __restrict__ P, char* xq, const char* x) {
@@ -1647,23 +1671,8 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     for (int u0 = lid; u0 < loads; u0 += lpr * U) {
         if (u0 != lid) load(u0);
         #pragma unroll
-        for (int i = 0; i < U; ++i) {
-            const int u = u0 + lpr * i;
-            if (u < loads) {
-                #pragma unroll
-                for (int s = 0; s < W; ++s) {
-                    #pragma unroll
-                    for (int j = 0; j < NMAX; ++j) {
-                        if (j < N) {
-                            const int xr = j * units + W * u + s;
-                            const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
-                            const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                            acc[j] += r[i].dot(s, xw, __ldg(xd + xr), __ldg(xs + xr));
-                        }
-                    }
-                }
-            }
-        }
+        for (int j = 0; j < NMAX; ++j)
+            if (j < N) acc[j] += pass_dot<WT, U>(r, u0, lpr, loads, j * units, x0, x1, xd, xs);
     }
     // sum over the row's lanes: within the warp (xor offsets below lpr), then across its warps
     __shared__ float part[4][NMAX];
@@ -1725,19 +1734,7 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
     float acc = 0.0f;
     for (int u0 = lid; u0 < loads; u0 += LPR * U) {
         if (u0 != lid) load(u0);
-        #pragma unroll
-        for (int i = 0; i < U; ++i) {
-            const int u = u0 + LPR * i;
-            if (u < loads) {
-                #pragma unroll
-                for (int s = 0; s < W; ++s) {
-                    const int xr = W * u + s;
-                    const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
-                    const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                    acc += r[i].dot(s, xw, __ldg(xd + xr), __ldg(xs + xr));
-                }
-            }
-        }
+        acc += pass_dot<WT, U>(r, u0, LPR, loads, 0, x0, x1, xd, xs);
     }
     acc = warp_sum(acc);  // LPR >= 32: a row's lanes are whole warps
     if constexpr (LPR == 32) {
