@@ -5,6 +5,7 @@ reason, where no CUDA device is present."""
 from __future__ import annotations
 
 import accelplane
+import gguf
 import numpy as np
 import pytest
 from accelplane.alloc import alloc_tensors
@@ -22,6 +23,25 @@ def _cuda():
         why = [f.reason for f in reg.failures if f.name == "cuda"]
         pytest.skip(f"no device: {why[0] if why else 'the cuda plugin is not installed'}")
     return reg.plugins["cuda"].devices[0]
+
+
+def _quantized_weights(t, rng, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Random rows quantized into weight tensor ``t`` (the gguf package's quantizer; the SDK's
+    for Q4_K, which gguf lacks and which tests/test_types.py checks byte-exact against ggml's):
+    the GGUF bytes set, and the float64 values they hold (gguf's dequantizer, the oracle)."""
+    m, k = t.ne[1], t.ne[0]
+    v = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[t.type.name]
+    raw = (quantize(t.type, v) if t.type == T.Q4_K else gguf.quantize(v, qt)).reshape(-1)
+    t.set_bytes(raw)
+    return raw, gguf.dequantize(raw, qt).reshape(m, k).astype(np.float64)
+
+
+def _assert_int8_close(got, want: np.ndarray, *why) -> None:
+    """A product computed on int8-quantized activations (the register mat-vec) against float64:
+    within 2 % of the largest value (one quantization step is ~1 % of a row's scale)."""
+    err = np.abs(got.get().reshape(want.shape) - want).max() / np.abs(want).max()
+    assert err < 2e-2, (*why, err)
 
 
 def test_replays_as_cuda_graph():
@@ -320,8 +340,6 @@ def test_norm_quantizes_for_matvec(n):
     """An RMS_NORM + MUL read by register mat-vecs writes their quantized activations itself
     (no k_quant_x launch), and its float result, also read by an ADD, stays exact. Against
     float64 numpy on the gguf package's dequantization."""
-    import gguf
-
     dev = _cuda()
     k, m = 4096, 200
     rng = np.random.default_rng(5)
@@ -338,11 +356,7 @@ def test_norm_quantizes_for_matvec(n):
     gv = rng.uniform(0.5, 1.5, k).astype(np.float32)
     x.set(xv)
     g.set(gv)
-    wf = {}
-    for t, qt in ((w1, gguf.GGMLQuantizationType.Q4_0), (w2, gguf.GGMLQuantizationType.Q8_0)):
-        raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), qt).reshape(-1)
-        t.set_bytes(raw)
-        wf[t] = gguf.dequantize(raw, qt).reshape(m, k).astype(np.float64)
+    wf = {t: _quantized_weights(t, rng)[1] for t in (w1, w2)}
     be = dev.new_backend()
     try:
         be.compute(graph)
@@ -353,9 +367,7 @@ def test_norm_quantizes_for_matvec(n):
         hv = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * gv
         np.testing.assert_allclose(outs[2].get(), hv + x64, rtol=1e-5, atol=1e-5)
         for o, t in zip(outs[:2], (w1, w2), strict=True):
-            want = hv @ wf[t].T
-            err = np.abs(o.get().reshape(want.shape) - want).max() / np.abs(want).max()
-            assert err < 2e-2, (t.name, err)  # int8 activations: ~1% of a row's scale
+            _assert_int8_close(o, hv @ wf[t].T, t.name)
     finally:
         be.free()
         buf.free()
@@ -482,8 +494,7 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rep {rep}, n_kv {n}")
             if proj is not None:
                 want = reference(qv, nkv, mv).reshape(-1) @ wo.get().astype(np.float64).T
-                err = np.abs(proj.get().reshape(-1) - want).max() / np.abs(want).max()
-                assert err < 2e-2, (rep, err)  # int8 activations: ~1% of a row's scale
+                _assert_int8_close(proj, want, rep)
         plan = be.ctx.plans.get(graph)
         names = plan.kernel_names
         if proj is not None:  # its kernels come last
@@ -538,8 +549,6 @@ def test_glu_quantizes_for_matvec(n, merged):
     vector kernel and writes the quantized activations itself (no k_quant_x launch); its float
     result, read by another node too, stays exact. Rows of 2050 take the general kernel. Against
     float64 numpy on the gguf package's dequantization."""
-    import gguf
-
     dev = _cuda()
     k, m = 1536, 96
     rng = np.random.default_rng(6)
@@ -560,9 +569,7 @@ def test_glu_quantizes_for_matvec(n, merged):
     vals = {t: rng.standard_normal(t.shape).astype(np.float32) for t in (*ins, odd)}
     for t, v in vals.items():
         t.set(v)
-    raw = gguf.quantize(rng.standard_normal((m, k)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
-    w.set_bytes(raw.reshape(-1))
-    wf = gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType.Q4_0).reshape(m, k).astype(np.float64)
+    wf = _quantized_weights(w, rng)[1]
     be = dev.new_backend()
     try:
         be.compute(graph)
@@ -581,9 +588,7 @@ def test_glu_quantizes_for_matvec(n, merged):
         np.testing.assert_allclose(outs[1].get(), 2 * av, rtol=1e-5, atol=1e-5)
         ov = vals[odd].astype(np.float64)
         np.testing.assert_allclose(outs[2].get(), swiglu(ov, ov), rtol=1e-5, atol=1e-5)
-        want = av @ wf.T
-        err = np.abs(outs[0].get().reshape(want.shape) - want).max() / np.abs(want).max()
-        assert err < 2e-2, err  # int8 activations: ~1% of a row's scale
+        _assert_int8_close(outs[0], av @ wf.T)
     finally:
         be.free()
         buf.free()
@@ -617,9 +622,7 @@ def test_activations_quantized_once_per_graph():
         names = be.ctx.plans.get(g).kernel_names
         assert names.count("k_quant_x") == 2, names  # y0 and y1 share one; y2 after the CPY
         for y, w, v in ((y0, ws[0], xv), (y1, ws[1], xv), (y2, ws[2], sv)):
-            want = v.astype(np.float64) @ w.get().astype(np.float64).T
-            err = np.abs(y.get().reshape(want.shape) - want).max() / np.abs(want).max()
-            assert err < 2e-2, err  # int8 activations
+            _assert_int8_close(y, v.astype(np.float64) @ w.get().astype(np.float64).T, y.name)
     finally:
         be.free()
         for b in bufs:
@@ -633,7 +636,6 @@ def test_x8_weights(wtype):
     (mat-vec for 1 and 3 rows, the dequantize + GEMM path, GET_ROWS, CPY to F32, CPY and
     SET_ROWS into them: Q4_0 and Q8_0) agrees with float64 numpy on the gguf package's
     dequantization, and a copy to a compute buffer holds GGUF bytes."""
-    import gguf
     from accelplane.backend import BufferUsage, tensor_copy
     from accelplane_cuda import layout
 
@@ -649,10 +651,7 @@ def test_x8_weights(wtype):
     wbuf = alloc_tensors([w, wq], dev.buffer_type, BufferUsage.WEIGHTS)
     cbuf = alloc_tensors([wc], dev.buffer_type, BufferUsage.COMPUTE)
     assert layout.region(w) is w and layout.region(wc) is None
-    wv = rng.standard_normal((m, k)).astype(np.float32)
-    # the gguf package has no Q4_K quantizer; the SDK's is byte-exact with ggml's (tests/test_types.py)
-    raw = quantize(wt, wv).reshape(-1) if wt == T.Q4_K else gguf.quantize(wv, qt).reshape(-1)
-    w.set_bytes(raw)
+    raw = _quantized_weights(w, rng)[0]
     np.testing.assert_array_equal(w.get_bytes(), raw)
     # a write cutting rows 5 and 6: row 7's bytes from the same in-row offset (valid blocks)
     rb = w.row_bytes
@@ -738,7 +737,6 @@ def test_programmatic_launch_chain(monkeypatch, pdl):
     the attribute, and the register mat-vec reads weights before waiting only when no kernel
     of the graph writes their buffer (here: the CPY into a weights-buffer tensor disables it
     for the weights sharing that buffer)."""
-    import gguf
     from accelplane.backend import BufferUsage
 
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", pdl)
@@ -760,12 +758,7 @@ def test_programmatic_launch_chain(monkeypatch, pdl):
     outs = [h, ctx.mul_mat(filled, h), ctx.mul_mat(wo, h)]
     g = ctx.graph(*outs)
     buf = alloc_tensors([x, src, *g.nodes], dev.buffer_type, BufferUsage.COMPUTE)
-    wf = []
-    for w in (*ws, wo):
-        qt = gguf.GGMLQuantizationType[w.type.name]
-        raw = gguf.quantize((rng.standard_normal((w.ne[1], k)) * 0.02).astype(np.float32), qt).reshape(-1)
-        w.set_bytes(raw)
-        wf.append(gguf.dequantize(raw, qt).reshape(w.ne[1], k).astype(np.float64))
+    wf = [_quantized_weights(w, rng, 0.02)[1] for w in (*ws, wo)]
     be = dev.new_backend()
     try:
         for rep in range(3):  # eager, then captured, then replayed
@@ -780,8 +773,7 @@ def test_programmatic_launch_chain(monkeypatch, pdl):
             svq = gguf.dequantize(gguf.quantize(sv, gguf.GGMLQuantizationType.Q8_0).reshape(-1),
                                   gguf.GGMLQuantizationType.Q8_0).reshape(64, k)  # fmt: skip
             for got, want in ((outs[0], hv), (outs[1], svq @ hv), (outs[2], wf[-1] @ hv)):
-                err = np.abs(got.get().reshape(want.shape) - want).max() / np.abs(want).max()
-                assert err < 2e-2, (pdl, rep, err)
+                _assert_int8_close(got, want, pdl, rep)
         plan = be.ctx.plans.get(g)
         assert plan.cuda_graph is not None, plan.graph_error
         flags = [s.config.n_attrs for s in plan.steps]
