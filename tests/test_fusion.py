@@ -200,6 +200,42 @@ def test_clone_of_an_in_place_op_stays_a_view(on_device):
     assert not Fusion(sg).match(i, (Op.SET_ROWS, Op.SCALE))
 
 
+def test_rope_into_cache_fuses_in_a_split_of_clones(on_device):
+    """The llama K path in a device split whose rope reads positions copied in from the host
+    (every decode step on a GPU): the scheduler clones the ROPE (owning the original's memory),
+    its reshape (a view of the original) and the SET_ROWS, and rope_set_rows still finds the
+    run; the result is right."""
+    ctx = Context()
+    k = ctx.new_tensor_ne(T.F32, 16, 2, 2, name="k")
+    pos = ctx.new_tensor_ne(T.I32, 2, name="pos")  # on the CPU: copied into the device's split
+    cache = ctx.new_tensor_ne(T.F32, 32, 8, name="cache")
+    r = ctx.rope(k, pos, 16)
+    sr = ctx.set_rows(cache, ctx.reshape_ne(r, 32, 2), pos)
+    g = ctx.graph(ctx.scale(sr, 1.0))
+    sg = on_device(g, [pos], [k, cache])
+    i = next(i for i, n in enumerate(sg.nodes) if n.op is Op.ROPE)
+    assert sg.nodes[i] is not r and sg.nodes[i].flags & TensorFlag.CLONE  # the clone
+    assert Fusion(sg).rope_set_rows(i) is sg.nodes[i + 2]
+    rng = np.random.default_rng(3)
+    kv = rng.standard_normal((2, 2, 16)).astype(np.float32)
+    k.set(kv)
+    pos.set(np.array([5, 2], np.int32))
+    cache.set(np.zeros((8, 32), np.float32))
+    on_device.sched.graph_compute(g)
+    on_device.sched.synchronize()
+    # neox-free rope (mode 0) of 16 dims at positions 5 and 2, against float64
+    theta = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    want = np.zeros((8, 32))
+    for t, p in enumerate((5, 2)):
+        x = kv[t].astype(np.float64)
+        c, s_ = np.cos(p * theta), np.sin(p * theta)
+        y = np.empty_like(x)
+        y[:, 0::2] = x[:, 0::2] * c - x[:, 1::2] * s_
+        y[:, 1::2] = x[:, 0::2] * s_ + x[:, 1::2] * c
+        want[p] = y.reshape(-1)
+    np.testing.assert_allclose(cache.get(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_written_nodes_may_have_other_readers():
     """ADD → RMS_NORM → MUL with the sum still written (the residual path reads it again)."""
     ctx = Context()

@@ -490,6 +490,41 @@ def test_embeddings_on_the_device(reg, models, monkeypatch):
         LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, embd="gpu")
 
 
+def test_decode_writes_next_positions_early(reg, models):
+    """A decode step writes the next step's positions, mask and V slots while the device
+    runs (the scheduler has copied this step's inputs: Scheduler.inputs_released), so the
+    next eval only writes its token; across window changes (kv_pad 8) it writes them itself.
+    Teacher-forced logits equal those of a model that never writes early."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    tokens = np.random.default_rng(8).integers(0, TINY["n_vocab"], 20)
+    outs, writes = [], []
+    for early in (True, False):
+        m = LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, n_ctx=32, kv_pad=8)
+        if not early:
+            m.sched.inputs_released = lambda: False
+        calls = []  # (position written, ahead of the model's position: written early)
+        orig = m._set_positions
+
+        def count(st, n_past, m=m, orig=orig, calls=calls):
+            calls.append((n_past, n_past > m.n_past))
+            orig(st, n_past)
+
+        m._set_positions = count
+        try:
+            out = [m.eval(tokens[:4], all_logits=True).logits]
+            out += [m.eval([t]).logits for t in tokens[4:]]
+            outs.append(np.concatenate(out))
+            writes.append(calls)
+        finally:
+            m.free()
+    assert _nmse(outs[0], outs[1]) < 1e-12
+    # without: one write per eval; with: the prefill's and the first of each window of 8
+    # (the step before it ran another graph), the others early (and one past the last token)
+    assert writes[1] == [(p, False) for p in (0, *range(4, 20))]
+    ahead = [(p, p not in (0, 4, 8, 16)) for p in (0, *range(4, 21))]
+    assert writes[0] == ahead, writes[0]
+
+
 def test_split_modes(reg, models):
     cpu = reg.device("CPU")
     m = LlamaModel.from_gguf(models["moe"], [reg.device("ASYNC0"), reg.device("ASYNC1")], cpu=cpu,

@@ -95,6 +95,39 @@ def test_relaxed_syncs_fewer(reg):
     assert counts["relaxed"] < counts["strict"], counts
 
 
+def test_inputs_released(reg):
+    """Scheduler.inputs_released: after graph_compute, True when every graph input was copied
+    to its split's device (so the caller may write the next step's while the device runs);
+    False before any compute and when the asynchronous device reads an input in place."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    for on_device in (False, True):
+        ctx = Context()
+        x = ctx.new_tensor(GGMLType.F32, (4, 8), "x").set_input()
+        w = ctx.new_tensor(GGMLType.F32, (4, 8), "w")
+        y = ctx.mul(x, w)
+        g = ctx.graph(y)
+        bufs = [alloc_tensors([w, *([x] if on_device else [])], dev.buffer_type)]
+        if not on_device:
+            bufs.append(alloc_tensors([x], cpu.buffer_type))
+        s = Scheduler([dev.new_backend(), cpu.new_backend()])
+        try:
+            assert not s.inputs_released()
+            xv, wv = np.arange(32, dtype=np.float32).reshape(4, 8), np.full((4, 8), 2.0, np.float32)
+            w.set(wv)
+            s.alloc_graph(g)
+            x.set(xv)
+            s.graph_compute(g)
+            assert s.inputs_released() is (not on_device)
+            if not on_device:
+                x.set(-xv)  # the next step's input, written while the device may still run
+            s.synchronize()
+            np.testing.assert_array_equal(y.get(), xv * wv)
+        finally:
+            s.free()
+            for b in bufs:
+                b.free()
+
+
 def test_plan_cache_and_rereservation(reg):
     cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
     lg, g, wv, rng, bufs = _layer_setup(reg, [dev])

@@ -94,12 +94,15 @@ class Fusion:
         rope, view, sr = self.nodes[i : i + 3]
         if rope.op is not Op.ROPE or view.op not in (Op.RESHAPE, Op.VIEW) or sr.op is not Op.SET_ROWS:
             return None
-        if view.view_src is not rope or sr.src[1] is not view or not _own_memory(rope):
+        # the rope's memory: its own, or for a scheduler clone the original's (the view then
+        # views the original too, and the readers are counted there)
+        own = _owner(rope)
+        if view.view_src is not own or sr.src[1] is not view or not _own_memory(rope):
             return None
-        if any(id(t) in self.keep or t.flags & TensorFlag.OUTPUT for t in (rope, view)):
+        if id(own) in self.keep or any(t.flags & TensorFlag.OUTPUT for t in (rope, view, own)):
             return None
         # readers of the rope's memory: the view itself and the SET_ROWS through it
-        return sr if self.uses.get(id(rope), 0) == 2 else None
+        return sr if self.uses.get(id(own), 0) == 2 else None
 
     def norm_mul(self, i: int) -> Tensor | None:
         """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales

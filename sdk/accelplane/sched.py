@@ -84,6 +84,7 @@ class _Plan:
         self.node_graphs: dict[tuple, Graph] = {}
         self.layout: tuple[int, ...] = ()  # alloc graphs' layout versions at the last alloc
         self.views_placed = False  # clones' views placed for this layout
+        self.inputs_released: bool | None = None  # Scheduler.inputs_released, once known
 
     def graphs(self):
         for sp in self.splits:
@@ -171,7 +172,10 @@ class Scheduler(GraphRunner):
         self.next_copy = 0
         self._plans: dict[tuple, _Plan] = {}
         self._key_memo: dict[int, tuple[list, tuple]] = {}  # graph uid → (leaf placements, key)
+        self._last_plan: dict[int, tuple[tuple, _Plan]] = {}  # graph uid → (its key, its plan)
         self._allocated: _Plan | None = None
+        self._allocated_uid = -1  # the graph alloc_graph allocated last
+        self._computed: _Plan | None = None  # the plan graph_compute queued last
         self.prefetch_experts = (_env_int("ACCELPLANE_SCHED_PREFETCH_EXPERTS", 0)
                                  if prefetch_experts is None else prefetch_experts)  # fmt: skip
         self._pf_backends: dict[int, Backend] = {}
@@ -443,6 +447,9 @@ class Scheduler(GraphRunner):
     # --- public lifecycle -------------------------------------------------------------------------
     def _plan_for(self, graph: Graph) -> _Plan:
         key = self._key(graph)
+        last = self._last_plan.get(graph.uid)
+        if last is not None and last[0] is key:  # the memoized key: no hashing of its leaves
+            return last[1]
         plan = self._plans.get(key)
         if plan is None:
             plan = _Plan()
@@ -455,6 +462,7 @@ class Scheduler(GraphRunner):
             self.stats.plans += 1
             if self._debug:
                 self._print(graph, plan)
+        self._last_plan[graph.uid] = (key, plan)
         return plan
 
     def reserve(self, graph: Graph) -> None:
@@ -481,19 +489,48 @@ class Scheduler(GraphRunner):
                 for g in plan.graphs():
                     g.layout_version += 1
         self._allocated = plan
+        self._allocated_uid = graph.uid
         self.stats.splits = len(plan.splits)
         self.stats.copies = sum(len(sp.inputs) for sp in plan.splits)
 
     def graph_compute(self, graph: Graph) -> None:
-        """Allocate (if this graph is not the allocated one) and queue every split."""
-        plan = self._plans.get(self._key(graph))
-        if plan is None or plan is not self._allocated:
-            self.alloc_graph(graph)
-            plan = self._allocated
+        """Allocate (if this graph is not the allocated one) and queue every split. Right
+        after ``alloc_graph(graph)`` the allocation stands as made: the plan is not looked up
+        again (a decode step would hash its leaves twice per token)."""
+        plan = self._allocated
+        if plan is None or self._allocated_uid != graph.uid:
+            plan = self._plans.get(self._key(graph))
+            if plan is None or plan is not self._allocated:
+                self.alloc_graph(graph)
+                plan = self._allocated
         self.stats.computes += 1
         self.stats.host_syncs = 0
+        self._computed = None
         self._compute_splits(plan)
+        self._computed = plan
         self._allocated = None  # the next compute allocates again (advancing the copy slot)
+
+    def inputs_released(self) -> bool:
+        """After graph_compute: every graph input (TensorFlag.INPUT) the splits read has been
+        copied to its split's backend (both policies finish those copies before queueing the
+        split) or is read by a backend that computes synchronously, so the caller may write
+        the next step's inputs while the devices still run. False when an asynchronous backend
+        reads an input in place, or before the first compute."""
+        plan = self._computed
+        if plan is None:
+            return False
+        if plan.inputs_released is None:
+            plan.inputs_released = True
+            for sp in plan.splits:
+                if not self.backends[sp.backend].device.caps.async_:
+                    continue
+                copied = {id(i.src) for i in sp.inputs}
+                for n in sp.nodes:
+                    for t in n.src:
+                        own = t.view_src or t if t is not None else None
+                        if own is not None and own.flags & TensorFlag.INPUT and id(t) not in copied:
+                            plan.inputs_released = False
+        return plan.inputs_released
 
     def synchronize(self) -> None:
         """Block until every backend is done (the caller's wait; not counted in stats)."""
@@ -513,6 +550,7 @@ class Scheduler(GraphRunner):
         for g in self.galloc:
             g.free()
         self._key_memo.clear()  # it holds the leaves' buffers
+        self._last_plan.clear()
 
     def _key(self, graph: Graph) -> tuple:
         # re-plan when a leaf placed outside the scheduler moved (e.g. weights went to another

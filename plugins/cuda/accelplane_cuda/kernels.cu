@@ -27,6 +27,14 @@ __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory");
 #endif
 }
+// pdl_enter for a kernel that reads its N parameters from shared memory Ps: they are written once,
+// at plan time, so their loads are issued before the wait and arrive while the previous kernel
+// drains (saving a round trip after it). Ends with a block barrier, so every thread sees Ps.
+template <int N> __device__ __forceinline__ void pdl_enter_params(const i64* __restrict__ P, i64* Ps) {
+    if (threadIdx.x < N) Ps[threadIdx.x] = P[threadIdx.x];
+    pdl_enter();
+    __syncthreads();
+}
 
 // ---- element load/store -------------------------------------------------------------------------
 template <typename T> __device__ __forceinline__ float ld(const char* p);
@@ -429,56 +437,61 @@ __device__ __forceinline__ void quantize1(char* sx, float v, int e, int total) {
 // the result is also written quantized as k_quant_x writes it, for the register mat-vec that
 // reads it (the FFN's down projection), saving that launch. Grid: warps of 128 elements / 8.
 __global__ void k_glu_vec(const i64* __restrict__ P, char* dst, const char* x, const char* g, char* xq) {
-    pdl_enter();
-    const int total = (int)P[0], K = (int)P[1], op = (int)P[17];
+    __shared__ i64 Ps[18];
+    pdl_enter_params<18>(P, Ps);
+    const int total = (int)Ps[0], K = (int)Ps[1], op = (int)Ps[17];
     const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (w * 128 >= total) return;  // whole warps: the shuffles in quantize4 need all 32 lanes
     const int e = w * 128 + 4 * (threadIdx.x & 31), j = e / K, c = e - j * K;
     float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
     if (e < total) {
-        const float4 a = *(const float4*)(x + j * P[10] + 4 * (i64)c);
-        const float4 b = *(const float4*)(g + j * P[14] + 4 * (i64)c);
+        const float4 a = *(const float4*)(x + j * Ps[10] + 4 * (i64)c);
+        const float4 b = *(const float4*)(g + j * Ps[14] + 4 * (i64)c);
         y = make_float4(glu1(a.x, b.x, op), glu1(a.y, b.y, op), glu1(a.z, b.z, op), glu1(a.w, b.w, op));
-        *(float4*)(dst + j * P[6] + 4 * (i64)c) = y;
+        *(float4*)(dst + j * Ps[6] + 4 * (i64)c) = y;
     }
     if (xq) quantize4(xq, y, e, total);
 }
 
-// k_norm for contiguous F32 rows of ne0 % 4 == 0 elements, at most 16 per thread (plan.py:
+// k_norm for contiguous F32 rows of ne0 % 4 == 0 elements, at most 4 NV per thread (plan.py:
 // _norm picks it and the block size): the row is read once into registers as float4s, the sums
 // come from there, and every access is a 16-byte one. Same P and arguments as k_norm, plus xq:
 // when not null (rows of a multiple of 32 elements, ne2 = ne3 = 1), the result is also written
 // quantized as k_quant_x writes it, for the register mat-vecs that read it (saving that launch).
+// NV = 1 (rows up to 4096 elements) keeps the body a quarter of NV = 4's: a decode runs it twice
+// a layer from a cold instruction cache, where fetching the code costs more than the arithmetic.
+template <int NV>
 __global__ void __launch_bounds__(1024) k_norm_vec(const i64* __restrict__ P, char* dst, const char* src,
                                                    const char* w, const char* b, char* sum, char* xq) {
-    pdl_enter();
-    const int n4 = (int)(P[0] / 4);
+    __shared__ i64 Ps[32];
+    pdl_enter_params<32>(P, Ps);
+    const int n4 = (int)(Ps[0] / 4);
     int r = blockIdx.x;
-    const int i1 = r % (int)P[1]; r /= (int)P[1];
-    const int i2 = r % (int)P[2], i3 = r / (int)P[2];
-    const float4* s = (const float4*)(src + i1 * P[5] + i2 * P[6] + i3 * P[7]);
-    float4* d = (float4*)(dst + i1 * P[9] + i2 * P[10] + i3 * P[11]);
-    const int op = (int)P[12];
-    float4 v[4];
+    const int i1 = r % (int)Ps[1]; r /= (int)Ps[1];
+    const int i2 = r % (int)Ps[2], i3 = r / (int)Ps[2];
+    const float4* s = (const float4*)(src + i1 * Ps[5] + i2 * Ps[6] + i3 * Ps[7]);
+    float4* d = (float4*)(dst + i1 * Ps[9] + i2 * Ps[10] + i3 * Ps[11]);
+    const int op = (int)Ps[12];
+    float4 v[NV];
     #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         v[k] = c < n4 ? s[c] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // the MUL's weights (or ones) load with the row, not after the reductions: one round trip
-    float4 g[4];
-    const float4* wr = P[14] != 0 ? (const float4*)(w + (i1 % (int)P[16]) * P[20] + (i2 % (int)P[17]) * P[21] +
-                                                    (i3 % (int)P[18]) * P[22]) : nullptr;
+    float4 g[NV];
+    const float4* wr = Ps[14] != 0 ? (const float4*)(w + (i1 % (int)Ps[16]) * Ps[20] + (i2 % (int)Ps[17]) * Ps[21] +
+                                                    (i3 % (int)Ps[18]) * Ps[22]) : nullptr;
     #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         g[k] = wr && c < n4 ? wr[c] : make_float4(1.f, 1.f, 1.f, 1.f);
     }
-    if (P[23] != 0) {  // fused ADD: rows of src + b, the sum written too
-        const float4* br = (const float4*)(b + i1 * P[25] + i2 * P[26] + i3 * P[27]);
-        float4* sr = (float4*)(sum + i1 * P[29] + i2 * P[30] + i3 * P[31]);
+    if (Ps[23] != 0) {  // fused ADD: rows of src + b, the sum written too
+        const float4* br = (const float4*)(b + i1 * Ps[25] + i2 * Ps[26] + i3 * Ps[27]);
+        float4* sr = (float4*)(sum + i1 * Ps[29] + i2 * Ps[30] + i3 * Ps[31]);
         #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = threadIdx.x + k * blockDim.x;
             if (c < n4) {
                 const float4 o = br[c];
@@ -487,27 +500,27 @@ __global__ void __launch_bounds__(1024) k_norm_vec(const i64* __restrict__ P, ch
             }
         }
     }
-    const float ne0 = (float)P[0];
+    const float ne0 = (float)Ps[0];
     float mean = 0.0f;
     if (op == 0) {
         float acc = 0.0f;
         #pragma unroll
-        for (int k = 0; k < 4; ++k) acc += v[k].x + v[k].y + v[k].z + v[k].w;
+        for (int k = 0; k < NV; ++k) acc += v[k].x + v[k].y + v[k].z + v[k].w;
         mean = block_sum(acc) / ne0;
     }
     float acc = 0.0f;
     #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < NV; ++k) {
         if (threadIdx.x + k * blockDim.x < n4) {
             const float x = v[k].x - mean, y = v[k].y - mean, z = v[k].z - mean, t = v[k].w - mean;
             acc += x * x + y * y + z * z + t * t;
         }
     }
     const float ss = block_sum(acc);
-    const float scale = op == 2 ? 1.0f / fmaxf(sqrtf(ss), (float)pf(P, 13)) : rsqrtf(ss / ne0 + (float)pf(P, 13));
-    const int total = (int)(P[0] * P[1]);
+    const float scale = op == 2 ? 1.0f / fmaxf(sqrtf(ss), (float)pf(Ps, 13)) : rsqrtf(ss / ne0 + (float)pf(Ps, 13));
+    const int total = (int)(Ps[0] * Ps[1]);
     #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
         if (c < n4) {
@@ -517,7 +530,7 @@ __global__ void __launch_bounds__(1024) k_norm_vec(const i64* __restrict__ P, ch
             d[c] = y;
         }
         // every lane takes part (the shuffles); those past the row write nothing (e = total)
-        if (xq) quantize4(xq, y, c < n4 ? blockIdx.x * (int)P[0] + 4 * c : total, total);
+        if (xq) quantize4(xq, y, c < n4 ? blockIdx.x * (int)Ps[0] + 4 * c : total, total);
     }
 }
 
@@ -568,25 +581,26 @@ __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, 
 template <typename T, typename TD>
 __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, const int* pos, const int* rows,
                        int* err) {
-    pdl_enter();
-    const i64 half = P[0] / 2;
-    const i64 n = half * P[1] * P[2] * P[3];
-    const int n_dims = (int)P[12];
-    const bool neox = P[13] == 2;
-    const float freq_scale = (float)pf(P, 14), ext = (float)pf(P, 15), attn = (float)pf(P, 16);
-    const float c0 = (float)pf(P, 17), c1 = (float)pf(P, 18), theta_scale = (float)pf(P, 19);
+    __shared__ i64 Ps[22];
+    pdl_enter_params<22>(P, Ps);
+    const i64 half = Ps[0] / 2;
+    const i64 n = half * Ps[1] * Ps[2] * Ps[3];
+    const int n_dims = (int)Ps[12];
+    const bool neox = Ps[13] == 2;
+    const float freq_scale = (float)pf(Ps, 14), ext = (float)pf(Ps, 15), attn = (float)pf(Ps, 16);
+    const float c0 = (float)pf(Ps, 17), c1 = (float)pf(Ps, 18), theta_scale = (float)pf(Ps, 19);
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
         const i64 ic = r % half; r /= half;
-        const i64 i1 = r % P[1]; r /= P[1];
-        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
-        const char* s = a + i1 * P[5] + i2 * P[6] + i3 * P[7];
+        const i64 i1 = r % Ps[1]; r /= Ps[1];
+        const i64 i2 = r % Ps[2]; const i64 i3 = r / Ps[2];
+        const char* s = a + i1 * Ps[5] + i2 * Ps[6] + i3 * Ps[7];
         i64 drow = i2;
         if (rows) {
-            drow = *(const int*)((const char*)rows + i2 * P[21]);
-            if (drow < 0 || drow >= P[20]) { *err = 1; continue; }
+            drow = *(const int*)((const char*)rows + i2 * Ps[21]);
+            if (drow < 0 || drow >= Ps[20]) { *err = 1; continue; }
         }
-        char* d = dst + i1 * P[9] + drow * P[10] + i3 * P[11];
+        char* d = dst + i1 * Ps[9] + drow * Ps[10] + i3 * Ps[11];
         i64 e0, e1;
         bool rot;
         if (neox) {
@@ -596,8 +610,8 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
         } else {
             e0 = 2 * ic; e1 = e0 + 1; rot = e0 < n_dims;
         }
-        const float x0 = ld<T>(s + e0 * P[4]), x1 = ld<T>(s + e1 * P[4]);
-        if (!rot) { st<TD>(d + e0 * P[8], x0); st<TD>(d + e1 * P[8], x1); continue; }
+        const float x0 = ld<T>(s + e0 * Ps[4]), x1 = ld<T>(s + e1 * Ps[4]);
+        if (!rot) { st<TD>(d + e0 * Ps[8], x0); st<TD>(d + e1 * Ps[8], x1); continue; }
         const float te = (float)pos[i2] * powf(theta_scale, (float)ic);
         const float ti = freq_scale * te;
         float theta = ti, mscale = attn;
@@ -608,8 +622,8 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
             mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
         }
         const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
-        st<TD>(d + e0 * P[8], x0 * cs - x1 * sn);
-        st<TD>(d + e1 * P[8], x0 * sn + x1 * cs);
+        st<TD>(d + e0 * Ps[8], x0 * cs - x1 * sn);
+        st<TD>(d + e1 * Ps[8], x0 * sn + x1 * cs);
     }
 }
 
@@ -707,17 +721,18 @@ __device__ void store32(u8* row, i64 c, const float* x) {
 // P: [ne0..3(src), nbs0..3, nbd0..3, nbi0..2, nei1, nei2, n_rows_dst]
 template <typename Td>
 __global__ void k_set_rows(const i64* __restrict__ P, char* dst, const char* src, const int* idx, int* err) {
-    pdl_enter();
-    const i64 n = P[0] * P[1] * P[2] * P[3];
+    __shared__ i64 Ps[18];
+    pdl_enter_params<18>(P, Ps);
+    const i64 n = Ps[0] * Ps[1] * Ps[2] * Ps[3];
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
-        const i64 i0 = r % P[0]; r /= P[0];
-        const i64 i1 = r % P[1]; r /= P[1];
-        const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
-        const int row = *(const int*)((const char*)idx + i1 * P[12] + (i2 % P[15]) * P[13] + (i3 % P[16]) * P[14]);
-        if (row < 0 || row >= P[17]) { *err = 1; continue; }
-        st<Td>(dst + i0 * P[8] + (i64)row * P[9] + i2 * P[10] + i3 * P[11],
-               *(const float*)(src + i0 * P[4] + i1 * P[5] + i2 * P[6] + i3 * P[7]));
+        const i64 i0 = r % Ps[0]; r /= Ps[0];
+        const i64 i1 = r % Ps[1]; r /= Ps[1];
+        const i64 i2 = r % Ps[2]; const i64 i3 = r / Ps[2];
+        const int row = *(const int*)((const char*)idx + i1 * Ps[12] + (i2 % Ps[15]) * Ps[13] + (i3 % Ps[16]) * Ps[14]);
+        if (row < 0 || row >= Ps[17]) { *err = 1; continue; }
+        st<Td>(dst + i0 * Ps[8] + (i64)row * Ps[9] + i2 * Ps[10] + i3 * Ps[11],
+               *(const float*)(src + i0 * Ps[4] + i1 * Ps[5] + i2 * Ps[6] + i3 * Ps[7]));
     }
 }
 template <int QT>
@@ -988,25 +1003,37 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
     }
 }
 // ==== decode attention: MUL_MAT(K, Q) → SOFT_MAX(scale, mask) → MUL_MAT(V, ·) as one kernel ====
-// (an accelplane.fusion run; plan.py: _attention). A block of 128 threads takes ATT_C cache
+// (an accelplane.fusion run; plan.py: _attention). A group of 128 threads takes ATT_C cache
 // positions of one head batch for all R query rows (the rows of a GQA group share the K and V
 // loads): four lanes per position for the scores, one thread per V row (V is stored transposed:
-// a row per output feature, positions contiguous) for the weighted sum, the V loads in flight
-// while the scores are computed. Each block leaves its partial softmax (row max, sum, weighted V)
-// in scratch; the last block of a batch to finish (an atomic count, which it resets) combines
-// them, so a decode step needs one launch for the three nodes and never writes the scores.
+// a row per output feature, positions contiguous) for the weighted sum. A block holds G <= ATT_G
+// such groups on consecutive chunks and merges their partial softmaxes in shared memory, so a
+// short cache (n_kv <= ATT_G ATT_C, every decode step of a short context) is one block per head
+// and the launch is the whole result. Longer caches take several blocks per head: each leaves
+// its partial softmax (row max, sum, weighted V) in scratch and the last block of a batch to
+// finish (an atomic count, which it resets) combines them. Every global load of a block (V, K,
+// Q, mask) is issued before any is used, so the block waits for memory once. The code is kept
+// small (R ≤ RM rows compiled per instantiation, loops over rows and groups not unrolled where
+// registers do not need it): the kernel runs once per layer from a cold instruction cache, and
+// fetching a large body cost more than its arithmetic (154 KB of code took 8 µs at 32 positions).
 // P: [D, n_kv, R, ne2, ne3, r2k, r3k, nbk1, nbk2, nbk3, nbq1, nbq2, nbq3, has_mask, nbm1, nbm2, nbm3,
-//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, v16, total]
-// D a multiple of 8 up to ATT_MAXD with 16-byte aligned K rows; Dv <= 128; R <= ATT_MAXR; n_kv <=
-// ATT_C * ATT_MAXCH; v16:
-// V rows 16-byte aligned (vector loads of whole chunks). grid (chunks of ATT_C positions, ne2 *
-// ne3); part: grid.y * grid.x * ATT_MAXR * (Dv + 2) floats; count: grid.y ints, zero. xq: when not
-// null (Dv a multiple of 32, dst contiguous: output element (b, r, o) is number (b R + r) Dv + o of
-// total), the result is also written quantized as k_quant_x writes it, for the output projection.
+//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, vwhole, total]
+// D a multiple of 8 up to ATT_MAXD with 16-byte aligned K rows; Dv <= 128; R <= RM <= 8;
+// blocks per batch <= ATT_MAXB; vwhole: V rows 16-byte aligned and readable to the end of the
+// last chunk (vector loads of whole chunks; positions past n_kv are zeroed after the load).
+// grid (blocks, ne2 * ne3), 128 G threads; part: grid.y * grid.x * 8 * (Dv + 2) floats; count:
+// grid.y ints, zero. xq: when not null (Dv a multiple of 32, dst contiguous: output element
+// (b, r, o) is number (b R + r) Dv + o of total), the result is also written quantized as
+// k_quant_x writes it, for the output projection.
 #define ATT_C 32
-#define ATT_MAXR 8
+#ifndef ATT_G
+#define ATT_G 4
+#endif
+#define ATT_MAXR 8  // the partials' row stride in scratch (plan.py sizes it)
 #define ATT_MAXD 256
-#define ATT_MAXCH 256  // chunks: n_kv <= 8192
+#define ATT_MAXB 64  // blocks per batch: n_kv <= 8192
+#define ATT_NP 31    // k_attention's parameters
+#define ATT_KPRE 4   // K slices of 8 elements a lane loads up front (all of them for D <= 128)
 template <typename T> __device__ __forceinline__ void ld8f(const char* p, float* f);
 template <> __device__ __forceinline__ void ld8f<__half>(const char* p, float* f) {
     half8(__ldg((const uint4*)p), f);
@@ -1015,149 +1042,221 @@ template <> __device__ __forceinline__ void ld8f<float>(const char* p, float* f)
     const float4 a = __ldg((const float4*)p), b = __ldg((const float4*)p + 1);
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
-template <typename TK, typename TV, typename TM>
-__global__ void __launch_bounds__(128) k_attention(const i64* __restrict__ P, char* dst, const char* kc,
-                                                   const char* q, const char* mask, const char* vc,
-                                                   float* part, int* count, char* xq) {
-    pdl_enter();
-    __shared__ float qs[ATT_MAXR * ATT_MAXD];
-    __shared__ float ps[ATT_MAXR][ATT_C];
-    __shared__ float ms[ATT_MAXR], ls[ATT_MAXR];
-    __shared__ float wsh[ATT_MAXR][ATT_MAXCH];
+template <typename T> struct raw8;  // 8 elements of a row, as loaded (converted when used)
+template <> struct raw8<__half> {
+    uint4 a;
+    __device__ __forceinline__ void load(const char* p) { a = __ldg((const uint4*)p); }
+    __device__ __forceinline__ void get(float* f) const { half8(a, f); }
+};
+template <> struct raw8<float> {
+    float4 a, b;
+    __device__ __forceinline__ void load(const char* p) { a = __ldg((const float4*)p); b = __ldg((const float4*)p + 1); }
+    __device__ __forceinline__ void get(float* f) const {
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    }
+};
+template <typename TK, typename TV, typename TM, int RM>
+__global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict__ P, char* dst, const char* kc,
+                                                           const char* q, const char* mask, const char* vc,
+                                                           float* part, int* count, char* xq) {
+    __shared__ i64 Ps[ATT_NP];
+    pdl_enter_params<ATT_NP>(P, Ps);
+    __shared__ float qs[RM * ATT_MAXD];
+    __shared__ float ps[ATT_G][RM][ATT_C];
+    __shared__ float ms[ATT_G][RM], ls[ATT_G][RM], wg[ATT_G][RM], bm[RM], bl[RM];
+    __shared__ float pacc[ATT_G][RM][128];
+    __shared__ float wm[RM][ATT_MAXB], wl[RM][ATT_MAXB];
     __shared__ bool last;
-    const int D = (int)P[0], nkv = (int)P[1], R = (int)P[2], Dv = (int)P[20];
-    const int b = blockIdx.y, i2 = b % (int)P[3], i3 = b / (int)P[3];
-    const int t = threadIdx.x, j0 = blockIdx.x * ATT_C;
-    const char* kb = kc + (i2 / (int)P[5]) * P[8] + (i3 / (int)P[6]) * P[9];
-    const char* vr = vc + (i2 / (int)P[21]) * P[24] + (i3 / (int)P[22]) * P[25] + t * P[23] + j0 * (i64)sizeof(TV);
-    // this thread's V row over the chunk (zeros past the cache's end)
+    const int D = (int)Ps[0], nkv = (int)Ps[1], R = (int)Ps[2], Dv = (int)Ps[20];
+    const int b = blockIdx.y, i2 = b % (int)Ps[3], i3 = b / (int)Ps[3];
+    const int tid = threadIdx.x, t = tid & 127, grp = tid >> 7, G = blockDim.x >> 7, lane = tid & 31;
+    const int j0 = (blockIdx.x * G + grp) * ATT_C;
+    const char* kb = kc + (i2 / (int)Ps[5]) * Ps[8] + (i3 / (int)Ps[6]) * Ps[9];
+    const char* vr = vc + (i2 / (int)Ps[21]) * Ps[24] + (i3 / (int)Ps[22]) * Ps[25] + t * Ps[23] + j0 * (i64)sizeof(TV);
+    const bool vwhole = Ps[29] != 0;
+    // the loads: this thread's V row over the chunk, this lane's K slices, the queries, the mask
+    raw8<TV> vw[ATT_C / 8];
+    if (vwhole && t < Dv && j0 < nkv) {
+        #pragma unroll
+        for (int i = 0; i < ATT_C / 8; ++i) vw[i].load(vr + 8 * i * sizeof(TV));
+    }
+    const int jj = t >> 2, sub = t & 3, j = j0 + jj;
+    const char* kp = kb + (i64)j * Ps[7];
+    raw8<TK> kw[ATT_KPRE];
+    if (j < nkv) {
+        #pragma unroll
+        for (int s = 0; s < ATT_KPRE; ++s)
+            if (sub * 8 + 32 * s < D) kw[s].load(kp + (sub * 8 + 32 * s) * sizeof(TK));
+    }
+    float qv[RM][ATT_MAXD / 128];  // blocks of >= 128 threads: at most two elements of a row each
+    #pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        #pragma unroll
+        for (int c = 0; c < ATT_MAXD / 128; ++c) {
+            const int e = tid + c * blockDim.x;
+            if (r < R && e < D) qv[r][c] = *(const float*)(q + r * Ps[10] + i2 * Ps[11] + i3 * Ps[12] + e * 4);
+        }
+    }
+    float mk[RM];  // the mask at this lane's position (the lane that writes its scores)
+    #pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        mk[r] = 0.0f;
+        if (Ps[13] != 0 && sub == 0 && r < R && j < nkv)
+            mk[r] = ld<TM>(mask + r * Ps[14] + (i2 % (int)Ps[17]) * Ps[15] + (i3 % (int)Ps[18]) * Ps[16] +
+                           j * (i64)sizeof(TM));
+    }
+    #pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        #pragma unroll
+        for (int c = 0; c < ATT_MAXD / 128; ++c) {
+            const int e = tid + c * blockDim.x;
+            if (r < R && e < D) qs[r * D + e] = qv[r][c];
+        }
+    }
     float vf[ATT_C];
     if (t < Dv) {
-        if (P[29] != 0 && j0 + ATT_C <= nkv) {
+        if (vwhole) {
             #pragma unroll
-            for (int i = 0; i < ATT_C; i += 8) ld8f<TV>(vr + i * sizeof(TV), vf + i);
+            for (int i = 0; i < ATT_C / 8; ++i) vw[i].get(vf + 8 * i);
+            #pragma unroll
+            for (int i = 0; i < ATT_C; ++i)  // past the cache's end: zero, whatever was read
+                if (j0 + i >= nkv) vf[i] = 0.0f;
         } else {
             #pragma unroll
             for (int i = 0; i < ATT_C; ++i) vf[i] = j0 + i < nkv ? ld<TV>(vr + i * sizeof(TV)) : 0.0f;
         }
     }
-    for (int i = t; i < R * D; i += blockDim.x) {
-        const int r = i / D;
-        qs[i] = *(const float*)(q + r * P[10] + i2 * P[11] + i3 * P[12] + (i - r * D) * 4);
-    }
     __syncthreads();
     // scores: four lanes per position, eight K elements at a time
-    const int jj = t >> 2, sub = t & 3, j = j0 + jj;
-    float sc[ATT_MAXR];
+    float sc[RM];
     #pragma unroll
-    for (int r = 0; r < ATT_MAXR; ++r) sc[r] = 0.0f;
+    for (int r = 0; r < RM; ++r) sc[r] = 0.0f;
     if (j < nkv) {
-        const char* kp = kb + (i64)j * P[7];
-        #pragma unroll 4
-        for (int d0 = sub * 8; d0 < D; d0 += 32) {
-            float kf[8];
-            ld8f<TK>(kp + d0 * sizeof(TK), kf);
+        auto add = [&](const float* kf, int d0) {
             #pragma unroll
-            for (int r = 0; r < ATT_MAXR; ++r) {
+            for (int r = 0; r < RM; ++r) {
                 if (r < R) {
                     #pragma unroll
                     for (int i = 0; i < 8; ++i) sc[r] += kf[i] * qs[r * D + d0 + i];
                 }
             }
+        };
+        #pragma unroll
+        for (int s = 0; s < ATT_KPRE; ++s) {
+            if (sub * 8 + 32 * s < D) {
+                float kf[8];
+                kw[s].get(kf);
+                add(kf, sub * 8 + 32 * s);
+            }
+        }
+        #pragma unroll 1
+        for (int d0 = sub * 8 + 32 * ATT_KPRE; d0 < D; d0 += 32) {
+            float kf[8];
+            ld8f<TK>(kp + d0 * sizeof(TK), kf);
+            add(kf, d0);
         }
     }
-    const float scale = (float)pf(P, 19);
+    const float scale = (float)__longlong_as_double(Ps[19]);
     #pragma unroll
-    for (int r = 0; r < ATT_MAXR; ++r) {
+    for (int r = 0; r < RM; ++r) {
         sc[r] += __shfl_xor_sync(0xffffffff, sc[r], 1);
         sc[r] += __shfl_xor_sync(0xffffffff, sc[r], 2);
-        if (sub == 0 && r < R) {
-            float v = -AP_INF;
-            if (j < nkv) {
-                v = sc[r] * scale;
-                if (P[13] != 0)
-                    v += ld<TM>(mask + r * P[14] + (i2 % (int)P[17]) * P[15] + (i3 % (int)P[18]) * P[16] +
-                                j * (i64)sizeof(TM));
-            }
-            ps[r][jj] = v;
-        }
+        if (sub == 0 && r < R) ps[grp][r][jj] = j < nkv ? sc[r] * scale + mk[r] : -AP_INF;
     }
     __syncthreads();
-    // the chunk's softmax numerators, row max and sum: a warp per query row
-    const int lane = t & 31, warp = t >> 5;
-    for (int r = warp; r < R; r += blockDim.x >> 5) {
-        const float v = ps[r][lane], mx = warp_max(v);
+    // each chunk's softmax numerators, row max and sum: a warp per query row
+    #pragma unroll 1
+    for (int r = t >> 5; r < R; r += 4) {
+        const float v = ps[grp][r][lane], mx = warp_max(v);
         const float e = mx == -AP_INF ? 0.0f : expf(v - mx);
-        ps[r][lane] = e;
+        ps[grp][r][lane] = e;
         const float l = warp_sum(e);
-        if (lane == 0) { ms[r] = mx; ls[r] = l; }
+        if (lane == 0) { ms[grp][r] = mx; ls[grp][r] = l; }
     }
     __syncthreads();
-    float acc[ATT_MAXR];
     #pragma unroll
-    for (int r = 0; r < ATT_MAXR; ++r) {
-        acc[r] = 0.0f;
-        if (r < R) {
+    for (int r = 0; r < RM; ++r) {
+        if (r < R && t < Dv) {
+            float a = 0.0f;
             #pragma unroll
-            for (int i = 0; i < ATT_C; ++i) acc[r] += ps[r][i] * vf[i];
+            for (int i = 0; i < ATT_C; ++i) a += ps[grp][r][i] * vf[i];
+            pacc[grp][r][t] = a;
         }
     }
-    char* db = dst + i2 * P[27] + i3 * P[28] + t * 4;
-    const int total = (int)P[30];
-    if (gridDim.x == 1) {  // one chunk: the result directly
-        #pragma unroll
-        for (int r = 0; r < ATT_MAXR; ++r) {
-            if (r < R && t < Dv) {
-                const float y = acc[r] / ls[r];
-                *(float*)(db + r * P[26]) = y;
-                if (xq) quantize1(xq, y, (b * R + r) * Dv + t, total);  // whole warps: Dv % 32 == 0
+    // the block's row max and sum over its groups, and each group's weight: a warp per row
+    #pragma unroll 1
+    for (int r = tid >> 5; r < R; r += blockDim.x >> 5) {
+        const float m = lane < G ? ms[lane][r] : -AP_INF, mx = warp_max(m);
+        const float w = m == -AP_INF ? 0.0f : expf(m - mx);
+        const float l = warp_sum(lane < G ? w * ls[lane][r] : 0.0f);
+        if (lane < G) wg[lane][r] = w;
+        if (lane == 0) { bm[r] = mx; bl[r] = l; }
+    }
+    __syncthreads();
+    const int stride = Dv + 2, nc = gridDim.x;
+    if (nc > 1) {  // several blocks: this block's partial, and the last one to finish combines
+        float* pb = part + ((i64)b * nc + blockIdx.x) * ATT_MAXR * stride;
+        #pragma unroll 1
+        for (int i = tid; i < R * Dv; i += blockDim.x) {
+            const int r = i / Dv, o = i - r * Dv;
+            float a = 0.0f;
+            #pragma unroll 1
+            for (int k = 0; k < G; ++k) a += wg[k][r] * pacc[k][r][o];
+            pb[r * stride + o] = a;
+        }
+        if (tid < R) { pb[tid * stride + Dv] = bm[tid]; pb[tid * stride + Dv + 1] = bl[tid]; }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(count + b, 1) == nc - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        // each block's weight per row (its max against the overall max, over the overall sum),
+        // a warp per row
+        const float* pa = part + (i64)b * nc * ATT_MAXR * stride;
+        #pragma unroll 1
+        for (int r = tid >> 5; r < R; r += blockDim.x >> 5) {
+            float mx = -AP_INF;
+            #pragma unroll 1
+            for (int c = lane; c < nc; c += 32) {
+                const float* e = pa + (c * ATT_MAXR + r) * stride + Dv;
+                const float m = __ldcg(e), l = __ldcg(e + 1);
+                wm[r][c] = m, wl[r][c] = l;
+                mx = fmaxf(mx, m);
             }
+            mx = warp_max(mx);
+            float l = 0.0f;
+            #pragma unroll 1
+            for (int c = lane; c < nc; c += 32) {
+                const float m = wm[r][c], e = m == -AP_INF ? 0.0f : expf(m - mx);
+                wm[r][c] = e;
+                l += e * wl[r][c];
+            }
+            l = warp_sum(l);
+            #pragma unroll 1
+            for (int c = lane; c < nc; c += 32) wm[r][c] /= l;  // all masked: 0 / 0, as the softmax
         }
-        return;
+        __syncthreads();
     }
-    const int stride = Dv + 2;
-    float* pb = part + ((i64)b * gridDim.x + blockIdx.x) * ATT_MAXR * stride;
-    #pragma unroll
-    for (int r = 0; r < ATT_MAXR; ++r)
-        if (r < R && t < Dv) pb[r * stride + t] = acc[r];
-    if (t < R) { pb[t * stride + Dv] = ms[t]; pb[t * stride + Dv + 1] = ls[t]; }
-    __threadfence();
-    __syncthreads();
-    if (t == 0) last = atomicAdd(count + b, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // the last block: each chunk's weight per row (its max against the overall max, over the
-    // overall sum), a warp per row, then every output as a weighted sum of the chunks' partials
-    const int nc = gridDim.x;
+    // the outputs: one block's merged groups, or the blocks' partials weighted
+    const int total = (int)Ps[30];
     const float* pa = part + (i64)b * nc * ATT_MAXR * stride;
-    for (int r = warp; r < R; r += blockDim.x >> 5) {
-        float mx = -AP_INF;
-        for (int c = lane; c < nc; c += 32) {
-            const float m = __ldcg(pa + (c * ATT_MAXR + r) * stride + Dv);
-            wsh[r][c] = m;
-            mx = fmaxf(mx, m);
-        }
-        mx = warp_max(mx);
-        float l = 0.0f;
-        for (int c = lane; c < nc; c += 32) {
-            const float m = wsh[r][c], e = m == -AP_INF ? 0.0f : expf(m - mx);
-            wsh[r][c] = e;
-            l += e * __ldcg(pa + (c * ATT_MAXR + r) * stride + Dv + 1);
-        }
-        l = warp_sum(l);
-        for (int c = lane; c < nc; c += 32) wsh[r][c] /= l;  // all masked: 0 / 0, as the softmax
-    }
-    __syncthreads();
-    for (int i = t; i < R * Dv; i += blockDim.x) {
+    #pragma unroll 1
+    for (int i = tid; i < R * Dv; i += blockDim.x) {
         const int r = i / Dv, o = i - r * Dv;
         float y = 0.0f;
-        #pragma unroll 8
-        for (int c = 0; c < nc; ++c) y += wsh[r][c] * __ldcg(pa + (c * ATT_MAXR + r) * stride + o);
-        *(float*)(dst + i2 * P[27] + i3 * P[28] + r * P[26] + o * 4) = y;
+        if (nc == 1) {
+            #pragma unroll 1
+            for (int k = 0; k < G; ++k) y += wg[k][r] * pacc[k][r][o];
+            y /= bl[r];
+        } else {
+            #pragma unroll 4
+            for (int c = 0; c < nc; ++c) y += wm[r][c] * __ldcg(pa + (c * ATT_MAXR + r) * stride + o);
+        }
+        *(float*)(dst + i2 * Ps[27] + i3 * Ps[28] + r * Ps[26] + o * 4) = y;
         if (xq) quantize1(xq, y, b * R * Dv + i, total);  // whole warps: R Dv % 32 == 0
     }
-    if (t == 0) count[b] = 0;  // ready for the next launch
+    if (nc > 1 && tid == 0) count[b] = 0;  // ready for the next launch
 }
 
 // mul_mat_id: grid.y over (token, slot); one activation row each.
@@ -1589,14 +1688,17 @@ template <> struct unit_regs<112> {
     }
 };
 
-// One pass of the register mat-vecs: the U loads in r (load-units u0, u0 + step, ...; those past
-// `loads` absent) against activation row xr0 / units of the quantized activations (quantize4's
-// planes x0, x1, scales xd, sums xs; xr0 the row's first unit).
-template <int WT, int U>
-__device__ __forceinline__ float pass_dot(const unit_regs<WT>* r, int u0, int step, int loads, int xr0,
-                                          const int4* x0, const int4* x1, const float* xd, const int* xs) {
+// One pass of the register mat-vecs: the U loads of each of RT rows in r (row k's at r[k U ..];
+// load-units u0, u0 + step, ...; those past `loads` absent) against activation row xr0 / units of
+// the quantized activations (quantize4's planes x0, x1, scales xd, sums xs; xr0 the row's first
+// unit), added to acc[k]. The RT rows share each activation load.
+template <int WT, int U, int RT>
+__device__ __forceinline__ void pass_dot(const unit_regs<WT>* r, float* acc, int u0, int step, int loads, int xr0,
+                                         const int4* x0, const int4* x1, const float* xd, const int* xs) {
     constexpr int W = unit_regs<WT>::W;
-    float acc = 0.0f;
+    float p[RT];
+    #pragma unroll
+    for (int k = 0; k < RT; ++k) p[k] = 0.0f;
     #pragma unroll
     for (int i = 0; i < U; ++i) {
         const int u = u0 + step * i;
@@ -1606,11 +1708,15 @@ __device__ __forceinline__ float pass_dot(const unit_regs<WT>* r, int u0, int st
                 const int xr = xr0 + W * u + s;
                 const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
                 const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                acc += r[i].dot(s, xw, __ldg(xd + xr), __ldg(xs + xr));
+                const float dx = __ldg(xd + xr);
+                const int sx = __ldg(xs + xr);
+                #pragma unroll
+                for (int k = 0; k < RT; ++k) p[k] += r[k * U + i].dot(s, xw, dx, sx);
             }
         }
     }
-    return acc;
+    #pragma unroll
+    for (int k = 0; k < RT; ++k) acc[k] += p[k];
 }
 
 // P: [K, N, ne2, nbx1, nbx2, nbx3, xq_bytes]; grid (warps of 128 elements / 8, ne2 * ne3), 256 threads.
@@ -1672,7 +1778,7 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
         if (u0 != lid) load(u0);
         #pragma unroll
         for (int j = 0; j < NMAX; ++j)
-            if (j < N) acc[j] += pass_dot<WT, U>(r, u0, lpr, loads, j * units, x0, x1, xd, xs);
+            if (j < N) pass_dot<WT, U, 1>(r, acc + j, u0, lpr, loads, j * units, x0, x1, xd, xs);
     }
     // sum over the row's lanes: within the warp (xor offsets below lpr), then across its warps
     __shared__ float part[4][NMAX];
@@ -1709,45 +1815,63 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
 // (LPR: 32, 64 or 128) and the occupancy bound (MINB blocks of 128 threads per SM) fixed at
 // compile time: the reduction and the lane split are then constants, no batch or row-count
 // logic is left, and the weights of a pass sit in one register array; 7-13 % faster than the
-// general kernel on an H200 (Q4_0x8, Q4_Kx8, Q8_0x8 at 4096 x 14336, measured side by side). Same P.
-template <int WT, int U, int LPR, int MINB>
+// general kernel on an H200 (Q4_0x8, Q4_Kx8, Q8_0x8 at 4096 x 14336, measured side by side).
+// RT rows per lane group (1 or 2: rows RT g .. RT g + RT - 1 of group g), sharing each load of
+// the activations; grid (rows / (RT 128 / LPR)). Same P.
+template <int WT, int U, int LPR, int MINB, int RT>
 __global__ void __launch_bounds__(128, MINB)
 k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     constexpr int W = unit_regs<WT>::W, RPB = 128 / LPR;
     const int M = (int)P[0], K = (int)P[1], units = K / 32, loads = units / W;
-    const int lid = threadIdx.x % LPR, m = blockIdx.x * RPB + threadIdx.x / LPR;
-    const u8* row = (const u8*)w + (i64)min(m, M - 1) * P[7];
+    const int lid = threadIdx.x % LPR, m = RT * (blockIdx.x * RPB + threadIdx.x / LPR);
+    const u8* row[RT];
+    #pragma unroll
+    for (int k = 0; k < RT; ++k) row[k] = (const u8*)w + (i64)min(m + k, M - 1) * P[7];
     const int4* x0 = (const int4*)xq;  // quantize4's layout for total = K
     const int4* x1 = (const int4*)(xq + K / 2);
     const float* xd = (const float*)(xq + K);
     const int* xs = (const int*)(xd + units);
-    unit_regs<WT> r[U];
+    unit_regs<WT> r[RT * U];
     auto load = [&](int u0) {
         #pragma unroll
-        for (int i = 0; i < U; ++i)
-            if (u0 + LPR * i < loads) r[i].load(row, u0 + LPR * i);
+        for (int i = 0; i < U; ++i) {
+            #pragma unroll
+            for (int k = 0; k < RT; ++k)
+                if (u0 + LPR * i < loads) r[k * U + i].load(row[k], u0 + LPR * i);
+        }
     };
     const bool early = P[15] != 0;  // as k_mmv_row (one load site: fewer registers)
     if (!early) pdl_enter();
     load(lid);
     if (early) pdl_enter();
-    float acc = 0.0f;
+    float acc[RT];
+    #pragma unroll
+    for (int k = 0; k < RT; ++k) acc[k] = 0.0f;
     for (int u0 = lid; u0 < loads; u0 += LPR * U) {
         if (u0 != lid) load(u0);
-        acc += pass_dot<WT, U>(r, u0, LPR, loads, 0, x0, x1, xd, xs);
+        pass_dot<WT, U, RT>(r, acc, u0, LPR, loads, 0, x0, x1, xd, xs);
     }
-    acc = warp_sum(acc);  // LPR >= 32: a row's lanes are whole warps
+    #pragma unroll
+    for (int k = 0; k < RT; ++k) acc[k] = warp_sum(acc[k]);  // LPR >= 32: a row's lanes are whole warps
     if constexpr (LPR == 32) {
-        if (lid == 0 && m < M) *(float*)(dst + m * 4) = acc;
+        #pragma unroll
+        for (int k = 0; k < RT; ++k)
+            if (lid == 0 && m + k < M) *(float*)(dst + (m + k) * 4) = acc[k];
     } else {
-        __shared__ float part[4];
-        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
-        __syncthreads();
-        if (lid == 0 && m < M) {
-            float t = 0.0f;
+        __shared__ float part[RT][4];
+        if ((threadIdx.x & 31) == 0) {
             #pragma unroll
-            for (int k = 0; k < LPR / 32; ++k) t += part[threadIdx.x / 32 + k];
-            *(float*)(dst + m * 4) = t;
+            for (int k = 0; k < RT; ++k) part[k][threadIdx.x >> 5] = acc[k];
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int k = 0; k < RT; ++k) {
+            if (lid == 0 && m + k < M) {
+                float t = 0.0f;
+                #pragma unroll
+                for (int c = 0; c < LPR / 32; ++c) t += part[k][threadIdx.x / 32 + c];
+                *(float*)(dst + (m + k) * 4) = t;
+            }
         }
     }
 }

@@ -95,9 +95,11 @@ _QW = (2, 8, 102, 108)  # quant type ids the kernels write (CPY and SET_ROWS int
 # 32, 2 for Q4_Kx8's 36, two sub-blocks per load), and the 32-element units of a load
 _ROW_U = {102: 4, 108: 2, 12: 2, 112: 2}
 _ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
-# k_mmv_row1 (one activation row, one batch, 32-128 lanes per row): blocks per SM it is bounded
-# to (registers: Q8_0x8 fits 12 in 40, the others 8 in 64; best measured on an H200)
-_ROW1_MINB = {102: 8, 108: 12, 112: 8, 12: 8}
+# k_mmv_row1 (one activation row, one batch, 32-128 lanes per row): loads per row a thread holds,
+# rows per lane group (sharing the activation loads) and blocks per SM it is bounded to
+# (registers: Q8_0x8 fits 12 in 40, the others 8 in 64); best measured on an H200
+_ROW1 = {102: (2, 2, 8), 108: (2, 1, 12), 112: (2, 1, 8), 12: (2, 1, 8)}
+_ATT_G = 4  # kernels.cu: ATT_G, chunks of 32 positions per k_attention block
 
 
 def _names() -> list[str]:
@@ -117,13 +119,13 @@ def _names() -> list[str]:
     n += [f"k_dequant_f16<{w}>" for w in _WT]
     n += [f"k_mmv_pipe<{w}>" for w in _WT] + [f"k_dequant_staged<{w}>" for w in _QT]
     n += [f"k_mmv_row<{w},{u},{nm}>" for w, u in _ROW_U.items() for nm in (1, MMV_MAXN)]
-    n += [f"k_mmv_row1<{w},{u},{lpr},{_ROW1_MINB[w]}>" for w, u in _ROW_U.items() for lpr in (32, 64, 128)]
+    n += [f"k_mmv_row1<{w},{u},{lpr},{mb},{rt}>" for w, (u, rt, mb) in _ROW1.items() for lpr in (32, 64, 128)]
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
-    n += ["k_norm", "k_norm_vec", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
-    n += ["k_quant_x", "k_glu_vec"]
+    n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
+    n += ["k_quant_x", "k_glu_vec", "k_norm_vec<1>", "k_norm_vec<4>"]
     h = ("float", "__half")
-    n += [f"k_attention<{k},{v},{m}>" for k in h for v in h for m in h]
+    n += [f"k_attention<{k},{v},{m},{rm}>" for k in h for v in h for m in h for rm in (1, 2, 4, 8)]
     n += [f"k_allreduce_p2p<{r}>" for r in range(2, P2P_MAX_RANKS + 1)]
     return n
 
@@ -477,14 +479,15 @@ class CudaPlan:
         P = self._P([*a.ne, *a.nb, *out.nb, code, _f(n.op_params[0]), *wp, *ap])
         ptr = [np.uint64(0) if t is None else self._ptr(t) for t in (w, add and add.src[1], add)]
         args = (P, self._ptr(out), self._ptr(a), *ptr)
-        # contiguous 16-byte-aligned F32 rows of up to 16384 elements: the vector kernel, with
-        # enough threads for 4 float4s each (one block per row: a decode has a single row)
+        # contiguous 16-byte-aligned F32 rows of up to 16384 elements: the vector kernel (one
+        # block per row: a decode has a single row)
         ts = [t for t in (a, out, w, add and add.src[1], add) if t is not None]
         vec = a.ne[0] % 4 == 0 and a.ne[0] <= 16384 and (w is None or w.ne[0] == a.ne[0])
         vec = vec and all(map(self._f32_rows16, ts))
-        if vec:
-            threads = min(1024, max(32, -(-a.ne[0] // 16 // 32) * 32))
-            self._launch("k_norm_vec", 0, (*args, self._xq_for(out)), block=threads, grid=(a.nrows,))
+        if vec:  # a float4 per thread where 1024 threads hold the row, else up to four
+            nv = 1 if a.ne[0] <= 4096 else 4
+            threads = min(1024, max(32, -(-a.ne[0] // (4 * nv) // 32) * 32))
+            self._launch(f"k_norm_vec<{nv}>", 0, (*args, self._xq_for(out)), block=threads, grid=(a.nrows,))
         else:
             self._launch("k_norm", 0, args, block=256, grid=(a.nrows,))
 
@@ -598,28 +601,38 @@ class CudaPlan:
                 and v.ne[0] == kq.ne[0] and kqv.ne[2] == kq.ne[2] and kqv.ne[3] == kq.ne[3])  # fmt: skip
 
     def _attention(self, kq, sm, kqv) -> None:
-        """Decode attention as one launch (kernels.cu: k_attention)."""
+        """Decode attention as one launch (kernels.cu: k_attention): chunks of 32 positions,
+        up to ATT_G of them per block (merged in shared memory: a short cache is one block per
+        head), the blocks of a head combined through scratch by the last one to finish."""
         k, q = kq.src
         mask = sm.src[1]
         v = kqv.src[0]
         nkv, r, ne2, ne3 = kq.ne
         chunks, batches = -(-nkv // 32), ne2 * ne3
+        groups = min(_ATT_G, chunks)
+        blocks = -(-chunks // groups)
         dv = v.ne[1]
+        # V read a whole chunk at a time: 16-byte aligned rows, and the last row's last chunk
+        # inside the buffer (positions past n_kv are read, then zeroed)
         v16 = all(x % 16 == 0 for x in v.nb[1:]) and (v.buffer.ctx.ptr + v.offs) % 16 == 0
+        last_row = sum((n - 1) * nb for n, nb in zip(v.ne[1:], v.nb[1:], strict=True))
+        end = v.offs + last_row + chunks * 32 * v.nb[0]
+        vwhole = v16 and end <= v.buffer.size
         mnb = mask.nb[1:] if mask is not None else (0, 0, 0)
         mne = (mask.ne[2], mask.ne[3]) if mask is not None else (1, 1)
         P = self._P([k.ne[0], nkv, r, ne2, ne3, ne2 // k.ne[2], ne3 // k.ne[3], *k.nb[1:], *q.nb[1:],
                      int(mask is not None), *mnb, *mne, _f(sm.op_params[0]), dv, ne2 // v.ne[2],
-                     ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(v16), kqv.nelements])  # fmt: skip
-        part, count = self._attention_scratch(batches * chunks * 8 * (dv + 2) * 4, batches)
+                     ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(vwhole), kqv.nelements])  # fmt: skip
+        part, count = self._attention_scratch(batches * blocks * 8 * (dv + 2) * 4, batches)
         # the output also quantized for the output projection (kernels.cu: quantize1 wants whole
         # warps over 32-element units: Dv a multiple of 32, kqv contiguous)
         xq = self._xq_for(kqv) if dv % 32 == 0 and kqv.is_contiguous() else np.uint64(0)
         ct = {T.F16: "__half", T.F32: "float"}
-        name = f"k_attention<{ct[k.type]},{ct[v.type]},{ct[mask.type] if mask is not None else 'float'}>"
+        rm = 1 << (r - 1).bit_length()  # query rows compiled for: the next power of two
+        name = f"k_attention<{ct[k.type]},{ct[v.type]},{ct[mask.type] if mask is not None else 'float'},{rm}>"
         mp = self._ptr(mask) if mask is not None else np.uint64(0)
         args = (P, self._ptr(kqv), self._ptr(k), self._ptr(q), mp, self._ptr(v), part, count, xq)
-        self._launch(name, 0, args, block=128, grid=(chunks, batches))
+        self._launch(name, 0, args, block=128 * groups, grid=(blocks, batches))
 
     def _attention_scratch(self, part_bytes: int, batches: int) -> tuple[np.uint64, np.uint64]:
         """k_attention's partials and per-batch counts, shared by the plan's attention launches:
@@ -775,16 +788,22 @@ class CudaPlan:
             self._launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-nrow * k // 1024), batches))
             self.xq_ready[id(b)] = (b, xq, self.index[id(n)])
         wt = type_id(a)
-        u, loads = _ROW_U[wt], units // _ROW_W.get(wt, 1)
-        # lanes per row: enough for a row's loads in one pass of u per lane where it fits (more
-        # rows per block for short rows, so every thread keeps u loads in flight)
-        lpr = min(128, max(8, 1 << (-(-loads // u) - 1).bit_length()))
+        loads = units // _ROW_W.get(wt, 1)
+
+        def lanes(u: int) -> int:  # enough for a row's loads in one pass of u per lane where it fits
+            return min(128, max(8, 1 << (-(-loads // u) - 1).bit_length()))
+
+        u, rt, minb = _ROW1[wt]
+        lpr = lanes(u)
+        if nrow == 1 and batches == 1 and lpr >= 32:
+            name = f"k_mmv_row1<{wt},{u},{lpr},{minb},{rt}>"
+        else:  # more rows per block for short rows, so every thread keeps u loads in flight
+            u, rt = _ROW_U[wt], 1
+            lpr = lanes(u)
+            name = f"k_mmv_row<{wt},{u},{1 if nrow == 1 else MMV_MAXN}>"
         P = self._P([a.ne[1], k, nrow, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
                      *a.nb[1:], *n.nb[1:], lpr, xq_bytes, int(id(a.buffer) not in self.written)])  # fmt: skip
-        grid = (-(-a.ne[1] // (128 // lpr)), batches)
-        name = f"k_mmv_row<{wt},{u},{1 if nrow == 1 else MMV_MAXN}>"
-        if nrow == 1 and batches == 1 and lpr >= 32:
-            name = f"k_mmv_row1<{wt},{u},{lpr},{_ROW1_MINB[wt]}>"
+        grid = (-(-a.ne[1] // (rt * 128 // lpr)), batches)
         self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
 
     def _takes_row(self, n) -> bool:

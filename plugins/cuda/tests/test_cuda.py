@@ -297,16 +297,18 @@ def test_norm_mul_fused(op, keep_norm):
     from accelplane.testing.fusion import run_norm_mul
 
     plan = run_norm_mul(_cuda(), lambda be, g: be.ctx.plans.get(g), op, keep_norm)
-    assert sum(n in ("k_norm", "k_norm_vec") for n in plan.kernel_names) == 1, plan.kernel_names
+    norms = ("k_norm", "k_norm_vec<1>", "k_norm_vec<4>")
+    assert sum(n in norms for n in plan.kernel_names) == 1, plan.kernel_names
     assert len(plan.kernel_names) == (2 if keep_norm else 1), plan.kernel_names
     assert plan.fused == ([] if keep_norm else [(op, "MUL")])
 
 
-@pytest.mark.parametrize("ne0", [2048, 2050, 20480])
+@pytest.mark.parametrize("ne0", [2048, 2050, 8192, 20480])
 def test_add_norm_mul_fused(ne0):
     """A residual ADD, the RMS_NORM of its sum and the MUL by the norm weights run as one
     launch that also writes the sum, which the next residual ADD reads: the vector kernel for
-    aligned rows of up to 16384 elements, the general one otherwise."""
+    aligned rows of up to 16384 elements (one float4 per thread up to 4096, four above), the
+    general one otherwise."""
     dev = _cuda()
     rng = np.random.default_rng(4)
     ctx = Context()
@@ -325,7 +327,7 @@ def test_add_norm_mul_fused(ne0):
         be.compute(g)
         plan = be.ctx.plans.get(g)
         assert plan.fused == [("ADD", "RMS_NORM", "MUL")]
-        kernel = "k_norm_vec" if ne0 == 2048 else "k_norm"
+        kernel = {2048: "k_norm_vec<1>", 8192: "k_norm_vec<4>"}.get(ne0, "k_norm")
         assert plan.kernel_names == [kernel, "k_binary<float,float>"], plan.kernel_names
         sd = vals[a].astype(np.float64) + vals[b]
         want = sd / np.sqrt((sd * sd).mean(-1, keepdims=True) + 1e-5) * vals[w] + sd
@@ -361,7 +363,7 @@ def test_norm_quantizes_for_matvec(n):
     try:
         be.compute(graph)
         names = be.ctx.plans.get(graph).kernel_names
-        assert "k_norm_vec" in names and "k_quant_x" not in names, names
+        assert "k_norm_vec<1>" in names and "k_quant_x" not in names, names
         assert sum(s.startswith(("k_mmv_row<", "k_mmv_row1<")) for s in names) == 2, names
         x64 = xv.astype(np.float64)
         hv = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * gv
@@ -420,20 +422,26 @@ def test_rope_into_cache_fused(cache_type, neox):
         buf.free()
 
 
-@pytest.mark.parametrize("kv, d, rows, nkv, mtype", [
-    ("F16", 128, 4, 200, "F16"), ("F16", 64, 8, 1, "F32"), ("F32", 64, 1, 32, "F16"),
-    ("F16", 128, 2, 1000, None), ("F32", 96, 3, 45, "F32"), ("F16", 64, 9, 64, "F16")])  # fmt: skip
-def test_attention_fused(kv, d, rows, nkv, mtype):
+@pytest.mark.parametrize("kv, d, rows, nkv, mtype, n_ctx", [
+    ("F16", 128, 4, 200, "F16", 1032), ("F16", 64, 8, 1, "F32", 1032), ("F32", 64, 1, 32, "F16", 1032),
+    ("F16", 128, 2, 1000, None, 1032), ("F32", 96, 3, 45, "F32", 1032), ("F16", 64, 9, 64, "F16", 1032),
+    ("F16", 128, 4, 128, "F16", 128), ("F16", 128, 4, 45, "F16", 48), ("F16", 64, 4, 45, None, 45),
+    ("F32", 128, 4, 8192, "F32", 8192)])  # fmt: skip
+def test_attention_fused(kv, d, rows, nkv, mtype, n_ctx):
     """MUL_MAT(K, Q) → SOFT_MAX(scale, mask) → MUL_MAT(V, ·) over a KV cache laid out as the
     llama model's (K rows per position, V transposed, views of longer caches, query heads
     broadcast over KV heads) runs as one k_attention launch (9 query rows: the three kernels),
     replays (the combining count resets) and matches float64 numpy, masked positions too. A
     second attention over a shorter window in the same graph shares the first one's scratch. A
     Q4_0 output projection of the first one's result (through a reshape, as the model's) reads
-    the activations the attention kernel quantized: no k_quant_x launch."""
+    the activations the attention kernel quantized: no k_quant_x launch. The V cache has a
+    buffer of its own, so a cache of n_ctx = n_kv or not a multiple of 32 positions ends at the
+    buffer's end (the kernel must not read whole chunks there), and unaligned rows (45
+    positions) take the element-wise loads; 128 positions are one block per head, 8192 the
+    most blocks."""
     dev = _cuda()
     kt = T[kv]
-    n_ctx, hkv, g, dv = 1024 + 8, 2, 2, d
+    hkv, g, dv = 2, 2, d
     nkv2 = max(1, nkv // 3)
     rng = np.random.default_rng(12)
     ctx = Context()
@@ -453,7 +461,8 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
     wo = ctx.new_tensor_ne(T.Q4_0, ko, 48, name="wo") if ko % 256 == 0 else None
     proj = ctx.mul_mat(wo, ctx.reshape_ne(y, ko, 1)) if wo is not None else None
     graph = ctx.graph(y, y2, *([proj] if proj is not None else []))
-    buf = alloc_tensors(ctx.tensors + list(graph.nodes), dev.buffer_type)
+    vbuf = alloc_tensors([vc], dev.buffer_type)
+    buf = alloc_tensors([t for t in ctx.tensors + list(graph.nodes) if t is not vc], dev.buffer_type)
     if wo is not None:
         wo.set(rng.uniform(-1, 1, wo.shape).astype(np.float32))
     npt = np.float16 if kv == "F16" else np.float32
@@ -509,6 +518,7 @@ def test_attention_fused(kv, d, rows, nkv, mtype):
     finally:
         be.free()
         buf.free()
+        vbuf.free()
 
 
 @pytest.mark.parametrize("k, n", [(64, 8), (256, 8), (2048, 8), (128, 1)])

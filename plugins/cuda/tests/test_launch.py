@@ -29,8 +29,9 @@ def _kernels() -> dict[str, str]:
 
 def test_every_kernel_waits_for_its_predecessor():
     """The contract that makes programmatic launches safe (kernels.cu: pdl_enter): every
-    kernel calls pdl_enter first, except the register mat-vecs, which may only load weights
-    before it, and only when the plan allows it (P[15])."""
+    kernel calls pdl_enter first, or pdl_enter_params (its parameters, written at plan time,
+    copied to shared memory before the wait), except the register mat-vecs, which may only load
+    weights before it, and only when the plan allows it (P[15])."""
     bodies = _kernels()
     assert len(bodies) >= 30
     for name, body in bodies.items():
@@ -43,6 +44,9 @@ def test_every_kernel_waits_for_its_predecessor():
             before = body[: body.index("if (!early) pdl_enter();")]
             assert "dst" not in before and "__ldg" not in before and "load(lid)" not in before
             assert "if (!early) pdl_enter();\n    load(lid);\n    if (early) pdl_enter();" in body
+        elif stmts[0].startswith("__shared__ i64 Ps["):  # the plan-time parameters, then the wait
+            wait = stmts[1]
+            assert wait.startswith("pdl_enter_params<") and wait.endswith(">(P, Ps)"), (name, wait)
         else:
             assert stmts[0] == "pdl_enter()", (name, stmts[0])
 

@@ -355,6 +355,7 @@ class LlamaModel:
             self.sched = Scheduler(self.backends, policy=policy)
         self.n_past = 0
         self._steps: dict[tuple[int, int, bool], _Step] = {}
+        self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
         self.buffers: list[Buffer] = []
         if merge is None:
             merge = os.environ.get("ACCELPLANE_MODEL_MERGE", "1") != "0"
@@ -524,6 +525,7 @@ class LlamaModel:
             buf.free()
         self.buffers = []
         self._steps = {}
+        self._positions_set = None
 
     # --- graph --------------------------------------------------------------------------------
     def window(self, n_end: int) -> int:
@@ -669,6 +671,22 @@ class LlamaModel:
         """Forget the context (positions restart at 0; stale cache slots are masked)."""
         self.n_past = 0
 
+    def _set_positions(self, st: _Step, n_past: int) -> None:
+        """Write step ``st``'s position inputs for tokens at ``n_past ..``: the positions, the
+        causal mask (per query row of a GQA group) and the V cache slots."""
+        n = st.n_tokens
+        pos = np.arange(n_past, n_past + n, dtype=np.int32)
+        st.pos.set(pos)
+        if n == 1:  # slots up to the token's own position are visible
+            mask = np.full((1, st.n_kv), -np.inf, np.float32)
+            mask[0, : n_past + 1] = 0.0
+        else:
+            mask = np.where(np.arange(st.n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float32)
+        st.mask.set(np.repeat(mask, self.cfg.n_head // self.cfg.n_head_kv, axis=0))
+        if self.meta is None:
+            e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
+            st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
+
     def eval(self, tokens: Sequence[int] | np.ndarray, *, all_logits: bool = False,
              want_logits: bool = True) -> EvalResult:  # fmt: skip
         """Run ``tokens`` at positions ``n_past ..``: write their K/V into the cache, return
@@ -685,16 +703,20 @@ class LlamaModel:
             raise OutOfRangeError(f"eval: token ids must be in 0..{self.cfg.n_vocab - 1}")
         st = self.step(n, self.window(self.n_past + n), all_logits)
         self.sched.alloc_graph(st.graph)
-        pos = np.arange(self.n_past, self.n_past + n, dtype=np.int32)
         st.tokens.set(toks.astype(np.int32))
-        st.pos.set(pos)
-        slots = np.arange(st.n_kv)
-        mask = np.where(slots[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float32)
-        st.mask.set(np.repeat(mask, self.cfg.n_head // self.cfg.n_head_kv, axis=0))
-        if self.meta is None:
-            e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
-            st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
+        ready = self._positions_set
+        if ready is None or ready[0] is not st or ready[1] != self.n_past:
+            self._set_positions(st, self.n_past)
+        self._positions_set = None
         self.sched.graph_compute(st.graph)
+        # a decode step usually follows at the next position: write its positions while the
+        # devices work, where the scheduler is done with this step's inputs (and not through
+        # the meta device, whose inputs are its devices' memory)
+        nxt = self.n_past + n
+        early = n == 1 and self.meta is None and nxt < self.n_ctx and self.sched.inputs_released()
+        if early and self.step(1, self.window(nxt + 1), False) is st:
+            self._set_positions(st, nxt)
+            self._positions_set = (st, nxt)
         self.sched.synchronize()
         self.n_past += n
         ids = st.argmax.get().astype(np.int64)
