@@ -520,17 +520,17 @@ class Scheduler(GraphRunner):
         if plan is None:
             return False
         if plan.inputs_released is None:
-            plan.inputs_released = True
-            for sp in plan.splits:
-                if not self.backends[sp.backend].device.caps.async_:
-                    continue
-                copied = {id(i.src) for i in sp.inputs}
-                for n in sp.nodes:
-                    for t in n.src:
-                        own = t.view_src or t if t is not None else None
-                        if own is not None and own.flags & TensorFlag.INPUT and id(t) not in copied:
-                            plan.inputs_released = False
+            plan.inputs_released = not any(
+                self._reads_input_in_place(sp) for sp in plan.splits
+                if self.backends[sp.backend].device.caps.async_)  # fmt: skip
         return plan.inputs_released
+
+    @staticmethod
+    def _reads_input_in_place(sp: Split) -> bool:
+        """A node of ``sp`` reads a graph input (or a view of one) that was not copied in."""
+        copied = {id(i.src) for i in sp.inputs}
+        return any(t is not None and (t.view_src or t).flags & TensorFlag.INPUT and id(t) not in copied
+                   for n in sp.nodes for t in n.src)  # fmt: skip
 
     def synchronize(self) -> None:
         """Block until every backend is done (the caller's wait; not counted in stats)."""

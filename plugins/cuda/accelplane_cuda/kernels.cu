@@ -29,7 +29,8 @@ __device__ __forceinline__ void pdl_enter() {
 }
 // pdl_enter for a kernel that reads its N parameters from shared memory Ps: they are written once,
 // at plan time, so their loads are issued before the wait and arrive while the previous kernel
-// drains (saving a round trip after it). Ends with a block barrier, so every thread sees Ps.
+// drains (saving a round trip after it). Blocks of at least N threads (one load each); ends with
+// a block barrier, so every thread sees Ps.
 template <int N> __device__ __forceinline__ void pdl_enter_params(const i64* __restrict__ P, i64* Ps) {
     if (threadIdx.x < N) Ps[threadIdx.x] = P[threadIdx.x];
     pdl_enter();
@@ -1026,9 +1027,7 @@ __global__ void k_mul_mat_vec(const i64* __restrict__ P, char* dst, const char* 
 // (b, r, o) is number (b R + r) Dv + o of total), the result is also written quantized as
 // k_quant_x writes it, for the output projection.
 #define ATT_C 32
-#ifndef ATT_G
-#define ATT_G 4
-#endif
+#define ATT_G 4     // groups per block at most (plan.py: _ATT_G)
 #define ATT_MAXR 8  // the partials' row stride in scratch (plan.py sizes it)
 #define ATT_MAXD 256
 #define ATT_MAXB 64  // blocks per batch: n_kv <= 8192

@@ -677,11 +677,8 @@ class LlamaModel:
         n = st.n_tokens
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
         st.pos.set(pos)
-        if n == 1:  # slots up to the token's own position are visible
-            mask = np.full((1, st.n_kv), -np.inf, np.float32)
-            mask[0, : n_past + 1] = 0.0
-        else:
-            mask = np.where(np.arange(st.n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float32)
+        # slots up to each token's own position are visible
+        mask = np.where(np.arange(st.n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float32)
         st.mask.set(np.repeat(mask, self.cfg.n_head // self.cfg.n_head_kv, axis=0))
         if self.meta is None:
             e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
