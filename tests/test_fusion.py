@@ -297,3 +297,55 @@ def test_rope_view_set_rows(why, monkeypatch):
     assert g.nodes[i + 1] is v and g.nodes[i + 2] is sr
     assert Fusion(g).rope_set_rows(i) is (sr if why is None else None)
     assert Fusion(g).rope_set_rows(i + 1) is None  # not at a ROPE
+
+
+@pytest.mark.parametrize("why", [None, "v_split", "product_read", "product_output", "k_rope_read",
+                                 "rope_params", "env"])  # fmt: skip
+def test_product_rope_cache(why, monkeypatch):
+    """fusion.product_rope_cache: the Q/K/V projection whose result only feeds the Q rope, the
+    K rope into its cache and the V cache write is one run covering them and the views between;
+    not when the product or the K rope has another reader or is wanted, when the ropes differ,
+    or with fusion off. The split V layout (per channel at the position) matches too."""
+    from accelplane.testing.graphs import qkv_block
+
+    if why == "env":
+        monkeypatch.setenv("ACCELPLANE_FUSION", "0")
+    ctx = Context()
+    b = qkv_block(ctx, T.Q4_0, 64, 16, 4, 2, 32, v_rows=why != "v_split")
+    outs = [b.v_set, b.k_set, ctx.scale(b.q_rope, 1.0)]  # the model's order: the attention reads all three
+    if why == "product_read":
+        outs.append(ctx.scale(b.product, 2.0))
+    elif why == "product_output":
+        b.product.set_output()
+    elif why == "k_rope_read":
+        outs.append(ctx.scale(b.k_rope, 2.0))
+    elif why == "rope_params":
+        b.q_rope.op_params = (*b.q_rope.op_params[:4], 1e4, *b.q_rope.op_params[5:])
+    g = ctx.graph(*outs)
+    i = _index(g, b.product)
+    r = Fusion(g).product_rope_cache(i)
+    if why in (None, "v_split"):
+        assert r is not None
+        assert (r.q_rope, r.k_rope, r.k_set, r.v_set) == (b.q_rope, b.k_rope, b.k_set, b.v_set)
+        last = max(_index(g, t) for t in (b.q_rope, b.k_set, b.v_set))
+        assert r.covered == last - i + 1
+        assert all(n.op in (Op.VIEW, Op.RESHAPE) or n in r for n in g.nodes[i : i + r.covered])
+    else:
+        assert r is None
+    assert Fusion(g).product_rope_cache(_index(g, b.q_rope)) is None  # not at a MUL_MAT
+
+
+def test_product_rope_cache_in_a_llama_decode():
+    """Every layer of a llama decode step with merged Q/K/V weights has the run."""
+    from accelplane.models.llama import LlamaConfig, LlamaModel
+
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    cfg = LlamaConfig(n_vocab=64, d_model=64, n_layers=2, n_head=4, n_head_kv=2, d_ff=96)
+    m = LlamaModel(cfg, [reg.device("CPU")], types={}, n_ctx=32, kv_pad=16)
+    try:
+        g = m.step(1, 16).graph
+        f = Fusion(g)
+        runs = [f.product_rope_cache(i) for i, n in enumerate(g.nodes) if n.op is Op.MUL_MAT]
+        assert [r.product.name for r in runs if r is not None] == ["blk.0.QKVcur", "blk.1.QKVcur"]
+    finally:
+        m.free()

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .graph import Graph
-from .ops import Op
+from .ops import VIEW_OPS, Op
 from .tensor import Tensor, TensorFlag
 from .types import GGMLType
 
@@ -42,6 +43,19 @@ def _own_memory(t: Tensor) -> bool:
     """``t`` writes memory of its own: not a view, or a scheduler clone (TensorFlag.CLONE)
     writing the memory of the node it stands for."""
     return t.view_src is None or bool(t.flags & TensorFlag.CLONE)
+
+
+class RopeCache(NamedTuple):
+    """:meth:`Fusion.product_rope_cache`'s run: the product, the queries' ROPE, the keys'
+    ROPE and the SET_ROWS that writes them, the values' SET_ROWS, and how many nodes from the
+    product through the last of them the run covers (views included)."""
+
+    product: Tensor
+    q_rope: Tensor
+    k_rope: Tensor
+    k_set: Tensor
+    v_set: Tensor
+    covered: int
 
 
 class Fusion:
@@ -103,6 +117,54 @@ class Fusion:
             return None
         # readers of the rope's memory: the view itself and the SET_ROWS through it
         return sr if self.uses.get(id(own), 0) == 2 else None
+
+    def product_rope_cache(self, i: int) -> RopeCache | None:
+        """The attention block's Q/K/V projection as one kernel (:class:`RopeCache`): node ``i``
+        is a MUL_MAT whose memory is read only through views by, in any order, a ROPE (the
+        queries, still written: the attention reads them), a ROPE → view → SET_ROWS run
+        (:meth:`rope_set_rows`: the keys into their cache) and a SET_ROWS of a view (the
+        values into theirs), with nothing but views between them; the two ropes read the same
+        positions with the same parameters. The product's and the keys' rope memory is then
+        left unwritten. Else None; the caller still checks the slices, shapes and types its
+        kernel handles."""
+        if self.keep is None or self.nodes[i].op is not Op.MUL_MAT:
+            return None
+        n = self.nodes[i]
+        own = _owner(n)
+        if not _own_memory(n) or id(own) in self.keep or own.flags & TensorFlag.OUTPUT:
+            return None
+
+        def reads(t: Tensor) -> bool:
+            return any(s is not None and _owner(s) is own for s in t.src)
+
+        q = k = v = None
+        k_set = None
+        readers = 0  # nodes of the window that read the product's memory, views included
+        j = i + 1
+        while j < len(self.nodes) and (q is None or k is None or v is None):
+            t = self.nodes[j]
+            if t.op in VIEW_OPS:
+                readers += _owner(t) is own
+                j += 1
+                continue
+            if t.op is Op.ROPE and reads(t):
+                sr = self.rope_set_rows(j)
+                if sr is None and q is None:
+                    q, j = t, j + 1
+                elif sr is not None and k is None:
+                    k, k_set, j = t, sr, j + 3
+                else:
+                    return None
+                readers += 1
+            elif t.op is Op.SET_ROWS and t.src[1] is not None and _owner(t.src[1]) is own and v is None:
+                v, j, readers = t, j + 1, readers + 1
+            else:
+                return None
+        if q is None or k is None or v is None or k_set is None or self.uses.get(id(own), 0) != readers:
+            return None
+        if q.src[1] is not k.src[1] or tuple(q.op_params) != tuple(k.op_params):
+            return None
+        return RopeCache(n, q, k, k_set, v, j - i)
 
     def norm_mul(self, i: int) -> Tensor | None:
         """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales

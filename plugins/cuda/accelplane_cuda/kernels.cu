@@ -575,6 +575,24 @@ __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, 
 }
 
 // ---- rope (normal and NEOX) with YaRN --------------------------------------------------------------
+// the rotation of pair ic at position p: R = [freq_scale, ext_factor, attn_factor, corr0, corr1,
+// theta_scale] (double bits); cos and sin come scaled by YaRN's magnitude factor
+__device__ __forceinline__ void rope_cs(const i64* R, float p, int ic, float& cs, float& sn) {
+    const float freq_scale = (float)pf(R, 0), ext = (float)pf(R, 1);
+    const float te = p * powf((float)pf(R, 5), (float)ic);
+    const float ti = freq_scale * te;
+    float theta = ti, mscale = (float)pf(R, 2);
+    if (ext != 0.0f) {
+        const float c0 = (float)pf(R, 3), c1 = (float)pf(R, 4);
+        const float y = ((float)ic - c0) / fmaxf(0.001f, c1 - c0);
+        const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext;
+        theta = ti * (1.0f - ramp) + te * ramp;
+        mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
+    }
+    cs = cosf(theta) * mscale;
+    sn = sinf(theta) * mscale;
+}
+
 // P: [ne0..3, nba0..3, nbd0..3, n_dims, mode, freq_scale, ext_factor, attn_factor, corr0, corr1, theta_scale,
 //     n_rows, nbr0]. T: the source's element type, TD the result's. rows: when not null, ROPE →
 // view → SET_ROWS as one kernel (plan.py: _rope): token i2's result goes to row rows[i2 * nbr0 /
@@ -588,8 +606,6 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
     const i64 n = half * Ps[1] * Ps[2] * Ps[3];
     const int n_dims = (int)Ps[12];
     const bool neox = Ps[13] == 2;
-    const float freq_scale = (float)pf(Ps, 14), ext = (float)pf(Ps, 15), attn = (float)pf(Ps, 16);
-    const float c0 = (float)pf(Ps, 17), c1 = (float)pf(Ps, 18), theta_scale = (float)pf(Ps, 19);
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
         i64 r = t;
         const i64 ic = r % half; r /= half;
@@ -613,16 +629,8 @@ __global__ void k_rope(const i64* __restrict__ P, char* dst, const char* a, cons
         }
         const float x0 = ld<T>(s + e0 * Ps[4]), x1 = ld<T>(s + e1 * Ps[4]);
         if (!rot) { st<TD>(d + e0 * Ps[8], x0); st<TD>(d + e1 * Ps[8], x1); continue; }
-        const float te = (float)pos[i2] * powf(theta_scale, (float)ic);
-        const float ti = freq_scale * te;
-        float theta = ti, mscale = attn;
-        if (ext != 0.0f) {
-            const float y = ((float)ic - c0) / fmaxf(0.001f, c1 - c0);
-            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext;
-            theta = ti * (1.0f - ramp) + te * ramp;
-            mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
-        }
-        const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
+        float cs, sn;
+        rope_cs(Ps + 14, (float)pos[i2], (int)ic, cs, sn);
         st<TD>(d + e0 * Ps[8], x0 * cs - x1 * sn);
         st<TD>(d + e1 * Ps[8], x0 * sn + x1 * cs);
     }
@@ -1810,14 +1818,55 @@ k_mmv_row(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     }
 }
 
+// ---- the Q/K/V projection's epilogue (fusion.product_rope_cache) ----------------------------------
+// One SET_ROWS of a contiguous source, element j of which is (i0, i1, i2) over its ne0 x ne1 x ..
+// shape: dst + i0 nbd0 + idx[i1 nbi0 + (i2 % nei1) nbi1] nbd1 + i2 nbd2. C: [dst, idx, ne0, ne1,
+// nbd0, nbd1, nbd2, nbi0, nbi1, nei1, n_rows, f16]; a row index outside n_rows sets *err.
+__device__ __forceinline__ void cache_put(const i64* __restrict__ C, int j, float v, int* err) {
+    const int ne0 = (int)C[2], ne1 = (int)C[3], i0 = j % ne0, i1 = (j / ne0) % ne1, i2 = j / (ne0 * ne1);
+    const int row = *(const int*)((const char*)C[1] + i1 * C[7] + (i2 % (int)C[9]) * C[8]);
+    if (row < 0 || row >= C[10]) { *err = 1; return; }
+    char* d = (char*)C[0] + i0 * C[4] + (i64)row * C[5] + i2 * C[6];
+    if (C[11]) st<__half>(d, v); else st<float>(d, v);
+}
+#define QKV_NP 53
+// rows m, m + 1 (m even) of the product [Q | K | V] (nq, nk, nk rows): Q and K pairs rotated by
+// rope (normal mode, heads of hd), Q stored as F32 at qdst, K and V put into their caches. Q:
+// P[16..28] = nq, nk, hd, n_dims, rope_cs's six, qdst, pos, err; K's cache_put at P + 29, V's at
+// P + 41.
+__device__ __forceinline__ void qkv_put(const i64* __restrict__ P, int m, float x0, float x1) {
+    const int nq = (int)P[16], nk = (int)P[17];
+    int* err = (int*)P[28];
+    if (m >= nq + nk) {
+        cache_put(P + 41, m - nq - nk, x0, err);
+        cache_put(P + 41, m + 1 - nq - nk, x1, err);
+        return;
+    }
+    const int j = m < nq ? m : m - nq, ic = (j % (int)P[18]) / 2;
+    if (2 * ic < (int)P[19]) {
+        float cs, sn;
+        rope_cs(P + 20, (float)*(const int*)P[27], ic, cs, sn);
+        const float y0 = x0 * cs - x1 * sn;
+        x1 = x0 * sn + x1 * cs;
+        x0 = y0;
+    }
+    if (m < nq) {
+        *(float2*)((char*)P[26] + 4 * (i64)j) = make_float2(x0, x1);
+    } else {
+        cache_put(P + 29, j, x0, err);
+        cache_put(P + 29, j + 1, x1, err);
+    }
+}
+
 // k_mmv_row for the common decode case, one activation row and one batch, with the lanes per row
 // (LPR: 32, 64 or 128) and the occupancy bound (MINB blocks of 128 threads per SM) fixed at
 // compile time: the reduction and the lane split are then constants, no batch or row-count
 // logic is left, and the weights of a pass sit in one register array; 7-13 % faster than the
 // general kernel on an H200 (Q4_0x8, Q4_Kx8, Q8_0x8 at 4096 x 14336, measured side by side).
 // RT rows per lane group (1 or 2: rows RT g .. RT g + RT - 1 of group g), sharing each load of
-// the activations; grid (rows / (RT 128 / LPR)). Same P.
-template <int WT, int U, int LPR, int MINB, int RT>
+// the activations; grid (rows / (RT 128 / LPR)). Same P; QKV: the rows go through qkv_put
+// instead of to dst (an even number of rows per block: a rope pair is in one block).
+template <int WT, int U, int LPR, int MINB, int RT, bool QKV = false>
 __global__ void __launch_bounds__(128, MINB)
 k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     constexpr int W = unit_regs<WT>::W, RPB = 128 / LPR;
@@ -1852,11 +1901,7 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
     }
     #pragma unroll
     for (int k = 0; k < RT; ++k) acc[k] = warp_sum(acc[k]);  // LPR >= 32: a row's lanes are whole warps
-    if constexpr (LPR == 32) {
-        #pragma unroll
-        for (int k = 0; k < RT; ++k)
-            if (lid == 0 && m + k < M) *(float*)(dst + (m + k) * 4) = acc[k];
-    } else {
+    if constexpr (LPR > 32) {  // then across the row's warps
         __shared__ float part[RT][4];
         if ((threadIdx.x & 31) == 0) {
             #pragma unroll
@@ -1865,13 +1910,25 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
         __syncthreads();
         #pragma unroll
         for (int k = 0; k < RT; ++k) {
-            if (lid == 0 && m + k < M) {
-                float t = 0.0f;
-                #pragma unroll
-                for (int c = 0; c < LPR / 32; ++c) t += part[k][threadIdx.x / 32 + c];
-                *(float*)(dst + (m + k) * 4) = t;
-            }
+            float t = 0.0f;
+            #pragma unroll
+            for (int c = 0; c < LPR / 32; ++c) t += part[k][threadIdx.x / LPR * (LPR / 32) + c];
+            acc[k] = t;
         }
+    }
+    if constexpr (QKV) {
+        __shared__ float res[RT * RPB];
+        if (lid == 0) {
+            #pragma unroll
+            for (int k = 0; k < RT; ++k) res[m + k - RT * RPB * blockIdx.x] = acc[k];
+        }
+        __syncthreads();
+        const int p = 2 * threadIdx.x, mp = RT * RPB * blockIdx.x + p;
+        if (p < RT * RPB && mp < M) qkv_put(P, mp, res[p], res[p + 1]);
+    } else {
+        #pragma unroll
+        for (int k = 0; k < RT; ++k)
+            if (lid == 0 && m + k < M) *(float*)(dst + (m + k) * 4) = acc[k];
     }
 }
 

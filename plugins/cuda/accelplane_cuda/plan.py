@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 from accelplane.errors import BufferFreedError, ComputeError, DeviceError, UnsupportedOpError
-from accelplane.fusion import NORMS, Fusion, scales_rows
+from accelplane.fusion import NORMS, Fusion, RopeCache, scales_rows
 from accelplane.ops import (
     FLOAT,
     QUANT,
     ROPE_TYPE_NEOX,
+    ROPE_TYPE_NORMAL,
     VIEW_OPS,
     GluOp,
     Op,
@@ -74,6 +75,16 @@ def _attn_fused() -> bool:
     return mode == "fused"
 
 
+def _qkv_fused() -> bool:
+    """ACCELPLANE_CUDA_QKV: the Q/K/V projection's register mat-vec also ropes Q and K and
+    writes the KV caches (fusion.product_rope_cache; 1, default) or leaves that to k_rope and
+    k_set_rows (0)."""
+    mode = os.environ.get("ACCELPLANE_CUDA_QKV", "1")
+    if mode not in ("0", "1"):
+        raise DeviceError(f"ACCELPLANE_CUDA_QKV must be 1 or 0, got {mode!r}")
+    return mode == "1"
+
+
 # tuning knobs, for measuring the alternatives side by side:
 #   ACCELPLANE_CUDA_MMV=row|pipe|f32  mat-vec by the register kernel where it applies (Q4_0x8,
 #     Q8_0x8, Q4_Kx8, Q4_K; default) else the pipelined one; by the pipelined one; or by the plain one
@@ -99,6 +110,12 @@ _ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
 # rows per lane group (sharing the activation loads) and blocks per SM it is bounded to
 # (registers: Q8_0x8 fits 12 in 40, the others 8 in 64); best measured on an H200
 _ROW1 = {102: (2, 2, 8), 108: (2, 1, 12), 112: (2, 1, 8), 12: (2, 1, 8)}
+def _lanes(loads: int, u: int) -> int:
+    """Lanes per row of the register mat-vecs: enough for a row's loads in one pass of ``u`` per
+    lane where that fits, a power of two from 8 to 128."""
+    return min(128, max(8, 1 << (-(-loads // u) - 1).bit_length()))
+
+
 _ATT_G = 4  # kernels.cu: ATT_G, chunks of 32 positions per k_attention block
 
 
@@ -119,7 +136,8 @@ def _names() -> list[str]:
     n += [f"k_dequant_f16<{w}>" for w in _WT]
     n += [f"k_mmv_pipe<{w}>" for w in _WT] + [f"k_dequant_staged<{w}>" for w in _QT]
     n += [f"k_mmv_row<{w},{u},{nm}>" for w, u in _ROW_U.items() for nm in (1, MMV_MAXN)]
-    n += [f"k_mmv_row1<{w},{u},{lpr},{mb},{rt}>" for w, (u, rt, mb) in _ROW1.items() for lpr in (32, 64, 128)]
+    n += [f"k_mmv_row1<{w},{u},{lpr},{mb},{rt},{q}>" for w, (u, rt, mb) in _ROW1.items()
+          for lpr in (32, 64, 128) for q in ("false", "true")]  # fmt: skip
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
     n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
@@ -568,6 +586,12 @@ class CudaPlan:
             self._norm(n, m)
             self.fused.append((n.op.name, "MUL"))
             return 2
+        if n.op is Op.MUL_MAT and _qkv_fused():
+            f = fusion.product_rope_cache(i)
+            if f is not None and self._qkv_fits(f):
+                self._mmv_row(n, f)
+                self.fused.append(("MUL_MAT", "ROPE", "ROPE", "SET_ROWS", "SET_ROWS"))
+                return f.covered
         attn = (Op.MUL_MAT, Op.SOFT_MAX, Op.MUL_MAT)
         run = nodes[i : i + 3]
         if n.op is Op.MUL_MAT and _attn_fused() and fusion.match(i, attn) and self._attention_fits(*run):
@@ -771,9 +795,10 @@ class CudaPlan:
         grid = (max(1, min(-(-a.ne[1] // warps), -(-resident // batches))), batches)
         self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xp), block=32 * warps, grid=grid, smem=smem)
 
-    def _mmv_row(self, n) -> None:
+    def _mmv_row(self, n, qkv: RopeCache | None = None) -> None:
         """The register mat-vec (kernels.cu: k_quant_x, then k_mmv_row): the activations are
-        quantized once into scratch memory, then blocks of 128 threads stream whole weight rows."""
+        quantized once into scratch memory, then blocks of 128 threads stream whole weight rows.
+        With ``qkv`` (_qkv_fits said yes) the rows go through the projection's epilogue instead."""
         a, b = n.src
         k, nrow = a.ne[0], b.ne[1]
         units, batches = k // 32, b.ne[2] * b.ne[3]
@@ -788,23 +813,76 @@ class CudaPlan:
             self._launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-nrow * k // 1024), batches))
             self.xq_ready[id(b)] = (b, xq, self.index[id(n)])
         wt = type_id(a)
-        loads = units // _ROW_W.get(wt, 1)
-
-        def lanes(u: int) -> int:  # enough for a row's loads in one pass of u per lane where it fits
-            return min(128, max(8, 1 << (-(-loads // u) - 1).bit_length()))
-
-        u, rt, minb = _ROW1[wt]
-        lpr = lanes(u)
-        if nrow == 1 and batches == 1 and lpr >= 32:
-            name = f"k_mmv_row1<{wt},{u},{lpr},{minb},{rt}>"
+        u, rt, lpr = self._row1_shape(n)
+        if lpr:
+            name = f"k_mmv_row1<{wt},{u},{lpr},{_ROW1[wt][2]},{rt},{'true' if qkv else 'false'}>"
         else:  # more rows per block for short rows, so every thread keeps u loads in flight
             u, rt = _ROW_U[wt], 1
-            lpr = lanes(u)
+            lpr = _lanes(units // _ROW_W.get(wt, 1), u)
             name = f"k_mmv_row<{wt},{u},{1 if nrow == 1 else MMV_MAXN}>"
-        P = self._P([a.ne[1], k, nrow, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
-                     *a.nb[1:], *n.nb[1:], lpr, xq_bytes, int(id(a.buffer) not in self.written)])  # fmt: skip
+        P = [a.ne[1], k, nrow, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
+             *a.nb[1:], *n.nb[1:], lpr, xq_bytes, int(id(a.buffer) not in self.written)]  # fmt: skip
+        if qkv is not None:
+            P += self._qkv_params(qkv)
         grid = (-(-a.ne[1] // (rt * 128 // lpr)), batches)
-        self._launch(name, 0, (P, self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
+        self._launch(name, 0, (self._P(P), self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
+
+    @staticmethod
+    def _row1_shape(n) -> tuple[int, int, int]:
+        """(loads per lane, rows per lane group, lanes per row) of k_mmv_row1 for register mat-vec
+        ``n``; lanes 0 where it does not apply (several activation rows or batches, short rows)."""
+        a, b = n.src
+        wt = type_id(a)
+        u, rt, _ = _ROW1[wt]
+        lpr = _lanes(a.ne[0] // 32 // _ROW_W.get(wt, 1), u)
+        one = b.ne[1] == 1 and b.ne[2] * b.ne[3] == 1 and lpr >= 32
+        return u, rt, lpr if one else 0
+
+    def _qkv_fits(self, f: RopeCache) -> bool:
+        """fusion.product_rope_cache's run in the shape k_mmv_row1's QKV epilogue writes: an F32
+        product [Q | K | V] of one row taking k_mmv_row1 with whole rope pairs in a block; normal
+        rope over heads of an even size, Q and K contiguous slices at its start, the K rope into
+        its cache as k_rope's rows mode takes it, V (as many rows as K) a contiguous slice at its
+        end set into an F16/F32 cache by I32 indices; positions I32, one token."""
+        n, q, k, k_set, v_set, _ = f
+        if not (self._takes_row(n) and n.type == T.F32 and n.is_contiguous() and n.nrows == 1):
+            return False
+        _, rt, lpr = self._row1_shape(n)
+        if not lpr or (rt * 128 // lpr) % 2:
+            return False
+        m = n.ne[0]
+        qs, ks, vs = q.src[0], k.src[0], v_set.src[1]
+        nq, nk = qs.nelements, ks.nelements
+        hd, pos = q.ne[0], q.src[1]
+        cache, idx = v_set.src[0], v_set.src[2]
+        return (q.op_params[2] == ROPE_TYPE_NORMAL and hd % 2 == 0 and nq % hd == 0 and k.ne[0] == hd
+                and m == nq + 2 * nk and nk % 2 == 0 and q.type == T.F32 and q.is_contiguous()
+                and all(t.is_contiguous() for t in (qs, ks, vs))
+                and (qs.view_offs, ks.view_offs, vs.view_offs) == (0, 4 * nq, 4 * (nq + nk))
+                and vs.nelements == nk and vs.ne[3] == 1 and pos.type == T.I32 and pos.nelements == 1
+                and self._rope_rows_fit(k, self.nodes[self.index[id(k)] + 1], k_set)
+                and cache.type in (T.F32, T.F16) and cache.nb[0] == cache.type.type_size
+                and idx.type == T.I32 and idx.ne[0] == vs.ne[1] and vs.ne[2] % idx.ne[1] == 0)  # fmt: skip
+
+    def _qkv_params(self, f: RopeCache) -> list[int]:
+        """k_mmv_row1's QKV epilogue parameters (kernels.cu: qkv_put) for a run _qkv_fits took."""
+        n, q, k, k_set, v_set, _ = f
+        (_, n_dims, _, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+         beta_fast, beta_slow) = q.op_params  # fmt: skip
+        c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        c1 = c1 if math.isfinite(c1) else -1e30
+        self.uses_index = True
+        err = self.sctx.err.ptr
+
+        def put(sr, ne: tuple[int, int]) -> list[int]:  # kernels.cu: cache_put
+            d, idx = sr.src[0], sr.src[2]
+            return [int(self._ptr(d)), int(self._ptr(idx)), *ne, *d.nb[:3], *idx.nb[:2], idx.ne[1], d.ne[1],
+                    int(d.type == T.F16)]  # fmt: skip
+
+        nk, vs = k.src[0].nelements, v_set.src[1]
+        return [q.src[0].nelements, nk, q.ne[0], n_dims, _f(freq_scale), _f(ext_factor), _f(attn_factor),
+                _f(c0), _f(c1), _f(freq_base ** (-2.0 / n_dims)), int(self._ptr(q)), int(self._ptr(q.src[1])),
+                int(err), *put(k_set, (nk, 1)), *put(v_set, (vs.ne[0], vs.ne[1]))]  # fmt: skip
 
     def _takes_row(self, n) -> bool:
         """MUL_MAT node ``n`` runs as the register mat-vec (_mmv_row)."""

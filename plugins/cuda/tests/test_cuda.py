@@ -422,6 +422,74 @@ def test_rope_into_cache_fused(cache_type, neox):
         buf.free()
 
 
+@pytest.mark.parametrize("wtype, k", [("Q4_0", 2048), ("Q8_0", 4096)])
+@pytest.mark.parametrize("cache_type", ["F16", "F32"])
+@pytest.mark.parametrize("v_rows", [True, False])
+def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
+    """The llama decode's Q/K/V projection → Q rope, K rope into the K cache, V into the V cache
+    (both layouts the model writes) runs as one k_mmv_row1 launch with the QKV epilogue; Q and
+    the caches match float64 (accelplane.reference on the gguf package's dequantization), slots
+    not written are untouched, a position past the cache is a ComputeError; with
+    ACCELPLANE_CUDA_QKV=0 separate kernels compute the same."""
+    from accelplane import reference
+    from accelplane.backend import BufferUsage
+    from accelplane.errors import ComputeError
+    from accelplane.testing.graphs import qkv_block
+
+    dev = _cuda()
+    rng = np.random.default_rng(8)
+    hd, nh, nkv, n_ctx, p = 64, 4, 2, 40, 7
+    ctx = Context()
+    b = qkv_block(ctx, T[wtype], k, hd, nh, nkv, n_ctx, T[cache_type], v_rows)
+    q_out = ctx.scale(b.q_rope, 1.0)
+    g = ctx.graph(b.v_set, b.k_set, q_out)
+    wbuf = alloc_tensors([b.w], dev.buffer_type, BufferUsage.WEIGHTS)
+    buf = alloc_tensors([t for t in ctx.tensors if t is not b.w] + list(g.nodes), dev.buffer_type)
+    raw = _quantized_weights(b.w, rng)[0]
+    xv = rng.standard_normal(b.x.shape).astype(np.float32)
+    kcv = rng.standard_normal(b.k_cache.shape).astype(np.float32)
+    vcv = rng.standard_normal(b.v_cache.shape).astype(np.float32)
+    nk = hd * nkv
+    vi = np.arange(nk, dtype=np.int32) * n_ctx + p
+    ins = {b.w: raw, b.x: xv, b.k_cache: kcv, b.v_cache: vcv, b.pos: np.array([p]), b.v_idx: vi}
+    ref = reference.evaluate(g, ins)
+    want = [ref[t].reshape(-1) for t in (q_out, b.k_set, b.v_set)]  # the caches after the writes
+    scale = np.abs(want[0]).max()
+    for fused in (True, False):
+        monkeypatch.setenv("ACCELPLANE_CUDA_QKV", "1" if fused else "0")
+        for t, v in ins.items():
+            if t is not b.w:
+                t.set(v)
+        be = dev.new_backend()
+        try:
+            be.compute(g)
+            plan = be.ctx.plans.get(g)
+            names = plan.kernel_names
+            got = [t.get().astype(np.float64).reshape(-1) for t in (q_out, b.k_cache, b.v_cache)]
+            for name, gv, wv in zip(("Q", "K cache", "V cache"), got, want, strict=True):
+                err = np.abs(gv - wv).max() / scale
+                assert err < 2e-2, (name, fused, err)
+            # untouched slots keep their bits: K rows other than p, V columns other than p
+            np.testing.assert_array_equal(got[1].reshape(n_ctx, nk)[np.arange(n_ctx) != p],
+                                          want[1].reshape(n_ctx, nk)[np.arange(n_ctx) != p])  # fmt: skip
+            np.testing.assert_array_equal(got[2].reshape(nk, n_ctx)[:, np.arange(n_ctx) != p],
+                                          want[2].reshape(nk, n_ctx)[:, np.arange(n_ctx) != p])  # fmt: skip
+            if fused:
+                assert plan.fused == [("MUL_MAT", "ROPE", "ROPE", "SET_ROWS", "SET_ROWS")], plan.fused
+                assert any(n.startswith("k_mmv_row1<") and n.endswith(",true>") for n in names), names
+                assert not any(n.startswith(("k_rope", "k_set_rows")) for n in names), names
+                b.pos.set(np.array([n_ctx], np.int32))
+                with pytest.raises(ComputeError, match="out of range"):
+                    be.compute(g)
+            else:
+                assert plan.fused == [("ROPE", "SET_ROWS")], plan.fused
+                assert "k_rope<float,float>" in names, names
+        finally:
+            be.free()
+    buf.free()
+    wbuf.free()
+
+
 @pytest.mark.parametrize("kv, d, rows, nkv, mtype, n_ctx", [
     ("F16", 128, 4, 200, "F16", 1032), ("F16", 64, 8, 1, "F32", 1032), ("F32", 64, 1, 32, "F16", 1032),
     ("F16", 128, 2, 1000, None, 1032), ("F32", 96, 3, 45, "F32", 1032), ("F16", 64, 9, 64, "F16", 1032),

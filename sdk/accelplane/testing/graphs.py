@@ -134,3 +134,51 @@ def moe_layers(
         y = ctx.sum_rows(ctx.cont(ctx.permute(ctx.mul(d, wts), 1, 0, 2, 3)))  # [T, d_model, 1]
         h = ctx.add(h, ctx.reshape(y, (n_tokens, d_model)))
     return MoEGraph(ctx, experts, router, x, h, mmids, n_tokens)
+
+
+@dataclass
+class QKVBlock:
+    """:func:`qkv_block`'s tensors."""
+
+    w: Tensor  # [k, nq + 2 nk] projection weights
+    x: Tensor  # [k, 1] activations
+    pos: Tensor  # [1] I32 position
+    k_cache: Tensor  # [nk, n_ctx]
+    v_cache: Tensor  # [n_ctx, nk] (transposed: channel-major)
+    v_idx: Tensor  # [nk] I32 slots of the values (the "rows" V layout)
+    product: Tensor
+    q_rope: Tensor
+    k_rope: Tensor
+    k_set: Tensor
+    v_set: Tensor
+
+
+def qkv_block(ctx: Context, wtype: GGMLType, k: int, hd: int, n_head: int, n_kv_head: int, n_ctx: int,
+              cache_type: GGMLType = GGMLType.F16, v_rows: bool = True, freq_base: float = 5e5) -> QKVBlock:
+    """The llama decode's attention input, as models.llama builds it for one token: one product
+    by the merged Q/K/V weights, Q roped (normal mode), K roped and SET_ROWS into the K cache
+    at the position, V set into the transposed V cache, either by one slot index per value
+    (``v_rows``, the single-device layout) or per channel at the position (the split layout)."""
+    nq, nk = hd * n_head, hd * n_kv_head
+    w = ctx.new_tensor_ne(wtype, k, nq + 2 * nk, name="w_qkv")
+    x = ctx.new_tensor_ne(GGMLType.F32, k, 1, name="x")
+    pos = ctx.new_tensor_ne(GGMLType.I32, 1, name="pos")
+    kc = ctx.new_tensor_ne(cache_type, nk, n_ctx, name="k_cache")
+    vc = ctx.new_tensor_ne(cache_type, n_ctx, nk, name="v_cache")
+    v_idx = ctx.new_tensor_ne(GGMLType.I32, nk, name="v_idx")
+    qkv = ctx.mul_mat(w, x)
+    fsz = qkv.nb[0]
+    q = ctx.view(qkv, (nq, 1), None, 0)
+    kk = ctx.view(qkv, (nk, 1), None, nq * fsz)
+    v = ctx.view(qkv, (nk, 1), None, (nq + nk) * fsz)
+    kw = dict(n_ctx_orig=4096, freq_base=freq_base)
+    qr = ctx.rope(ctx.reshape_ne(q, hd, n_head, 1), pos, hd, 0, **kw)
+    kr = ctx.rope(ctx.reshape_ne(kk, hd, n_kv_head, 1), pos, hd, 0, **kw)
+    ks = ctx.set_rows(kc, ctx.reshape_ne(kr, nk, 1), pos)
+    if v_rows:
+        vs = ctx.set_rows(ctx.reshape_ne(vc, 1, n_ctx * nk), ctx.reshape_ne(v, 1, nk), v_idx)
+    else:
+        esz = vc.nb[0]
+        vs = ctx.set_rows(ctx.view(vc, (1, n_ctx, nk), (esz, esz, n_ctx * esz)),
+                          ctx.view(v, (1, 1, nk), (v.nb[0], v.nb[1], v.nb[0])), pos)  # fmt: skip
+    return QKVBlock(w, x, pos, kc, vc, v_idx, qkv, qr, kr, ks, vs)
