@@ -525,6 +525,31 @@ def test_decode_writes_next_positions_early(reg, models):
     assert writes[0] == ahead, writes[0]
 
 
+def test_scheduler_policy(reg, models, monkeypatch):
+    """The model's scheduler runs the relaxed policy unless ACCELPLANE_MODEL_POLICY (or the
+    argument) says strict; on the asynchronous test device the two give the same logits, the
+    relaxed one with fewer host synchronizations per decode step; an unknown name is an error."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    tokens = np.random.default_rng(9).integers(0, TINY["n_vocab"], 8)
+    outs, syncs = {}, {}
+    for pol in ("relaxed", "strict"):
+        if pol == "strict":
+            monkeypatch.setenv("ACCELPLANE_MODEL_POLICY", "strict")
+        m = LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, n_ctx=32)
+        try:
+            assert m.sched.policy == pol
+            out = [m.eval(tokens[:4], all_logits=True).logits]
+            out += [m.eval([t]).logits for t in tokens[4:]]
+            outs[pol] = np.concatenate(out)
+            syncs[pol] = m.sched.stats.host_syncs
+        finally:
+            m.free()
+    assert _nmse(outs["relaxed"], outs["strict"]) < 1e-12
+    assert syncs["relaxed"] < syncs["strict"], syncs
+    with pytest.raises(DeviceError, match="policy"):
+        LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, n_ctx=32, policy="eager")
+
+
 def test_split_modes(reg, models):
     cpu = reg.device("CPU")
     m = LlamaModel.from_gguf(models["moe"], [reg.device("ASYNC0"), reg.device("ASYNC1")], cpu=cpu,

@@ -494,7 +494,8 @@ def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
     ("F16", 128, 4, 200, "F16", 1032), ("F16", 64, 8, 1, "F32", 1032), ("F32", 64, 1, 32, "F16", 1032),
     ("F16", 128, 2, 1000, None, 1032), ("F32", 96, 3, 45, "F32", 1032), ("F16", 64, 9, 64, "F16", 1032),
     ("F16", 128, 4, 128, "F16", 128), ("F16", 128, 4, 45, "F16", 48), ("F16", 64, 4, 45, None, 45),
-    ("F32", 128, 4, 8192, "F32", 8192)])  # fmt: skip
+    ("F32", 128, 4, 8192, "F32", 8192), ("F16", 128, 4, 256, "F16", 1032), ("F16", 128, 1, 512, "F32", 1032),
+    ("F16", 64, 4, 520, "F16", 1032)])  # fmt: skip
 def test_attention_fused(kv, d, rows, nkv, mtype, n_ctx):
     """MUL_MAT(K, Q) → SOFT_MAX(scale, mask) → MUL_MAT(V, ·) over a KV cache laid out as the
     llama model's (K rows per position, V transposed, views of longer caches, query heads
@@ -506,7 +507,9 @@ def test_attention_fused(kv, d, rows, nkv, mtype, n_ctx):
     buffer of its own, so a cache of n_ctx = n_kv or not a multiple of 32 positions ends at the
     buffer's end (the kernel must not read whole chunks there), and unaligned rows (45
     positions) take the element-wise loads; 128 positions are one block per head, 8192 the
-    most blocks."""
+    most blocks. Masks: the last position hidden; a decode window's padding (every position
+    past a fifth hidden: whole chunks and blocks of nothing but masked positions); a hole in the
+    middle."""
     dev = _cuda()
     kt = T[kv]
     hkv, g, dv = 2, 2, d
@@ -559,8 +562,13 @@ def test_attention_fused(kv, d, rows, nkv, mtype, n_ctx):
             mv = None
             if mask is not None:
                 mv = rng.standard_normal((rows, nkv)).astype(np.float32)
-                mv[:, -(rep + 1) :] = -np.inf  # masked positions; the first stays visible
-                mv[:, 0] = 0.0
+                if rep == 0:
+                    mv[:, -1:] = -np.inf
+                elif rep == 1:
+                    mv[:, max(1, nkv // 5) :] = -np.inf
+                else:
+                    mv[:, nkv // 4 : 3 * nkv // 4] = -np.inf
+                mv[:, 0] = 0.0  # the first position stays visible
                 mask.set(mv.astype(np.float16 if mtype == "F16" else np.float32))
             be.compute(graph)
             # nine query rows take cuBLAS, on queries rounded to F16 like the cache
