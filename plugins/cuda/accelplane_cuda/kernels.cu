@@ -1829,7 +1829,6 @@ __device__ __forceinline__ void cache_put(const i64* __restrict__ C, int j, floa
     char* d = (char*)C[0] + i0 * C[4] + (i64)row * C[5] + i2 * C[6];
     if (C[11]) st<__half>(d, v); else st<float>(d, v);
 }
-#define QKV_NP 53
 // rows m, m + 1 (m even) of the product [Q | K | V] (nq, nk, nk rows): Q and K pairs rotated by
 // rope (normal mode, heads of hd), Q stored as F32 at qdst, K and V put into their caches. Q:
 // P[16..28] = nq, nk, hd, n_dims, rope_cs's six, qdst, pos, err; K's cache_put at P + 29, V's at

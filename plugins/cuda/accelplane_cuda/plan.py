@@ -110,13 +110,23 @@ _ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
 # rows per lane group (sharing the activation loads) and blocks per SM it is bounded to
 # (registers: Q8_0x8 fits 12 in 40, the others 8 in 64); best measured on an H200
 _ROW1 = {102: (2, 2, 8), 108: (2, 1, 12), 112: (2, 1, 8), 12: (2, 1, 8)}
+_ATT_G = 4  # kernels.cu: ATT_G, chunks of 32 positions per k_attention block
+
+
+def _rotation(rope) -> list[int]:
+    """kernels.cu rope_cs's parameters for ROPE node ``rope``: freq_scale, ext_factor,
+    attn_factor, YaRN's two correction dims and theta_scale, as double bits."""
+    (_, n_dims, _, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = rope.op_params  # fmt: skip
+    c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    c1 = c1 if math.isfinite(c1) else -1e30
+    return [_f(x) for x in (freq_scale, ext_factor, attn_factor, c0, c1, freq_base ** (-2.0 / n_dims))]
+
+
 def _lanes(loads: int, u: int) -> int:
     """Lanes per row of the register mat-vecs: enough for a row's loads in one pass of ``u`` per
     lane where that fits, a power of two from 8 to 128."""
     return min(128, max(8, 1 << (-(-loads // u) - 1).bit_length()))
-
-
-_ATT_G = 4  # kernels.cu: ATT_G, chunks of 32 positions per k_attention block
 
 
 def _names() -> list[str]:
@@ -691,10 +701,7 @@ class CudaPlan:
         _rope_rows_fit said yes), each token's rotated values go straight into the cache row
         that SET_ROWS names, converted to the cache's type, and the rope's memory stays unwritten."""
         a, pos = n.src
-        (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-         beta_fast, beta_slow) = n.op_params  # fmt: skip
-        c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-        c1 = c1 if math.isfinite(c1) else -1e30
+        n_dims, mode = n.op_params[1:3]
         out, dnb, rows, extra = n, list(n.nb), np.uint64(0), [0, 0]
         if sr is not None:
             out, idx = sr.src[0], sr.src[2]
@@ -702,9 +709,7 @@ class CudaPlan:
             dnb = [es, es * n.ne[0], out.nb[1], 0]  # head i1 within the row, token i2 → row idx[i2]
             rows, extra = self._ptr(idx), [out.ne[1], idx.nb[0]]
             self.uses_index = True
-        theta = _f(freq_base ** (-2.0 / n_dims))
-        P = self._P([*a.ne, *a.nb, *dnb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, _f(freq_scale),
-                     _f(ext_factor), _f(attn_factor), _f(c0), _f(c1), theta, *extra])
+        P = self._P([*a.ne, *a.nb, *dnb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, *_rotation(n), *extra])
         cnt = a.ne[0] // 2 * a.nrows
         args = (P, self._ptr(out), self._ptr(a), self._ptr(pos), rows, self.sctx.err.ptr)
         self._launch(f"k_rope<{CTYPE[a.type]},{CTYPE[out.type]}>", cnt, args)
@@ -867,10 +872,6 @@ class CudaPlan:
     def _qkv_params(self, f: RopeCache) -> list[int]:
         """k_mmv_row1's QKV epilogue parameters (kernels.cu: qkv_put) for a run _qkv_fits took."""
         n, q, k, k_set, v_set, _ = f
-        (_, n_dims, _, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-         beta_fast, beta_slow) = q.op_params  # fmt: skip
-        c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-        c1 = c1 if math.isfinite(c1) else -1e30
         self.uses_index = True
         err = self.sctx.err.ptr
 
@@ -880,9 +881,9 @@ class CudaPlan:
                     int(d.type == T.F16)]  # fmt: skip
 
         nk, vs = k.src[0].nelements, v_set.src[1]
-        return [q.src[0].nelements, nk, q.ne[0], n_dims, _f(freq_scale), _f(ext_factor), _f(attn_factor),
-                _f(c0), _f(c1), _f(freq_base ** (-2.0 / n_dims)), int(self._ptr(q)), int(self._ptr(q.src[1])),
-                int(err), *put(k_set, (nk, 1)), *put(v_set, (vs.ne[0], vs.ne[1]))]  # fmt: skip
+        return [q.src[0].nelements, nk, q.ne[0], q.op_params[1], *_rotation(q), int(self._ptr(q)),
+                int(self._ptr(q.src[1])), int(err), *put(k_set, (nk, 1)),
+                *put(v_set, (vs.ne[0], vs.ne[1]))]  # fmt: skip
 
     def _takes_row(self, n) -> bool:
         """MUL_MAT node ``n`` runs as the register mat-vec (_mmv_row)."""
