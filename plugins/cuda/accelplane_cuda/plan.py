@@ -94,6 +94,8 @@ def _qkv_fused() -> bool:
 #   ACCELPLANE_CUDA_GEMM_OUT=f32|f16   cuBLAS writes F32 directly (default) or F16 then widened
 #   ACCELPLANE_CUDA_XQ=1|0  kernels producing a register mat-vec's activations quantize them too
 #     (default), or k_quant_x does
+#   ACCELPLANE_CUDA_QKV=1|0  the decode's Q/K/V projection ropes Q and K and writes the caches
+#     (default), or k_rope and k_set_rows do (_qkv_fused)
 _SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
            Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
 _BIN = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
