@@ -609,6 +609,7 @@ def test_accelplane_run_split_tensor_and_bench_model(cli_env, models, tmp_path, 
     assert "pp16" in out and "tg4" in out
     rows = json.loads(js.read_text())["results"]
     assert {r["test"] for r in rows} == {"pp16", "tg4"} and all(r["tokens_per_s"] > 0 for r in rows)
+    assert {r["policy"] for r in rows} == {"relaxed"}  # the model's default, recorded
     tg = next(r for r in rows if r["test"] == "tg4")
     # the same run's copy bandwidth (read + written) and the weights' read rate against it
     assert tg["copy_gb_per_s"] > 0.1

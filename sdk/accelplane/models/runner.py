@@ -329,6 +329,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
                 if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
                     row["meta"] = meta_summary(model.meta)
+                else:  # the scheduler's synchronization policy (ACCELPLANE_MODEL_POLICY)
+                    row["policy"] = model.sched.policy
                 if test == "tg":  # every weight is read once per token
                     row["graph_only_tokens_per_s"] = graph_only_rate(model, n)
                     row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
