@@ -238,6 +238,29 @@ def _packed(ctx: Context, cb: _Namer, t: Tensor, name: str) -> Tensor:
     return t if t.is_contiguous() else cb(ctx.cont(t), name)
 
 
+def rope_into_cache(ctx: Context, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, kc: Tensor, vc: Tensor,
+                    v_idx: Tensor, *, hd: int, n_head: int, n_kv_head: int, rot: int, mode: int,
+                    per_channel_v: bool = False, name: _Namer = lambda t, _: t,
+                    **rope_kw) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's inputs for tokens whose projections are ``q``, ``k``, ``v`` (a row of
+    n_head hd, n_kv_head hd and n_kv_head hd values per token): Q roped; K roped and written
+    into the K cache ``kc`` (a row per position) at ``pos``; V written into the transposed V
+    cache ``vc`` (a row per channel), by one slot index per value (``v_idx``: channel n_ctx +
+    position) or, ``per_channel_v``, per channel at ``pos`` (indices local to a tensor-split
+    shard). Returns (roped Q, the K cache write, the V cache write). ``name`` names each node."""
+    n_tok, e_kv, n_ctx = pos.ne[0], n_kv_head * hd, kc.ne[1]
+    q = name(ctx.rope(ctx.reshape_ne(q, hd, n_head, n_tok), pos, rot, mode, **rope_kw), "Qrope")
+    k = name(ctx.rope(ctx.reshape_ne(k, hd, n_kv_head, n_tok), pos, rot, mode, **rope_kw), "Krope")
+    k_set = name(ctx.set_rows(kc, ctx.reshape_ne(k, e_kv, n_tok), pos), "k_cache_write")
+    if per_channel_v:
+        esz = vc.nb[0]
+        v_set = ctx.set_rows(ctx.view(vc, (1, n_ctx, e_kv), (esz, esz, n_ctx * esz)),
+                             ctx.view(v, (1, n_tok, e_kv), (v.nb[0], v.nb[1], v.nb[0])), pos)  # fmt: skip
+    else:
+        v_set = ctx.set_rows(ctx.reshape_ne(vc, 1, n_ctx * e_kv), ctx.reshape_ne(v, 1, n_tok * e_kv), v_idx)
+    return q, k_set, name(v_set, "v_cache_write")
+
+
 def check_split(split: str) -> None:
     """DeviceError unless ``split`` is one of none, layer, tensor."""
     if split not in SPLIT_MODES:
@@ -589,22 +612,12 @@ class LlamaModel:
                 q = cb(ctx.mul_mat(w[p + "attn_q.weight"], x), "Qcur")
                 k = cb(ctx.mul_mat(w[p + "attn_k.weight"], x), "Kcur")
                 v = cb(ctx.mul_mat(w[p + "attn_v.weight"], x), "Vcur")
-            q = cb(ctx.rope(ctx.reshape_ne(q, hd, n_head, n_tok), pos, cfg.rot, cfg.rope_mode,
-                            **rope_kw), "Qrope")  # fmt: skip
-            k = cb(ctx.rope(ctx.reshape_ne(k, hd, n_kv_head, n_tok), pos, cfg.rot, cfg.rope_mode,
-                            **rope_kw), "Krope")  # fmt: skip
             # KV cache writes; the attention reads views of the SET_ROWS results, so the graph
             # orders the writes before the reads
-            kc, vc = self.cache_k[il], self.cache_v[il]
-            k_set = cb(ctx.set_rows(kc, ctx.reshape_ne(k, e_kv, n_tok), pos), "k_cache_write")
-            if self.meta is None:
-                v_set = cb(ctx.set_rows(ctx.reshape_ne(vc, 1, self.n_ctx * e_kv),
-                                        ctx.reshape_ne(v, 1, n_tok * e_kv), v_idx),
-                           "v_cache_write")  # fmt: skip
-            else:  # per kv channel, rows by position: indices stay local to every shard
-                v_set = cb(ctx.set_rows(ctx.view(vc, (1, self.n_ctx, e_kv), (esz, esz, self.n_ctx * esz)),
-                                        ctx.view(v, (1, n_tok, e_kv), (v.nb[0], v.nb[1], v.nb[0])), pos),
-                           "v_cache_write")  # fmt: skip
+            q, k_set, v_set = rope_into_cache(
+                ctx, q, k, v, pos, self.cache_k[il], self.cache_v[il], v_idx, hd=hd, n_head=n_head,
+                n_kv_head=n_kv_head, rot=cfg.rot, mode=cfg.rope_mode, per_channel_v=self.meta is not None,
+                name=cb, **rope_kw)  # fmt: skip
             kk = ctx.view(k_set, (hd, n_kv, n_kv_head), (esz, e_kv * esz, hd * esz))
             vv = ctx.view(v_set, (n_kv, hd, n_kv_head), (esz, self.n_ctx * esz, hd * self.n_ctx * esz))
             # grouped-query attention as one product per kv head: its g query heads' rows

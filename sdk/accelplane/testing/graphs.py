@@ -155,10 +155,14 @@ class QKVBlock:
 
 def qkv_block(ctx: Context, wtype: GGMLType, k: int, hd: int, n_head: int, n_kv_head: int, n_ctx: int,
               cache_type: GGMLType = GGMLType.F16, v_rows: bool = True, freq_base: float = 5e5) -> QKVBlock:
-    """The llama decode's attention input, as models.llama builds it for one token: one product
-    by the merged Q/K/V weights, Q roped (normal mode), K roped and SET_ROWS into the K cache
-    at the position, V set into the transposed V cache, either by one slot index per value
-    (``v_rows``, the single-device layout) or per channel at the position (the split layout)."""
+    """The llama decode's attention input for one token, built by models.llama's own
+    rope_into_cache: one product by the merged Q/K/V weights, Q roped (normal mode), K roped and
+    SET_ROWS into the K cache at the position, V set into the transposed V cache, either by one
+    slot index per value (``v_rows``, the single-device layout) or per channel at the position
+    (the split layout)."""
+    from ..models.llama import rope_into_cache
+    from ..ops import ROPE_TYPE_NORMAL
+
     nq, nk = hd * n_head, hd * n_kv_head
     w = ctx.new_tensor_ne(wtype, k, nq + 2 * nk, name="w_qkv")
     x = ctx.new_tensor_ne(GGMLType.F32, k, 1, name="x")
@@ -171,14 +175,8 @@ def qkv_block(ctx: Context, wtype: GGMLType, k: int, hd: int, n_head: int, n_kv_
     q = ctx.view(qkv, (nq, 1), None, 0)
     kk = ctx.view(qkv, (nk, 1), None, nq * fsz)
     v = ctx.view(qkv, (nk, 1), None, (nq + nk) * fsz)
-    kw = dict(n_ctx_orig=4096, freq_base=freq_base)
-    qr = ctx.rope(ctx.reshape_ne(q, hd, n_head, 1), pos, hd, 0, **kw)
-    kr = ctx.rope(ctx.reshape_ne(kk, hd, n_kv_head, 1), pos, hd, 0, **kw)
-    ks = ctx.set_rows(kc, ctx.reshape_ne(kr, nk, 1), pos)
-    if v_rows:
-        vs = ctx.set_rows(ctx.reshape_ne(vc, 1, n_ctx * nk), ctx.reshape_ne(v, 1, nk), v_idx)
-    else:
-        esz = vc.nb[0]
-        vs = ctx.set_rows(ctx.view(vc, (1, n_ctx, nk), (esz, esz, n_ctx * esz)),
-                          ctx.view(v, (1, 1, nk), (v.nb[0], v.nb[1], v.nb[0])), pos)  # fmt: skip
+    qr, ks, vs = rope_into_cache(ctx, q, kk, v, pos, kc, vc, v_idx, hd=hd, n_head=n_head, n_kv_head=n_kv_head,
+                                 rot=hd, mode=ROPE_TYPE_NORMAL, per_channel_v=not v_rows, n_ctx_orig=4096,
+                                 freq_base=freq_base)  # fmt: skip
+    kr = ks.src[1].src[0]  # the K rope, under its reshape
     return QKVBlock(w, x, pos, kc, vc, v_idx, qkv, qr, kr, ks, vs)
