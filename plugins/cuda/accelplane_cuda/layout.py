@@ -11,9 +11,13 @@ row's size and regroup every run of 8 blocks (256 elements) in place:
   128 + 16·j, then the 8 scales at 256 + 2·j.
 - Q4_Kx8, 144 bytes per super-block (already 256 elements): sub-block j's 32 nibbles at 16·j as
   Q4_0x8 holds a block's (element l < 16 the low nibble of byte l, element l + 16 its high
-  nibble), then GGUF's 16-byte header (F16 d, F16 dmin, the 12 bytes of 6-bit scales and mins)
-  at 128. GGUF interleaves two sub-blocks in 32 bytes (low and high nibbles), so a lane reading
-  one sub-block loaded 32 bytes and used half, and gathered its scale from three single bytes.
+  nibble), then a 16-byte header at 128: F16 d, F16 dmin, then the eight 6-bit scales and mins
+  as three little-endian words: the scales' low nibbles (nibble j for sub-block j), the mins' low
+  nibbles, and the high two bits of scale j at bit 2·j and of min j at bit 16 + 2·j. GGUF
+  interleaves two sub-blocks in 32 bytes (low and high nibbles), so a lane reading one sub-block
+  loaded 32 bytes and used half; and GGUF's packing of the scales and mins takes a branch on j
+  and three single-byte gathers to decode, which this one does with shifts and masks (the
+  mat-vec is bound by its instructions as much as by memory: 6 % faster at 4096 x 14336).
 
 Every quant word is then 16-byte aligned and lanes reading consecutive blocks read consecutive
 words (a Q4_Kx8 lane reads two words and the header that its neighbours read too). Rows stay
@@ -54,12 +58,37 @@ def _nibbles_to_words(sub: np.ndarray) -> np.ndarray:
     return sub[..., :16] | (sub[..., 16:] << 4)
 
 
+def _q4k_scales_to_x8(s: np.ndarray) -> np.ndarray:
+    """GGUF's 12 bytes of 6-bit scales and mins [..., 12] → the x8 header's three words, as bytes."""
+    s = s.astype(np.uint32)
+    lo, hi, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (top & 0xF) | ((lo >> 6) << 4)], axis=-1)  # ggml's get_scale_min_k4
+    mn = np.concatenate([hi & 63, (top >> 4) | ((hi >> 6) << 4)], axis=-1)
+    j = np.arange(8, dtype=np.uint32)
+    words = [((sc & 15) << (4 * j)).sum(-1), ((mn & 15) << (4 * j)).sum(-1),
+             ((sc >> 4) << (2 * j)).sum(-1) | ((mn >> 4) << (16 + 2 * j)).sum(-1)]  # fmt: skip
+    return np.stack(words, axis=-1).astype("<u4").view(np.uint8)
+
+
+def _q4k_scales_from_x8(b: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q4k_scales_to_x8` (exact: both pack the same 96 bits)."""
+    w = np.ascontiguousarray(b).view("<u4").astype(np.uint32)
+    j = np.arange(8, dtype=np.uint32)
+    sc = ((w[..., 0:1] >> (4 * j)) & 15) | (((w[..., 2:3] >> (2 * j)) & 3) << 4)
+    mn = ((w[..., 1:2] >> (4 * j)) & 15) | (((w[..., 2:3] >> (16 + 2 * j)) & 3) << 4)
+    lo = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    hi = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    top = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return np.concatenate([lo, hi, top], axis=-1).astype(np.uint8)
+
+
 def _q4k_to_x8(rows: np.ndarray) -> np.ndarray:
     n, rb = rows.shape
     sb = rows.reshape(n, rb // 144, 144)
     qs = sb[..., 16:].reshape(n, -1, 4, 32)  # pair p: sub-block 2p low nibbles, 2p + 1 high
     sub = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(n, -1, 8, 32)
-    return np.concatenate([_nibbles_to_words(sub).reshape(n, -1, 128), sb[..., :16]], axis=2).reshape(n, rb)
+    head = np.concatenate([sb[..., :4], _q4k_scales_to_x8(sb[..., 4:16])], axis=2)
+    return np.concatenate([_nibbles_to_words(sub).reshape(n, -1, 128), head], axis=2).reshape(n, rb)
 
 
 def _q4k_from_x8(rows: np.ndarray) -> np.ndarray:
@@ -68,7 +97,8 @@ def _q4k_from_x8(rows: np.ndarray) -> np.ndarray:
     w = sb[..., :128].reshape(n, -1, 4, 2, 16)  # [pair, low/high sub-block, byte]
     sub = np.concatenate([w & 0xF, w >> 4], axis=4)  # [pair, low/high, 32 elements]
     qs = (sub[..., 0, :] | (sub[..., 1, :] << 4)).reshape(n, -1, 128)
-    return np.concatenate([sb[..., 128:], qs], axis=2).reshape(n, rb)
+    head = np.concatenate([sb[..., 128:132], _q4k_scales_from_x8(sb[..., 132:144])], axis=2)
+    return np.concatenate([head, qs], axis=2).reshape(n, rb)
 
 
 def to_x8(ty: T, rows: np.ndarray) -> np.ndarray:

@@ -85,6 +85,15 @@ def _qkv_fused() -> bool:
     return mode == "1"
 
 
+def _ring_on() -> bool:
+    """ACCELPLANE_CUDA_RING: one-row products of x8 weights whose rows suit it stream through
+    per-warp shared-memory rings (k_mmv_ring; 1, default) or take the register kernel (0)."""
+    mode = os.environ.get("ACCELPLANE_CUDA_RING", "1")
+    if mode not in ("0", "1"):
+        raise DeviceError(f"ACCELPLANE_CUDA_RING must be 1 or 0, got {mode!r}")
+    return mode == "1"
+
+
 # tuning knobs, for measuring the alternatives side by side:
 #   ACCELPLANE_CUDA_MMV=row|pipe|f32  mat-vec by the register kernel where it applies (Q4_0x8,
 #     Q8_0x8, Q4_Kx8, Q4_K; default) else the pipelined one; by the pipelined one; or by the plain one
@@ -96,6 +105,8 @@ def _qkv_fused() -> bool:
 #     (default), or k_quant_x does
 #   ACCELPLANE_CUDA_QKV=1|0  the decode's Q/K/V projection ropes Q and K and writes the caches
 #     (default), or k_rope and k_set_rows do (_qkv_fused)
+#   ACCELPLANE_CUDA_RING=1|0  one-row products of x8 weights through k_mmv_ring where _ring_fits
+#     says so (default), or through k_mmv_row1
 _SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
            Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip
 _BIN = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
@@ -113,6 +124,10 @@ _ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
 # (registers: Q8_0x8 fits 12 in 40, the others 8 in 64); best measured on an H200
 _ROW1 = {102: (2, 2, 8), 108: (2, 1, 12), 112: (2, 1, 8), 12: (2, 1, 8)}
 _ATT_G = 4  # kernels.cu: ATT_G, chunks of 32 positions per k_attention block
+# k_mmv_ring: steps in flight + 1 per warp, blocks per SM (4 warps), and an x8 group's bytes;
+# S = 4 was best of 3, 4 and 6 on an H200 for all three types
+_RING_S, _RING_MINB = 4, 8
+_X8_GROUP = {102: 144, 108: 272, 112: 144}
 
 
 def _rotation(rope) -> list[int]:
@@ -150,6 +165,7 @@ def _names() -> list[str]:
     n += [f"k_mmv_row<{w},{u},{nm}>" for w, u in _ROW_U.items() for nm in (1, MMV_MAXN)]
     n += [f"k_mmv_row1<{w},{u},{lpr},{mb},{rt},{q}>" for w, (u, rt, mb) in _ROW1.items()
           for lpr in (32, 64, 128) for q in ("false", "true")]  # fmt: skip
+    n += [f"k_mmv_ring<{w},{_RING_S},{_RING_MINB}>" for w in _XT]
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
     n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
@@ -821,7 +837,10 @@ class CudaPlan:
             self.xq_ready[id(b)] = (b, xq, self.index[id(n)])
         wt = type_id(a)
         u, rt, lpr = self._row1_shape(n)
-        if lpr:
+        ring = qkv is None and self._ring_fits(n)
+        if ring:
+            name, rt, lpr = f"k_mmv_ring<{wt},{_RING_S},{_RING_MINB}>", 1, 32  # a warp per row
+        elif lpr:
             name = f"k_mmv_row1<{wt},{u},{lpr},{_ROW1[wt][2]},{rt},{'true' if qkv else 'false'}>"
         else:  # more rows per block for short rows, so every thread keeps u loads in flight
             u, rt = _ROW_U[wt], 1
@@ -832,7 +851,19 @@ class CudaPlan:
         if qkv is not None:
             P += self._qkv_params(qkv)
         grid = (-(-a.ne[1] // (rt * 128 // lpr)), batches)
-        self._launch(name, 0, (self._P(P), self._ptr(n), self._ptr(a), xq), block=128, grid=grid)
+        smem = 4 * _RING_S * 4 * _X8_GROUP[wt] if ring else 0
+        self._launch(name, 0, (self._P(P), self._ptr(n), self._ptr(a), xq), block=128, grid=grid, smem=smem)
+
+    @staticmethod
+    def _ring_fits(n) -> bool:
+        """k_mmv_ring for register mat-vec ``n``: one activation row and batch, x8 weights, K a
+        multiple of 1024 (whole steps of 32 units); for Q4_0x8 and Q8_0x8 only from K = 8192,
+        since at K = 4096 the register kernel, one pass of loads per block there, was as fast or
+        faster on an H200 (Q4_0 14336 x 4096: 9.0 against 9.8 us), while Q4_Kx8 gained at both."""
+        a, b = n.src
+        wt, k = type_id(a), a.ne[0]
+        return (_ring_on() and wt in _X8_GROUP and b.ne[1] == 1 and b.ne[2] * b.ne[3] == 1 and k % 1024 == 0
+                and (wt == 112 or k >= 8192))  # fmt: skip
 
     @staticmethod
     def _row1_shape(n) -> tuple[int, int, int]:

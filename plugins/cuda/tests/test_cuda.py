@@ -236,19 +236,22 @@ def test_replays_with_library_calls():
     buf.free()
 
 
-@pytest.mark.parametrize("mode", ["row", "pipe", "pipe4"])
+@pytest.mark.parametrize("mode", ["row", "noring", "pipe", "pipe4"])
 @pytest.mark.parametrize("wtype", ["F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_matvec_kernels(monkeypatch, wtype, mode):
-    """The mat-vec kernels against float64 numpy: the register one (k_quant_x + k_mmv_row, for
-    Q4_0x8, Q8_0x8 and Q4_K; ACCELPLANE_CUDA_MMV=row, the default) and the pipelined one
-    (k_mmv_pipe; =pipe, with the most warps that fit or 4): rows over several stages or passes,
-    several rows per warp or block, 1..8 activation rows, broadcast batches, and M not a
-    multiple of the block's rows."""
+    """The mat-vec kernels against float64 numpy: the register ones (k_quant_x + k_mmv_row or
+    k_mmv_row1, for Q4_0x8, Q8_0x8 and Q4_K; ACCELPLANE_CUDA_MMV=row, the default), the ring
+    (k_mmv_ring: one row of x8 weights, K = 14336, and K = 4096 for Q4_K; =noring:
+    ACCELPLANE_CUDA_RING=0 leaves those to k_mmv_row1) and the pipelined one (k_mmv_pipe; =pipe,
+    with the most warps that fit or 4): rows over several stages or passes, several rows per
+    warp or block, 1..8 activation rows, broadcast batches, and M not a multiple of the block's
+    rows."""
     from accelplane_cuda import plan
 
     dev = _cuda()
     monkeypatch.setattr(plan, "MMV_SMALL", 0)  # float weights of any size take the kernel too
-    monkeypatch.setenv("ACCELPLANE_CUDA_MMV", mode[:4])
+    monkeypatch.setenv("ACCELPLANE_CUDA_MMV", "row" if mode == "noring" else mode[:4])
+    monkeypatch.setenv("ACCELPLANE_CUDA_RING", "0" if mode == "noring" else "1")
     if mode == "pipe4":
         monkeypatch.setenv("ACCELPLANE_CUDA_MMV_WARPS", "4")
     wt = T[wtype]
@@ -273,9 +276,12 @@ def test_matvec_kernels(monkeypatch, wtype, mode):
         want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
         # Q4_0/Q8_0/Q4_K weights in a weights buffer (alloc_tensors' default) take the x8 layouts
         want_id = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}.get(wt, int(wt))
-        if mode == "row" and want_id in plan._ROW_U:
-            row = (f"k_mmv_row<{want_id},", f"k_mmv_row1<{want_id},")
+        if mode in ("row", "noring") and want_id in plan._ROW_U:
+            ring = mode == "row" and n * ne2 * r2 == 1 and want_id in plan._X8_GROUP and k % 1024 == 0
+            ring = ring and (k >= 8192 or want_id == 112)
+            row = (f"k_mmv_ring<{want_id},",) if ring else (f"k_mmv_row<{want_id},", f"k_mmv_row1<{want_id},")
             assert "k_quant_x" in names and any(s.startswith(row) for s in names), names
+            assert ring or not any(s.startswith("k_mmv_ring<") for s in names), names
         else:
             assert f"{want_kernel}<{want_id}>" in names, names
         w = a.get().astype(np.float64)  # the weights as stored (dequantized)
@@ -768,6 +774,7 @@ def test_x8_weights(wtype):
     names = be.ctx.plans.get(g).kernel_names
     x8 = layout.X8[wt]
     assert any(n.startswith((f"k_mmv_row<{x8},", f"k_mmv_row1<{x8},")) for n in names), names
+    assert (f"k_mmv_ring<{x8},4,8>" in names) == (wt == T.Q4_K), names  # one row, K = 1024
     assert f"k_get_rows_q<{x8}>" in names, names
     assert f"k_cpy_dq<{x8}>" in names
     assert f"k_dequant_staged<{x8}>" in names or f"k_dequant_f16<{x8}>" in names

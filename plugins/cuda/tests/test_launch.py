@@ -44,6 +44,14 @@ def test_every_kernel_waits_for_its_predecessor():
             before = body[: body.index("if (!early) pdl_enter();")]
             assert "dst" not in before and "__ldg" not in before and "load(lid)" not in before
             assert "if (!early) pdl_enter();\n    load(lid);\n    if (early) pdl_enter();" in body
+        elif name == "k_mmv_ring":  # weight copies into its own slots, the wait before or after them
+            before = body[: body.index("if (!early) pdl_enter();")]
+            assert "dst" not in before and "__ldg" not in before and "issue(st)" not in before
+            wait = ("if (!early) pdl_enter();\n    #pragma unroll\n"
+                    "    for (int st = 0; st < S - 1; ++st) issue(st);\n    if (early) pdl_enter();")
+            assert wait in body
+            issue = body[body.index("auto issue"): body.index("const bool early")]
+            assert "cp_async16(slots" in issue and "dst" not in issue and "xq" not in issue
         elif stmts[0].startswith("__shared__ i64 Ps["):  # the plan-time parameters, then the wait
             wait = stmts[1]
             assert wait.startswith("pdl_enter_params<") and wait.endswith(">(P, Ps)"), (name, wait)

@@ -45,20 +45,19 @@ def _deq_x8(ty: T, rows: np.ndarray) -> np.ndarray:
 
 
 def _deq_q4k_x8(rows: np.ndarray) -> np.ndarray:
-    """Q4_Kx8: sub-block j's nibbles at 16·j (Q4_0x8's order), GGUF's header at 128; the 6-bit
-    scale and min of sub-block j decoded as ggml's get_scale_min_k4 does."""
+    """Q4_Kx8: sub-block j's nibbles at 16·j (Q4_0x8's order), then d, dmin and three words at
+    128: the scales' low nibbles (nibble j), the mins' low nibbles, and the high two bits of
+    scale j at bit 2·j and of min j at bit 16 + 2·j."""
     n, rb = rows.shape
     out = []
     for sb in rows.reshape(n, rb // 144, 144).transpose(1, 0, 2):
         d = sb[:, 128:130].copy().view(np.float16).astype(np.float32)
         dmin = sb[:, 130:132].copy().view(np.float16).astype(np.float32)
-        s = sb[:, 132:144].astype(np.int32)
+        w = [int.from_bytes(bytes(b), "little") for b in sb[:, 132:144].reshape(-1, 3, 4).reshape(-1, 4)]
+        w = np.array(w, dtype=np.int64).reshape(-1, 3)
         for j in range(8):
-            if j < 4:
-                sc, m = s[:, j] & 63, s[:, j + 4] & 63
-            else:
-                sc = (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4)
-                m = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+            sc = ((w[:, 0] >> (4 * j)) & 15) | (((w[:, 2] >> (2 * j)) & 3) << 4)
+            m = ((w[:, 1] >> (4 * j)) & 15) | (((w[:, 2] >> (16 + 2 * j)) & 3) << 4)
             q = sb[:, 16 * j : 16 * j + 16].astype(np.int32)
             v = np.concatenate([q & 0xF, q >> 4], axis=1).astype(np.float32)
             out.append(d * sc[:, None].astype(np.float32) * v - dmin * m[:, None].astype(np.float32))
