@@ -1938,22 +1938,23 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
 }
 
 // ---- mat-vec through per-warp shared-memory rings (k_mmv_ring) ---------------------------------
-// One activation row, one batch, x8 weights (Q4_0x8, Q8_0x8, Q4_Kx8) and K a multiple of 1024.
-// Each warp owns one weight row and streams it in steps of four x8 groups (32 units: 576 bytes,
-// 1088 for Q8_0x8) through S slots of shared memory with cp.async, S - 1 steps in flight, its
-// lanes taking one unit each of the step that has landed. The register kernel (k_mmv_row1) keeps
-// in flight only the loads its registers hold, all issued at once, and its SM's blocks then wait
-// together; here every warp keeps a steady S - 1 steps queued. The activations (quantize4's
-// layout, written by k_quant_x or the norm before) come from L1. Measured on an H200 at
-// 4096 x 14336 (PDL chain of products, 8 blocks per SM): Q4_0 10.1 -> 8.9 us, Q4_K 11.2 -> 9.6,
-// Q8_0 17.9 -> 15.7; at K = 4096 the register kernel stays ahead for Q4_0 (plan.py: _ring_fits).
+// One activation row, one batch, x8 weights (Q4_0x8, Q8_0x8, Q4_Kx8), K a multiple of 1024 UPL.
+// Each warp owns one weight row and streams it in steps of 4 UPL x8 groups (32 UPL units: 576
+// UPL bytes, 1088 UPL for Q8_0x8) through S slots of shared memory with cp.async, S - 1 steps in
+// flight, each lane taking UPL units of the step that has landed. The register kernel
+// (k_mmv_row1) keeps in flight only the loads its registers hold, all issued at once, and its
+// SM's blocks then wait together; here every warp keeps a steady S - 1 steps queued. The
+// activations (quantize4's layout, written by k_quant_x or the norm before) come from L1.
+// UNR: the step loop's unrolling. Measured on an H200 at 4096 x 14336 (a PDL chain of products,
+// 8 blocks per SM): Q4_0 10.1 -> 8.7 us, Q4_K 10.9 -> 9.2, Q8_0 17.9 -> 15.7; at K = 4096 the
+// register kernel stays ahead for Q4_0 (plan.py: _ring_fits, _RING).
 // P: k_mmv_row's; grid (rows / 4), 128 threads, dynamic shared memory 4 S steps of the type.
-template <int WT, int S, int MINB>
+template <int WT, int S, int MINB, int UPL, int UNR>
 __global__ void __launch_bounds__(128, MINB) k_mmv_ring(const i64* __restrict__ P, char* dst, const char* w,
                                                         const char* xq) {
     extern __shared__ uint4 ring[];
-    constexpr int CH = 4 * qfmt<WT>::UNIT / 16;  // 16-byte chunks of a step
-    const int M = (int)P[0], K = (int)P[1], units = K / 32, steps = units / 32;
+    constexpr int G = qfmt<WT>::UNIT, CH = 4 * UPL * G / 16;  // an x8 group's bytes, 16-byte chunks of a step
+    const int M = (int)P[0], K = (int)P[1], units = K / 32, steps = units / (32 * UPL);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, m = blockIdx.x * 4 + warp;
     uint4* slots = ring + warp * (S * CH);
     const uint4* row = (const uint4*)(w + (i64)min(m, M - 1) * P[7]);
@@ -1974,17 +1975,24 @@ __global__ void __launch_bounds__(128, MINB) k_mmv_ring(const i64* __restrict__ 
     const float* xd = (const float*)(xq + K);
     const int* xs = (const int*)(xd + units);
     float acc = 0.0f;
-    #pragma unroll 2  // measured: 6 % faster for Q4_K than the compiler's choice (no unrolling)
+    #pragma unroll UNR
     for (int st = 0; st < steps; ++st) {
-        const int xr = st * 32 + lane;
-        const int4 a = __ldg(x0 + xr), b = __ldg(x1 + xr);
-        const float dx = __ldg(xd + xr);
-        const int sx = __ldg(xs + xr);
+        int4 a[UPL], b[UPL];
+        float dx[UPL];
+        int sx[UPL];
+        #pragma unroll
+        for (int i = 0; i < UPL; ++i) {  // issued before the wait: L1 latency hidden behind it
+            const int xr = (st * UPL + i) * 32 + lane;
+            a[i] = __ldg(x0 + xr), b[i] = __ldg(x1 + xr), dx[i] = __ldg(xd + xr), sx[i] = __ldg(xs + xr);
+        }
         issue(st + S - 1);  // into the slot read in step st - 1 (the barrier below ended it)
         cp_async_wait<S - 1>();  // step st has landed (this lane's copies) ...
         __syncwarp();            // ... and every lane's
-        const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        acc += unit_dot<WT>((const u8*)(slots + (st % S) * CH), lane, xw, dx, sx);
+        #pragma unroll
+        for (int i = 0; i < UPL; ++i) {
+            const int xw[8] = {a[i].x, a[i].y, a[i].z, a[i].w, b[i].x, b[i].y, b[i].z, b[i].w};
+            acc += unit_dot<WT>((const u8*)(slots + (st % S) * CH) + i * 4 * G, lane, xw, dx[i], sx[i]);
+        }
         __syncwarp();
     }
     acc = warp_sum(acc);

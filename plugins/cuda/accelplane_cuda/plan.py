@@ -124,9 +124,10 @@ _ROW_W = {112: 2}  # kernels.cu: unit_regs::W (default 1)
 # (registers: Q8_0x8 fits 12 in 40, the others 8 in 64); best measured on an H200
 _ROW1 = {102: (2, 2, 8), 108: (2, 1, 12), 112: (2, 1, 8), 12: (2, 1, 8)}
 _ATT_G = 4  # kernels.cu: ATT_G, chunks of 32 positions per k_attention block
-# k_mmv_ring: steps in flight + 1 per warp, blocks per SM (4 warps), and an x8 group's bytes;
-# S = 4 was best of 3, 4 and 6 on an H200 for all three types
-_RING_S, _RING_MINB = 4, 8
+# k_mmv_ring per x8 type: slots per warp (S - 1 steps in flight), blocks of 4 warps per SM, units
+# per lane per step and the step loop's unrolling; best measured on an H200 at 4096 x 14336 (S of
+# 3 to 6, 6 to 12 blocks, 1 or 2 units, unrolled or not); and an x8 group's bytes
+_RING = {102: (4, 8, 1, 2), 108: (4, 8, 1, 2), 112: (3, 8, 2, 1)}
 _X8_GROUP = {102: 144, 108: 272, 112: 144}
 
 
@@ -165,7 +166,7 @@ def _names() -> list[str]:
     n += [f"k_mmv_row<{w},{u},{nm}>" for w, u in _ROW_U.items() for nm in (1, MMV_MAXN)]
     n += [f"k_mmv_row1<{w},{u},{lpr},{mb},{rt},{q}>" for w, (u, rt, mb) in _ROW1.items()
           for lpr in (32, 64, 128) for q in ("false", "true")]  # fmt: skip
-    n += [f"k_mmv_ring<{w},{_RING_S},{_RING_MINB}>" for w in _XT]
+    n += [f"k_mmv_ring<{w},{','.join(map(str, _RING[w]))}>" for w in _XT]
     n += [f"k_convert<{a},{b}>" for a in f for b in f]
     # plain kernels are C++ functions too: their mangled names come from NVRTC the same way
     n += ["k_norm", "k_argmax", "k_argsort", "k_col2im_1d", "k_get_rows_i32", "k_cpy_i32"]
@@ -839,7 +840,7 @@ class CudaPlan:
         u, rt, lpr = self._row1_shape(n)
         ring = qkv is None and self._ring_fits(n)
         if ring:
-            name, rt, lpr = f"k_mmv_ring<{wt},{_RING_S},{_RING_MINB}>", 1, 32  # a warp per row
+            name, rt, lpr = f"k_mmv_ring<{wt},{','.join(map(str, _RING[wt]))}>", 1, 32  # a warp per row
         elif lpr:
             name = f"k_mmv_row1<{wt},{u},{lpr},{_ROW1[wt][2]},{rt},{'true' if qkv else 'false'}>"
         else:  # more rows per block for short rows, so every thread keeps u loads in flight
@@ -851,19 +852,20 @@ class CudaPlan:
         if qkv is not None:
             P += self._qkv_params(qkv)
         grid = (-(-a.ne[1] // (rt * 128 // lpr)), batches)
-        smem = 4 * _RING_S * 4 * _X8_GROUP[wt] if ring else 0
+        smem = 4 * _RING[wt][0] * 4 * _RING[wt][2] * _X8_GROUP[wt] if ring else 0  # warps x slots x step
         self._launch(name, 0, (self._P(P), self._ptr(n), self._ptr(a), xq), block=128, grid=grid, smem=smem)
 
     @staticmethod
     def _ring_fits(n) -> bool:
         """k_mmv_ring for register mat-vec ``n``: one activation row and batch, x8 weights, K a
-        multiple of 1024 (whole steps of 32 units); for Q4_0x8 and Q8_0x8 only from K = 8192,
-        since at K = 4096 the register kernel, one pass of loads per block there, was as fast or
-        faster on an H200 (Q4_0 14336 x 4096: 9.0 against 9.8 us), while Q4_Kx8 gained at both."""
+        multiple of a step (1024 or 2048 elements: _RING's units per lane); for Q4_0x8 and
+        Q8_0x8 only from K = 8192, since at K = 4096 the register kernel, one pass of loads per
+        block there, was as fast or faster on an H200 (Q4_0 14336 x 4096: 9.0 against 9.8 us),
+        while Q4_Kx8 gained at both."""
         a, b = n.src
         wt, k = type_id(a), a.ne[0]
-        return (_ring_on() and wt in _X8_GROUP and b.ne[1] == 1 and b.ne[2] * b.ne[3] == 1 and k % 1024 == 0
-                and (wt == 112 or k >= 8192))  # fmt: skip
+        return (_ring_on() and wt in _RING and b.ne[1] == 1 and b.ne[2] * b.ne[3] == 1
+                and k % (1024 * _RING[wt][2]) == 0 and (wt == 112 or k >= 8192))  # fmt: skip
 
     @staticmethod
     def _row1_shape(n) -> tuple[int, int, int]:
