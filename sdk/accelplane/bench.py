@@ -91,8 +91,9 @@ SETS: dict[str, Callable[[], list[PerfCase]]] = {
     "small": lambda: [matmul_case(t, 4096, n, 4096) for n in (1, 32)
                       for t in (T.F32, T.Q8_0, T.Q4_0)] + [overhead_case()],
     "overhead": lambda: [overhead_case()],
-    # the F16 GEMM as cuBLAS sees it (activations already F16: no conversion)
-    "gemm": lambda: [matmul_case(T.F16, 4096, 512, 14336, T.F16)],
+    # the F16 and BF16 GEMMs as cuBLAS sees them (activations already in the weights' type: no
+    # conversion)
+    "gemm": lambda: [matmul_case(t, 4096, 512, 14336, t) for t in (T.F16, T.BF16)],
 }  # fmt: skip
 SETS["default"] = lambda: SETS["matmul"]() + [overhead_case()]
 

@@ -232,8 +232,9 @@ class Context:
 
     # matrix products
     def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
-        """ggml_mul_mat: ``b @ a.swapaxes(-1, -2)``: a holds weight rows [.., M, K], b
-        activations [.., N, K], result [.., N, M] in F32; a's outer axes broadcast over b's."""
+        """ggml_mul_mat: ``b @ a.swapaxes(-1, -2)``: a holds weight rows [.., M, K] (a float or
+        quantized type), b activations [.., N, K] (F32, F16 or BF16), result [.., N, M] in F32;
+        a's outer axes broadcast over b's."""
         return self._op(Op.MUL_MAT, (a, b))
 
     def mul_mat_id(self, as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:

@@ -248,7 +248,7 @@ def _rope(op, src, params):
 def _mul_mat(op, src, params):
     a, b = src
     _need_type(op, a, FLOAT | QUANT)
-    _need_type(op, b, {T.F32, T.F16})
+    _need_type(op, b, FLOAT)
     if a.ne[0] != b.ne[0]:
         raise _shape_err(op, f"inner dimensions differ: {_name(a)} ne0={a.ne[0]}, "
                              f"{_name(b)} ne0={b.ne[0]}")  # fmt: skip

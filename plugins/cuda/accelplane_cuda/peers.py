@@ -1,7 +1,8 @@
 """Peers measured in the same run as accelplane's CUDA benchmarks: with CuPy alone,
 device-to-device copy bandwidth, the time to merely read a mat-vec's weights, cuBLAS
-(cupy.matmul) GEMM and mat-vec; with PyTorch (where installed), torch.distributed's NCCL
-all-reduce over N GPUs, one process per GPU, for ``accelplane bench tp --peer-json``.
+(cupy.matmul) GEMM and mat-vec, and the same cuBLAS GEMM in BF16; with PyTorch (where
+installed), torch.distributed's NCCL all-reduce over N GPUs, one process per GPU, for
+``accelplane bench tp --peer-json``.
 
     python -m accelplane_cuda.peers [--json FILE]
     python -m accelplane_cuda.peers --allreduce N [--sizes 4K,1M,1G] [--dtype float32] [--json FILE]
@@ -110,7 +111,35 @@ def measure(m: int = 4096, k: int = 14336) -> dict:
             if n == 1:
                 out[f"cublas_{name}_n1_weight_TBps"] = a.nbytes / t / 1e12
         del a
+    t = _bf16_gemm_time(m, 512, k)
+    out["cublas_bf16_n512_us"] = t * 1e6
+    out["cublas_bf16_n512_TFLOPS"] = 2 * m * 512 * k / t / 1e12
     return out
+
+
+def _bf16_gemm_time(m: int, n: int, k: int) -> float:
+    """cupy.matmul's BF16 GEMM, had CuPy a bfloat16 dtype (it has none): the same cuBLAS call it
+    makes for F16 (cublasGemmEx, FP32 compute, output in the inputs' type) on BF16 bits held in
+    uint16 arrays; C[n, m] = B[n, k] · A[m, k]ᵀ."""
+    import cupy as cp
+    import numpy as np
+    from cupy_backends.cuda.libs import cublas
+
+    def bf16(shape):  # the high halves of uniform F32 values
+        return (cp.random.random(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+
+    a, b, c = bf16((m, k)), bf16((n, k)), cp.empty((n, m), cp.uint16)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()
+    r16bf = 14  # CUDA_R_16BF
+
+    def gemm() -> None:
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, one.ctypes.data, a.data.ptr,
+                      r16bf, k, b.data.ptr, r16bf, k, zero.ctypes.data, c.data.ptr, r16bf, m,
+                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+
+    return _time(gemm)
 
 
 def _allreduce_rank(rank: int, n: int, sizes: list[int], dtype: str, min_time: float, store: str,

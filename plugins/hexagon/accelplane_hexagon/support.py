@@ -64,7 +64,7 @@ _CHECKS: dict[Op, Callable[[Tensor], bool]] = {
     Op.CPY: lambda t: (t.src[0].type in F and t.type in F) or t.src[0].type == t.type == T.I32,
     Op.CONT: lambda t: t.type in F | {T.I32},
     Op.DUP: lambda t: t.type in F | {T.I32},
-    Op.MUL_MAT: lambda t: _mm_weights(t.src[0]),
+    Op.MUL_MAT: lambda t: _mm_weights(t.src[0]) and t.src[1].type in F,  # activations F32/F16
     Op.MUL_MAT_ID: lambda t: _mm_weights(t.src[0]),
 }
 

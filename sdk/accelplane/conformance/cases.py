@@ -272,7 +272,7 @@ def _mul_mat() -> Iterator[OpCase]:
             for m, n in ((16, 1), (17, 9), (33, 64), (1, 5), (19, 3)):
                 for batch in (((1, 1), (1, 1)), ((2, 1), (4, 3))) if (m, n) in ((16, 1), (19, 3)) else \
                         (((1, 1), (1, 1)),):  # fmt: skip
-                    for tb in (T.F32, T.F16) if (m, n) in ((17, 9), (19, 3)) else (T.F32,):
+                    for tb in (T.F32, T.F16, T.BF16) if (m, n) in ((17, 9), (19, 3)) else (T.F32,):
 
                         def build(ctx, ta=ta, tb=tb, k=k, m=m, n=n, batch=batch):
                             (a2, a3), (b2, b3) = batch
