@@ -143,8 +143,10 @@ def test_mul_mat_id(htp, repack, backend, placed, rng, ty, b1):
     assert np.array_equal(got[0], got[1])
 
 
+# BF16 activations are declined (support.py: activations F32/F16), as the real backend does
 QUANT_CASES = [c for c in all_cases() if c.op in ("MUL_MAT", "MUL_MAT_ID")
-               and ("type_a=q4_0" in c.id or "type_a=q8_0" in c.id)]  # fmt: skip
+               and ("type_a=q4_0" in c.id or "type_a=q8_0" in c.id)
+               and "type_b=bf16" not in c.id]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", QUANT_CASES, ids=[c.id for c in QUANT_CASES])
