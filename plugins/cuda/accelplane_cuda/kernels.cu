@@ -162,8 +162,9 @@ template <> __device__ __forceinline__ void deq32<108>(const u8* row, int c, flo
 }
 // Q4_Kx8 super-block: 144 bytes, sub-block j's nibbles at 16j (Q4_0x8's order), then a 16-byte
 // header at 128 (layout.py): F16 d, F16 dmin, then three words holding the 6-bit scales and mins
-// so that sub-block j's decode without branches: word 1 the scales' low nibbles (nibble j), word
-// 2 the mins' low nibbles, word 3 the scales' high two bits at bit 2j and the mins' at 16 + 2j
+// so that sub-block j's scale and min decode without branches: word 1 the scales' low nibbles
+// (nibble j), word 2 the mins' low nibbles, word 3 the scales' high two bits at bit 2j and the
+// mins' at 16 + 2j
 __device__ __forceinline__ void q4kx8_scale_min(unsigned int lo_sc, unsigned int lo_m, unsigned int hi, int j,
                                                 int& sc, int& m) {
     sc = (int)(((lo_sc >> (4 * j)) & 15) | (((hi >> (2 * j)) & 3) << 4));
