@@ -16,10 +16,11 @@ costs one ctypes call.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
+
+from .env import flag
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
@@ -60,10 +61,7 @@ def _driver():
 
 def pdl_wanted(compute_capability: int) -> bool:
     """Launch with programmatic dependent launch: sm_90+ and not ACCELPLANE_CUDA_PDL=0."""
-    v = os.environ.get("ACCELPLANE_CUDA_PDL", "1")
-    if v not in ("0", "1"):
-        raise DeviceError(f"ACCELPLANE_CUDA_PDL must be 0 or 1, got {v!r}")
-    return v == "1" and compute_capability >= 90
+    return flag("ACCELPLANE_CUDA_PDL") and compute_capability >= 90
 
 
 class Launch:

@@ -33,11 +33,11 @@ type id (102, 108, 112). ACCELPLANE_CUDA_REPACK=0 turns it off (for new buffers)
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from accelplane.errors import UnsupportedOpError
 from accelplane.types import GGMLType as T
+
+from .env import flag
 
 X8 = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}  # kernel type ids of the x8 layouts
 GROUP = 8  # blocks per group
@@ -45,12 +45,8 @@ _BLOCK = {T.Q4_0: 18, T.Q8_0: 34}
 
 
 def enabled() -> bool:
-    v = os.environ.get("ACCELPLANE_CUDA_REPACK", "1")
-    if v not in ("0", "1"):
-        from accelplane.errors import DeviceError
-
-        raise DeviceError(f"ACCELPLANE_CUDA_REPACK must be 0 or 1, got {v!r}")
-    return v == "1"
+    """ACCELPLANE_CUDA_REPACK (1, default): new weights buffers take the x8 layouts."""
+    return flag("ACCELPLANE_CUDA_REPACK")
 
 
 def _nibbles_to_words(sub: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from accelplane.ops import (
 from accelplane.types import GGMLType
 
 from . import layout
+from .env import choice, flag
 from .launch import Launch, pdl_wanted
 from .layout import X8, type_id
 
@@ -61,37 +62,25 @@ MMVP_SEG, MMVP_NS = _mmvp_config()
 
 def _mmv_mode() -> str:
     """ACCELPLANE_CUDA_MMV: which mat-vec kernels may run (a tuning knob, see below)."""
-    mode = os.environ.get("ACCELPLANE_CUDA_MMV", "row")
-    if mode not in ("row", "pipe", "f32"):
-        raise DeviceError(f"ACCELPLANE_CUDA_MMV must be row, pipe or f32, got {mode!r}")
-    return mode
+    return choice("ACCELPLANE_CUDA_MMV", "row", ("row", "pipe", "f32"))
 
 
 def _attn_fused() -> bool:
     """ACCELPLANE_CUDA_ATTN: decode attention as one kernel (fused, default) or three (split)."""
-    mode = os.environ.get("ACCELPLANE_CUDA_ATTN", "fused")
-    if mode not in ("fused", "split"):
-        raise DeviceError(f"ACCELPLANE_CUDA_ATTN must be fused or split, got {mode!r}")
-    return mode == "fused"
+    return choice("ACCELPLANE_CUDA_ATTN", "fused", ("fused", "split")) == "fused"
 
 
 def _qkv_fused() -> bool:
     """ACCELPLANE_CUDA_QKV: the Q/K/V projection's register mat-vec also ropes Q and K and
     writes the KV caches (fusion.product_rope_cache; 1, default) or leaves that to k_rope and
     k_set_rows (0)."""
-    mode = os.environ.get("ACCELPLANE_CUDA_QKV", "1")
-    if mode not in ("0", "1"):
-        raise DeviceError(f"ACCELPLANE_CUDA_QKV must be 1 or 0, got {mode!r}")
-    return mode == "1"
+    return flag("ACCELPLANE_CUDA_QKV")
 
 
 def _ring_on() -> bool:
     """ACCELPLANE_CUDA_RING: one-row products of x8 weights whose rows suit it stream through
     per-warp shared-memory rings (k_mmv_ring; 1, default) or take the register kernel (0)."""
-    mode = os.environ.get("ACCELPLANE_CUDA_RING", "1")
-    if mode not in ("0", "1"):
-        raise DeviceError(f"ACCELPLANE_CUDA_RING must be 1 or 0, got {mode!r}")
-    return mode == "1"
+    return flag("ACCELPLANE_CUDA_RING")
 
 
 # tuning knobs, for measuring the alternatives side by side:
@@ -323,7 +312,7 @@ class CudaPlan:
         self.cublas_ok = True
         self.runs = 0
         self.cuda_graph = None
-        self.graph_failed = os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0"
+        self.graph_failed = not flag("ACCELPLANE_CUDA_GRAPHS")
         self.nodes = graph.nodes
         # activations already quantized for the register mat-vec, by the kernel that produced
         # them or by an earlier product's k_quant_x: id(tensor) → (tensor, scratch address,
@@ -556,7 +545,7 @@ class CudaPlan:
                                 and b.offs == out.offs and b.nelements == out.nelements
                                 and b.is_contiguous() and out.is_contiguous())  # fmt: skip
 
-        if os.environ.get("ACCELPLANE_CUDA_XQ", "1") == "0":
+        if not flag("ACCELPLANE_CUDA_XQ"):
             return np.uint64(0)
         readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[0].buffer and reads_as_is(c.src[1])]
         readers = [c for c in readers if c.src[1].ne[0] % 32 == 0 and c.src[1].ne[2] == c.src[1].ne[3] == 1
@@ -1007,7 +996,8 @@ class CudaPlan:
         lda, ldb, ldc = anb[1] // es, bnb[1] // es, n.nb[1] // 4
         nn = b.ne[1]
         ctype = 0  # CUDA_R_32F
-        if wt == T.F16 and os.environ.get("ACCELPLANE_CUDA_GEMM_OUT", "f32") == "f16" and n.is_contiguous():
+        f16_out = choice("ACCELPLANE_CUDA_GEMM_OUT", "f32", ("f32", "f16")) == "f16"
+        if wt == T.F16 and f16_out and n.is_contiguous():
             # F16 results from cuBLAS, widened to F32 by one pass afterwards
             from accelplane.tensor import Tensor
 

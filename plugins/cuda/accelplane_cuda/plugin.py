@@ -21,6 +21,7 @@ from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, Device
 from accelplane.plancache import PlanCache
 
 from . import layout  # numpy and the SDK only: nothing heavy at import
+from .env import flag
 
 ALIGNMENT = 256
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
@@ -387,7 +388,7 @@ class Recording:
 @hookimpl
 def record_begin(backend):
     sc: StreamCtx = backend.ctx
-    if os.environ.get("ACCELPLANE_CUDA_GRAPHS", "1") == "0":
+    if not flag("ACCELPLANE_CUDA_GRAPHS"):
         return False
     cp = _cp()
     with cp.cuda.Device(sc.device):

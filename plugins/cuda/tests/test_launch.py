@@ -30,8 +30,8 @@ def _kernels() -> dict[str, str]:
 def test_every_kernel_waits_for_its_predecessor():
     """The contract that makes programmatic launches safe (kernels.cu: pdl_enter): every
     kernel calls pdl_enter first, or pdl_enter_params (its parameters, written at plan time,
-    copied to shared memory before the wait), except the register mat-vecs, which may only load
-    weights before it, and only when the plan allows it (P[15])."""
+    copied to shared memory before the wait), except the mat-vecs (k_mmv_row, k_mmv_row1,
+    k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15])."""
     bodies = _kernels()
     assert len(bodies) >= 30
     for name, body in bodies.items():
