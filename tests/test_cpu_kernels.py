@@ -22,7 +22,7 @@ import pytest
 gguf_quants = pytest.importorskip("gguf.quants")
 import gguf  # noqa: E402
 from accelplane.cpu import kernels  # noqa: E402
-from accelplane.errors import OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
+from accelplane.errors import ConfigError, OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
 from accelplane.types import GGMLType  # noqa: E402
 
 T = GGMLType
@@ -280,9 +280,12 @@ def test_set_isa_rejects_unknown() -> None:
 def test_default_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACCELPLANE_NTHREADS", "3")
     assert kernels.default_threads() == 3
-    monkeypatch.setenv("ACCELPLANE_NTHREADS", "zero")
-    with pytest.warns(UserWarning):
-        assert kernels.default_threads() == (os.cpu_count() or 1)
+    for bad in ("zero", "0", "-2", "3.5"):
+        monkeypatch.setenv("ACCELPLANE_NTHREADS", bad)
+        with pytest.raises(ConfigError, match="ACCELPLANE_NTHREADS"):
+            kernels.default_threads()
+    monkeypatch.setenv("ACCELPLANE_NTHREADS", "")
+    assert kernels.default_threads() == (os.cpu_count() or 1)
 
 
 # --- bad input raises typed errors ---------------------------------------------------------

@@ -15,7 +15,7 @@ import accelplane
 import gguf
 import numpy as np
 import pytest
-from accelplane.errors import DeviceError, GGUFError, ShapeError
+from accelplane.errors import ConfigError, DeviceError, GGUFError, ShapeError
 from accelplane.hookspecs import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
 from accelplane.models.gguf import MetaValue, synthetic_tensor
@@ -486,8 +486,11 @@ def test_embeddings_on_the_device(reg, models, monkeypatch):
             m.free()
     for got, want in zip(outs["device"], outs["cpu"], strict=True):
         assert _nmse(got, want) < 1e-12
-    with pytest.raises(DeviceError, match="ACCELPLANE_MODEL_EMBD"):
+    with pytest.raises(ConfigError, match="embd must be"):
         LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, embd="gpu")
+    monkeypatch.setenv("ACCELPLANE_MODEL_EMBD", "gpu")
+    with pytest.raises(ConfigError, match="ACCELPLANE_MODEL_EMBD='gpu'"):
+        LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu)
 
 
 def test_decode_writes_next_positions_early(reg, models):
@@ -546,7 +549,7 @@ def test_scheduler_policy(reg, models, monkeypatch):
             m.free()
     assert _nmse(outs["relaxed"], outs["strict"]) < 1e-12
     assert syncs["relaxed"] < syncs["strict"], syncs
-    with pytest.raises(DeviceError, match="policy"):
+    with pytest.raises(ConfigError, match="policy"):
         LlamaModel.from_gguf(models["f32"], [dev], cpu=cpu, n_ctx=32, policy="eager")
 
 
@@ -640,7 +643,6 @@ def test_bench_model_multi_device_rows_get_their_speedup(reg, models):
 
 
 def test_bench_configs_pair_splits_with_the_device_sets_they_fit(reg):
-    from accelplane.errors import DeviceError
     from accelplane.models.runner import bench_configs
 
     a0, a1 = [d.name for d in reg.devices if d.type != DeviceType.CPU][:2]

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import (
+    AccelplaneError,
     AllocationError,
     BufferFreedError,
+    ComputeError,
     DeviceError,
     OutOfRangeError,
     ShapeError,
+    UnsupportedOpError,
 )
 from .hookspecs import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType
 
@@ -379,6 +383,8 @@ class Backend:
         self.uid = next(_ids)
         self.name = f"{device.name}/{self.uid}"
         self.n_syncs = 0  # host synchronizations issued through this handle (stats)
+        # graph -> (layout version, buffers it uses): what graph_compute checked of it
+        self._uses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         fn = self._fn
         self._graph_compute = fn["graph_compute"]
         self._sync = fn.get("synchronize")
@@ -400,9 +406,30 @@ class Backend:
             self._sync(self)
 
     def graph_compute(self, graph: Graph) -> None:
-        """Queue ``graph``; returns possibly before completion (synchronize to wait)."""
+        """Queue ``graph``; returns possibly before completion (synchronize to wait).
+
+        Before the plugin sees it (docs/writing-a-plugin.md, "What the SDK checks"): every
+        node is one the device supports (``supports_op``, asked once per graph; else
+        UnsupportedOpError; the Scheduler places such nodes elsewhere), every tensor is
+        allocated and no buffer it uses is freed (BufferFreedError). An exception from inside
+        the plugin that is not an accelplane error becomes ComputeError."""
         self._check()
-        self._graph_compute(self, graph)
+        use = self._uses.get(graph)
+        if use is None or use[0] != graph.layout_version:
+            use = self._uses[graph] = (graph.layout_version, _graph_buffers(graph, self, use is None))
+        for b in use[1]:
+            if b.freed:
+                raise BufferFreedError(f"{self.name}: graph #{graph.uid} uses buffer {b.name!r}, which "
+                                       "was freed")  # fmt: skip
+        try:
+            self._graph_compute(self, graph)
+        except AccelplaneError:
+            raise
+        except Exception as e:
+            raise ComputeError(
+                f"{self.name}: plugin {self.device.plugin.name!r} failed on graph #{graph.uid} "
+                f"({len(graph.nodes)} nodes): {type(e).__name__}: {e}"
+            ) from e
 
     def compute(self, graph: Graph) -> None:
         """graph_compute + synchronize."""
@@ -464,6 +491,27 @@ class Backend:
         if f:
             f(self)
         self.freed = True
+
+
+def _graph_buffers(graph: Graph, backend: Backend, first: bool) -> tuple[Buffer, ...]:
+    """The buffers ``graph`` uses, after checking (when ``first``) that ``backend``'s device
+    supports every node and (always) that every tensor is allocated."""
+    from .ops import VIEW_OPS, op_desc
+
+    dev = backend.device
+    bufs: dict[int, Buffer] = {}
+    for t in (*graph.leafs, *graph.nodes):
+        if first and t.op is not None and t.op not in VIEW_OPS and not dev.supports_op(t):
+            raise UnsupportedOpError(
+                f"{dev.name} does not support node {t.name or t.uid!r} ({op_desc(t)} {t.type.name} "
+                f"ne={list(t.ne)}); Backend.compute runs a graph on one device only: "
+                "accelplane.sched.Scheduler places such nodes on a device that supports them"
+            )
+        if t.buffer is None:
+            raise DeviceError(f"{backend.name}: tensor {t.name or t.uid!r} of graph #{graph.uid} is not "
+                              "allocated (alloc_ctx_tensors / GraphAllocator.alloc_graph first)")  # fmt: skip
+        bufs.setdefault(t.buffer.uid, t.buffer)
+    return tuple(bufs.values())
 
 
 # --- copies between tensors (ggml_backend_tensor_copy / _copy_async) ------------------------------

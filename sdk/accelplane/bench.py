@@ -270,11 +270,10 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
 
 def _test_registry():
     """The CPU plugin and the asynchronous test device, without delays unless asked for."""
-    import os
-
+    from .env import TEST_DELAY_US
     from .testing.plugins import cpu_and_async_registry
 
-    return cpu_and_async_registry(delay_us=int(os.environ.get("ACCELPLANE_TEST_DELAY_US", "0")))
+    return cpu_and_async_registry(delay_us=int(TEST_DELAY_US.get() or 0))
 
 
 def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: str | None = None,

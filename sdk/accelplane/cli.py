@@ -1,11 +1,90 @@
-"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model``."""
+"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model``.
+
+Contract: a user error (a bad argument, an unwritable output path, a bad ACCELPLANE_*
+value, a malformed model file, an unknown device) prints one line ``accelplane: error: ...``
+and exits with status 2 before any long work starts; a failed computation or check exits 1;
+Ctrl-C exits 130 with one line.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
 from pathlib import Path
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``accelplane: error: run: argument --tokens: ...``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        cmd = " ".join(self.prog.split()[1:])
+        where, hint = (f"{cmd}: ", f"accelplane {cmd} --help") if cmd else ("", "accelplane --help")
+        self.exit(EXIT_USAGE, f"accelplane: error: {where}{message} (see {hint})\n")
+
+
+def _int(lo: int, hi: int | None = None):
+    """argparse type: an integer in [lo, hi]."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"expected an integer {rng}, got {v}")
+        return v
+
+    return parse
+
+
+def _positive(s: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s}")
+    return v
+
+
+def _regex(s: str) -> str:
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({e}): {s!r}") from None
+    return s
+
+
+class UsageError(Exception):
+    """A user error the CLI reports in one line with status 2."""
+
+
+def check_output(path: str | None, what: str) -> None:
+    """UsageError unless ``path`` (an output file; None or '-': none) can be written now, so a
+    bad path fails before the work that would fill it. Creates nothing that was not there."""
+    if path is None or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{what} {path}: is a directory")
+    if not p.parent.is_dir():
+        raise UsageError(f"{what} {path}: directory {p.parent} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot be written ({e.strerror or e})") from None
+    if not existed:
+        os.unlink(p)
 
 
 def _progress(msg: str) -> None:
@@ -16,9 +95,35 @@ def _progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def cmd_env() -> int:
+    """``accelplane devices --env``: the ACCELPLANE_* variables that are set, with their meaning
+    (and any that does not parse or that nothing installed reads), then the others known."""
+    import accelplane
+    from accelplane import env
+
+    accelplane.get_registry()  # discovery imports the plugins, which declare their variables
+    rows = env.report()
+    bad = 0
+    print("ACCELPLANE_* variables set:" if rows else "no ACCELPLANE_* variable is set")
+    for r in rows:
+        owner = f" [{r['owner']}]" if r["owner"] else ""
+        print(f"  {r['name']}={r['value']}{owner}: {r['meaning'] or '?'}")
+        if r["problem"]:
+            bad += 1
+            print(f"    problem: {r['problem']}")
+    rest = [v for n, v in env.declared().items() if n not in {r["name"] for r in rows}]
+    print(f"other variables ({len(rest)}; unset):")
+    for v in rest:
+        default = "" if v.default in (None, "") else f", default {v.default}"
+        print(f"  {v.name} [{v.owner}] ({v.accepts}{default}): {v.help}")
+    return EXIT_USAGE if bad else 0
+
+
 def cmd_devices(args) -> int:
     import accelplane
 
+    if args.env:
+        return cmd_env()
     info = accelplane.get_registry().info()
     if args.json:
         print(json.dumps(info, indent=1))
@@ -136,12 +241,9 @@ def cmd_bench(args) -> int:
         devs = [reg.device(n) for n in args.device] if args.device else None
         kw = {}
         if args.sizes:
-            try:
-                kw["sizes"] = bench.parse_sizes(args.sizes)
-            except ValueError as e:
-                raise SystemExit(f"accelplane bench tp --sizes: {e}") from None
+            kw["sizes"] = args.sizes
         if args.peer_json:
-            kw["peer"] = json.loads(Path(args.peer_json).read_text())["rows"]
+            kw["peer"] = _peer_rows(args.peer_json)
         res = bench.bench_tp(devs, progress=_progress, **kw)
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
@@ -173,11 +275,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _peer_rows(path: str) -> list:
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except OSError as e:
+        raise UsageError(f"--peer-json {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"--peer-json {path}: not a JSON object with 'rows'") from None
+    if not isinstance(rows, list):
+        raise UsageError(f"--peer-json {path}: 'rows' is not a list")
+    return rows
+
+
+def _sizes(s: str) -> list[int]:
+    from accelplane.bench import parse_sizes
+
+    try:
+        return parse_sizes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="accelplane", description=__doc__)
+    p = _Parser(prog="accelplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("devices", help="plugins, devices, memory, broken plugins and why")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--env", action="store_true",
+                   help="the ACCELPLANE_* variables that are set, with their meaning, and the others known")
     o = sub.add_parser("ops", help="op support matrix of every installed plugin")
     o.add_argument("--json", action="store_true")
     o.add_argument("--markdown", nargs="?", const="docs/ops.md", default=None,
@@ -195,14 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "moe: expert prefetch; model: llama-bench pp/tg tokens/s; tp: tensor "
                         "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
                         "device to give it several backends)")  # fmt: skip
-    b.add_argument("--set", default="default", help="case set: default, matmul, gemm, small, overhead")
-    b.add_argument("-p", "--pattern", help="regex on case names")
+    b.add_argument("--set", default="default", choices=["default", "matmul", "gemm", "small", "overhead"],
+                   help="ops: case set (default: default)")  # fmt: skip
+    b.add_argument("-p", "--pattern", type=_regex, help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
-    b.add_argument("--time", type=float, default=1.0, help="seconds per case (default 1)")
-    b.add_argument("--repeat", type=int, default=None,
+    b.add_argument("--time", type=_positive, default=1.0, help="seconds per case (default 1)")
+    b.add_argument("--repeat", type=_int(1, 1 << 16), default=None,
                    help="ops per graph (default: 1 on CPU devices, 16 on others)")  # fmt: skip
     b.add_argument("--json", help="write results as JSON")
-    b.add_argument("--sizes", help="tp: all-reduce sizes in bytes, e.g. 4K,1M,64M,1G (default 64K,1M,16M)")
+    b.add_argument("--sizes", type=_sizes,
+                   help="tp: all-reduce sizes in bytes, e.g. 4K,1M,64M,1G (default 64K,1M,16M)")
     b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "
                    "e.g. from python -m accelplane_cuda.peers --allreduce N --json FILE)")  # fmt: skip
     _model_args(sub, b)
@@ -212,15 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_args(sub, b) -> None:
     """`bench model` options, and the `run` and `make-model` commands (accelplane.models)."""
     b.add_argument("--model", help="model: GGUF file (default: the synthetic model of `run`)")
-    b.add_argument("--pp", type=int, default=512, help="model: prompt tokens (default 512; 0 skips)")
-    b.add_argument("--tg", type=int, default=128, help="model: generated tokens (default 128; 0 skips)")
-    b.add_argument("--reps", type=int, default=2, help="model: timed runs after a warm-up (default 2)")
+    b.add_argument("--pp", type=_int(0), default=512, help="model: prompt tokens (default 512; 0 skips)")
+    b.add_argument("--tg", type=_int(0), default=128, help="model: generated tokens (default 128; 0 skips)")
+    b.add_argument("--reps", type=_int(1), default=2, help="model: timed runs after a warm-up (default 2)")
     b.add_argument("--split", action="append", choices=["none", "layer", "tensor"],
                    help="model: split mode (repeatable; default none, plus layer over all "
                         "non-CPU devices when there are several); model: -d takes a comma list "
                         "as one device set")  # fmt: skip
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
-    b.add_argument("--profile", type=int, default=0, metavar="N",
+    b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
     r = sub.add_parser("run", help="run a llama model (default: a small synthetic one) on the best "
                        "devices, print tokens/s and check the logits against the CPU plugin")  # fmt: skip
@@ -231,10 +358,10 @@ def _model_args(sub, b) -> None:
     r.add_argument("--split", default="none", choices=["none", "layer", "tensor"],
                    help="none: all layers on the first device; layer: layers spread over the "
                         "devices; tensor: needs the meta device")  # fmt: skip
-    r.add_argument("--tokens", type=int, default=32, help="decode steps (default 32)")
-    r.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
-    r.add_argument("--nmse-tol", type=float, default=None,
+    r.add_argument("--tokens", type=_int(0), default=32, help="decode steps (default 32)")
+    r.add_argument("--prompt-tokens", type=_int(1), default=32, help="prompt length (default 32)")
+    r.add_argument("--seed", type=_int(0), default=0, help="seed of the random prompt")
+    r.add_argument("--nmse-tol", type=_positive, default=None,
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
     m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)")
@@ -242,47 +369,84 @@ def _model_args(sub, b) -> None:
     m.add_argument("--preset", default="small", choices=["tiny", "small", "1b", "8b"],
                    help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes; "
                         "8b = Llama-3-8B shapes)")  # fmt: skip
-    m.add_argument("--jobs", type=int, default=None,
+    m.add_argument("--jobs", type=_int(1, 1024), default=None,
                    help="worker processes making the weights (default: one per CPU; same file for any)")
     for flag, dest in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
                        ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"),
                        ("--ctx", "n_ctx"), ("--experts", "n_expert"), ("--experts-used", "n_expert_used"),
                        ("--seed", "seed")):  # fmt: skip
-        m.add_argument(flag, dest=dest, type=int, help="overrides the preset")
-    m.add_argument("--wtype", default="q8_0", help="matrix type: f32 f16 bf16 q8_0 q4_0 q4_k q6_k")
-    m.add_argument("--output-type", help="output head type (default: --wtype)")
+        lo = 0 if dest in ("n_expert", "n_expert_used", "seed") else 1
+        m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
+    wtypes = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
+    m.add_argument("--wtype", default="q8_0", type=str.lower, choices=wtypes, help="matrix type")
+    m.add_argument("--output-type", type=str.lower, choices=wtypes,
+                   help="output head type (default: --wtype)")  # fmt: skip
     m.add_argument("--neox", action="store_true", help="NEOX rope (llama.cpp uses normal for llama)")
 
 
+def _check_inputs(args) -> None:
+    """Everything about the arguments that can be checked before the work starts."""
+    for attr, what in (("json", "--json"), ("png", "--png"), ("markdown", "--markdown"), ("out", "output")):
+        v = getattr(args, attr, None)
+        if isinstance(v, str):
+            check_output(v, what)
+    model = getattr(args, "model", None)
+    if model is not None and not Path(model).is_file():
+        raise UsageError(f"--model {model}: no such file")
+    if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
+        raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
+
+
+def _dispatch(args, extra: list[str]) -> int:
+    if args.cmd == "devices":
+        return cmd_devices(args)
+    if args.cmd == "ops":
+        return cmd_ops(args)
+    if args.cmd == "conformance":
+        return cmd_conformance(args, extra)
+    if args.cmd == "run":
+        from accelplane.models.runner import NMSE_TOL, cmd_run
+
+        if args.nmse_tol is None:
+            args.nmse_tol = NMSE_TOL
+        return cmd_run(args)
+    if args.cmd == "make-model":
+        from accelplane.models.runner import cmd_make_model
+
+        return cmd_make_model(args)
+    return cmd_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``accelplane`` command; returns the exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.cmd != "conformance":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from accelplane.errors import AccelplaneError
+    from accelplane import env
+    from accelplane.errors import AccelplaneError, AllocationError, ComputeError
+
+    def fail(status: int, msg: object) -> int:
+        print(f"accelplane: error: {msg}", file=sys.stderr)
+        return status
 
     try:
-        if args.cmd == "devices":
-            return cmd_devices(args)
-        if args.cmd == "ops":
-            return cmd_ops(args)
-        if args.cmd == "conformance":
-            return cmd_conformance(args, extra)
-        if args.cmd == "run":
-            from accelplane.models.runner import NMSE_TOL, cmd_run
-
-            if args.nmse_tol is None:
-                args.nmse_tol = NMSE_TOL
-            return cmd_run(args)
-        if args.cmd == "make-model":
-            from accelplane.models.runner import cmd_make_model
-
-            return cmd_make_model(args)
-        return cmd_bench(args)
-    except AccelplaneError as e:
-        print(f"accelplane: error: {e}", file=sys.stderr)
-        return 1
+        env.check()  # the SDK's settings (a plugin's are checked when its devices open)
+        _check_inputs(args)
+        return _dispatch(args, extra)
+    except UsageError as e:
+        return fail(EXIT_USAGE, e)
+    except (ComputeError, AllocationError) as e:  # the work itself failed
+        return fail(EXIT_FAILED, e)
+    except AccelplaneError as e:  # bad input: a setting, a file, a device name, a shape
+        return fail(EXIT_USAGE, e)
+    except KeyboardInterrupt:
+        print("accelplane: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (| head): say nothing more
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushing at exit must not fail again
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -76,7 +76,6 @@ Later work on every backend sees the sum (rule 9).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -84,6 +83,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import env
 from .alloc import alloc_ctx_tensors
 from .backend import Backend, Buffer, BufferUsage, Comm, Event, tensor_copy_async
 from .errors import DeviceError, ShapeError, TypeMismatchError, UnsupportedOpError
@@ -95,7 +95,7 @@ T = GGMLType
 ALGORITHMS = ("auto", "plugin", "butterfly", "ring")
 REDUCIBLE = frozenset({T.F32, T.F16, T.BF16})
 WIRE_TYPES = {"f16": T.F16, "bf16": T.BF16}
-DEFAULT_COMPRESS_MIN = 1 << 17  # bytes: ggml's CUDA NCCL path compresses from 32768 F32 elements
+DEFAULT_COMPRESS_MIN: int = env.COMM_COMPRESS_MIN.default  # bytes
 CHUNK_ALIGN = 32  # ring chunk boundaries in elements (keeps chunk views 64/128-byte aligned)
 MAX_BINDINGS = 16  # tensor tuples remembered per plan (graphs over the caller's memory)
 
@@ -107,8 +107,7 @@ __all__ = [
 
 def compress_threshold_default() -> int:
     """``ACCELPLANE_COMM_COMPRESS_MIN`` (bytes), else :data:`DEFAULT_COMPRESS_MIN`."""
-    v = os.environ.get("ACCELPLANE_COMM_COMPRESS_MIN")
-    return int(v) if v else DEFAULT_COMPRESS_MIN
+    return env.COMM_COMPRESS_MIN.get()
 
 
 # --- the canonical order ---------------------------------------------------------------------------

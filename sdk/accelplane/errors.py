@@ -27,6 +27,12 @@ class OutOfRangeError(AccelplaneError, IndexError):
     """An offset/size outside a tensor or buffer, or an index outside its range."""
 
 
+class DataError(AccelplaneError, ValueError):
+    """Values a tensor's type cannot hold: NaN or infinity for a block-quantized type (it
+    would corrupt its whole block), integers outside an integer type's range, or fractions
+    for an integer type."""
+
+
 class PluginLoadError(AccelplaneError):
     """A plugin failed to import, validate, register or report its devices."""
 
@@ -68,6 +74,11 @@ class CommTimeoutError(CommError):
     """A collective did not complete within its deadline: across processes
     (``ACCELPLANE_MPI_TIMEOUT``) or across the GPUs of a plugin's communicator (the CUDA
     peer-memory all-reduce, ~10 s): a peer died, hung, or did not enter the same collective."""
+
+
+class ConfigError(AccelplaneError, ValueError):
+    """An ACCELPLANE_* environment variable (or another setting) has a value outside the ones
+    it accepts; the message names the variable, the value and what it accepts."""
 
 
 class GGUFError(AccelplaneError):

@@ -19,10 +19,10 @@ in :meth:`Fusion.match`); those may have other readers. A graph whose ``keep`` i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from . import env
 from .graph import Graph
 from .ops import VIEW_OPS, Op
 from .tensor import Tensor, TensorFlag
@@ -32,7 +32,7 @@ NORMS = frozenset({Op.NORM, Op.RMS_NORM, Op.L2_NORM})
 
 
 def enabled() -> bool:
-    return os.environ.get("ACCELPLANE_FUSION", "1") != "0"
+    return env.FUSION.get()
 
 
 def _owner(t: Tensor) -> Tensor:

@@ -323,10 +323,10 @@ class Context:
         while len(nb) < 4:  # like ggml_view_Nd: missing strides pack the dims given
             nb.append(nb[-1] * ne[len(nb) - 1])
         nb = tuple(nb)
-        probe = Tensor(a.type, ne, nb)
-        if offset < 0 or offset + probe.nbytes > a.nbytes:
+        probe = Tensor(a.type, ne, nb, name=f"view of {a.name or a.uid}")  # strides checked here
+        if offset < 0 or offset + probe.nbytes > a.nbytes:  # inside a (the owner: on creation)
             raise ShapeError(
-                f"VIEW: bytes [{offset}, {offset + probe.nbytes}) outside {a.nbytes} bytes of "
+                f"VIEW: bytes [{offset}, {offset + probe.nbytes}) outside the {a.nbytes} bytes of "
                 f"{a.name or a.uid}"
             )
         t = self._op(Op.VIEW, (a,), (ne, nb, int(offset)))

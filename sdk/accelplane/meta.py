@@ -74,7 +74,6 @@ graph's nodes with their split states when it is planned.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import env
 from .alloc import GraphAllocator, alloc_tensors
 from .backend import Backend, Buffer, BufferUsage, CompositeBuffer, Device
 from .comm import REDUCIBLE, AllReduce
@@ -1166,7 +1166,7 @@ class MetaDevice(GraphRunner):
         names = ",".join(d.name for d in self.devices)
         where = f"@rank{group.rank}/{group.size}" if group is not None and group.size > 1 else ""
         self.name = f"Meta({names}){where}"
-        self.debug = bool(os.environ.get("ACCELPLANE_META_DEBUG"))
+        self.debug = env.META_DEBUG.get()
         self.stats = MetaStats()
         self._ar: AllReduce | None = None
         self._galloc = [GraphAllocator(b.device.buffer_type) for b in self.backends]
@@ -1493,7 +1493,7 @@ class MetaDevice(GraphRunner):
                 self._allreduce(st)
 
     def _why_not_record(self, plan: _Plan) -> str:
-        if os.environ.get("ACCELPLANE_META_RECORD", "1") == "0":
+        if not env.META_RECORD.get():
             return "ACCELPLANE_META_RECORD=0"
         if self.group is not None and self.group.size > 1:
             return "process-group all-reduces go through the host"

@@ -22,16 +22,16 @@ System packages: Debian's OpenMPI (``apt-get install openmpi-bin libopenmpi-dev`
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any, Protocol
 
 import numpy as np
 
+from . import env
 from .errors import CommTimeoutError, DeviceError
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S: float = env.MPI_TIMEOUT.default
 
 __all__ = ["DEFAULT_TIMEOUT_S", "MPIGroup", "ProcessGroup", "timeout_default"]
 
@@ -55,11 +55,7 @@ class ProcessGroup(Protocol):
 
 def timeout_default() -> float:
     """``ACCELPLANE_MPI_TIMEOUT`` (seconds), else :data:`DEFAULT_TIMEOUT_S`."""
-    v = os.environ.get("ACCELPLANE_MPI_TIMEOUT")
-    try:
-        return float(v) if v else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise DeviceError(f"ACCELPLANE_MPI_TIMEOUT={v!r} is not a number of seconds") from None
+    return env.MPI_TIMEOUT.get()
 
 
 class MPIGroup:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import env
+
 
 class PlanCache:
     """graph → plan, held weakly (a dropped graph drops its plan). ``builds`` counts the
@@ -36,7 +38,7 @@ class PlanCache:
 def cache_dir(*parts: str) -> Path:
     """A per-user cache directory for compiled kernels and similar artefacts:
     $ACCELPLANE_CACHE_DIR, else $XDG_CACHE_HOME/accelplane, else ~/.cache/accelplane."""
-    base = os.environ.get("ACCELPLANE_CACHE_DIR")
+    base = env.CACHE_DIR.get()
     if not base:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         base = os.path.join(xdg, "accelplane")

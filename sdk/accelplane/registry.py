@@ -22,7 +22,6 @@ Environment:
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -32,8 +31,9 @@ from typing import Any
 
 import pluggy
 
+from . import env
 from .backend import Device
-from .errors import APIVersionError, DeviceError, PluginLoadError
+from .errors import APIVersionError, ConfigError, DeviceError, PluginLoadError
 from .hookspecs import (
     API_VERSION,
     HOOK_MIN_MINOR,
@@ -73,11 +73,6 @@ class Failure:
     detail: str = ""
 
 
-def _parse_list(var: str) -> list[str] | None:
-    v = os.environ.get(var, "").strip()
-    return [x.strip() for x in v.split(",") if x.strip()] if v else None
-
-
 def _dist_version(ep: metadata.EntryPoint) -> str:
     try:
         return ep.dist.version if ep.dist is not None else "?"
@@ -98,6 +93,9 @@ class Registry:
         # runtimes (cupy, dpctl, a Vulkan instance) start on the first use of devices
         self._pending: list[tuple[Plugin, list[str] | None]] = []
         self._lock = threading.RLock()
+        # a plugin setting with a bad value is the user's to fix, not a broken plugin: every
+        # use of the registry raises it (a run must not fall back to other devices in silence)
+        self._config_error: ConfigError | None = None
 
     @property
     def plugins(self) -> dict[str, Plugin]:
@@ -118,18 +116,19 @@ class Registry:
         return self._devices
 
     def _open_pending(self) -> None:
-        if not self._pending:
-            return
-        with self._lock:
-            while self._pending:
-                plugin, allow = self._pending.pop(0)
-                self._open(plugin, allow)
+        if self._pending:
+            with self._lock:
+                while self._pending:
+                    plugin, allow = self._pending.pop(0)
+                    self._open(plugin, allow)
+        if self._config_error is not None:
+            raise self._config_error
 
     # --- discovery ------------------------------------------------------------------------------
     def discover(self) -> None:
         """Load every entry point of the group (subject to the allow/block lists)."""
-        allow = _parse_list("ACCELPLANE_PLUGINS")
-        block = set(_parse_list("ACCELPLANE_DISABLE_PLUGINS") or [])
+        allow = list(env.PLUGINS.get() or ()) or None
+        block = set(env.DISABLE_PLUGINS.get() or ())
         eps = sorted(metadata.entry_points(group=GROUP), key=lambda e: (e.name == "cpu", e.name))
         found = set()
         for ep in eps:
@@ -145,13 +144,11 @@ class Registry:
                 continue
             # an allow-listed plugin opens now, so its failure is loud at discovery
             self.register(module, ep.name, version=_dist_version(ep), _allow=allow, _defer=allow is None)
-        for spec in _parse_list("ACCELPLANE_EXTRA_PLUGINS") or []:
+        for spec in env.EXTRA_PLUGINS.get() or ():
             name, sep, modname = spec.partition("=")
             name, modname = name.strip(), modname.strip()
             if not sep or not name or not modname:
-                raise PluginLoadError(
-                    f"ACCELPLANE_EXTRA_PLUGINS entry {spec!r} is not of the form name=module"
-                )
+                raise ConfigError(f"ACCELPLANE_EXTRA_PLUGINS entry {spec!r} is not of the form name=module")
             if name in found or name in block or (allow is not None and name not in allow):
                 continue
             found.add(name)
@@ -241,6 +238,8 @@ class Registry:
                 plugin.devices = [Device(plugin, s, i) for i, s in enumerate(specs)]
             except Exception as e:
                 self.pm.unregister(module)
+                if isinstance(e, ConfigError):
+                    self._config_error = self._config_error or e
                 self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow)
                 return None
             # device names are looked up case-insensitively: unique across all plugins

@@ -22,7 +22,6 @@ MUL_MAT_ID expert uploads are prefetched on a second stream.
 
 from __future__ import annotations
 
-import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from . import env
 from .alloc import GraphAllocator
 from .backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
 from .errors import CheckResultsError, DeviceError, UnsupportedOpError
@@ -90,13 +90,6 @@ class _Plan:
         for sp in self.splits:
             yield from sp.graphs
         yield from self.node_graphs.values()
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 class GraphRunner(ABC):
@@ -176,12 +169,12 @@ class Scheduler(GraphRunner):
         self._allocated: _Plan | None = None
         self._allocated_uid = -1  # the graph alloc_graph allocated last
         self._computed: _Plan | None = None  # the plan graph_compute queued last
-        self.prefetch_experts = (_env_int("ACCELPLANE_SCHED_PREFETCH_EXPERTS", 0)
+        self.prefetch_experts = (env.PREFETCH_EXPERTS.get()
                                  if prefetch_experts is None else prefetch_experts)  # fmt: skip
         self._pf_backends: dict[int, Backend] = {}
         self._pf_events: dict[int, Event] = {}
-        self._debug = _env_int("ACCELPLANE_SCHED_DEBUG", 0)
-        self._check = os.environ.get("ACCELPLANE_CHECK_RESULTS", "") not in ("", "0")
+        self._debug = int(env.SCHED_DEBUG.get())
+        self._check = env.CHECK_RESULTS.get()
 
     # --- configuration -----------------------------------------------------------------------
     def set_tensor_backend(self, t: Tensor, backend: Backend) -> None:
@@ -771,6 +764,11 @@ class Scheduler(GraphRunner):
             for s in n.src:
                 if s is not None:
                     values[s] = s.get().reshape(tuple(reversed(s.ne)))
+                    if s.op is None and values[s].dtype.kind == "f" and np.isnan(values[s]).any():
+                        raise CheckResultsError(
+                            f"check-results: {s.name or s.uid} (a weight or input of node "
+                            f"{n.name or n.uid}, {op_desc(n)}) holds NaN"
+                        )
             b.graph_compute(self._node_graph(plan, (id(sp), c, "node", i), [n]))
             self._sync(b)
             got = n.get().reshape(tuple(reversed(n.ne)))
@@ -778,6 +776,13 @@ class Scheduler(GraphRunner):
             thr = _check_threshold(n)
             exact = n.type.name == "I32"
             ok, err, msg = compare(np.asarray(want), got, thr, exact)
+            if ok and got.dtype.kind == "f" and np.isnan(got).any() and not any(
+                v.dtype.kind == "f" and np.isnan(v).any() for v in values.values()
+            ):  # where the oracle agrees (e.g. inf - inf): still where the NaN comes from
+                raise CheckResultsError(
+                    f"check-results: node {n.name or n.uid} ({op_desc(n)}) on {b.device.name} is "
+                    "the first to produce NaN (its sources hold none)"
+                )
             if not ok:
                 raise CheckResultsError(
                     f"check-results: node {n.name or n.uid} ({op_desc(n)}) on "

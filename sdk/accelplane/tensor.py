@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import BufferFreedError, DeviceError, OutOfRangeError, ShapeError
+from .errors import BufferFreedError, DataError, DeviceError, OutOfRangeError, ShapeError, TypeMismatchError
 from .types import TRAITS, GGMLType, np_dtype, parse_type, row_size
 
 if TYPE_CHECKING:
@@ -39,6 +39,39 @@ class TensorFlag(IntFlag):
     # view of the original writing the original's memory (accelplane.fusion treats it as owning
     # that memory; clones of in-place ops such as SET_ROWS stay plain views)
     CLONE = 8
+
+
+def _check_strides(t: GGMLType, ne: tuple[int, ...], nb: tuple[int, ...], name: str) -> None:
+    """ShapeError unless ``nb`` are strides a kernel may trust: 4 of them, none negative (ggml's
+    are unsigned), element strides whole elements, block types whole blocks and rows."""
+    if len(nb) != GGML_MAX_DIMS:
+        raise ShapeError(f"tensor {name!r}: nb needs {GGML_MAX_DIMS} strides, got {list(nb)}")
+    if any(x < 0 for x in nb):
+        raise ShapeError(f"tensor {name!r}: negative stride in nb={list(nb)} (strides are byte "
+                         "offsets >= 0, as in ggml)")  # fmt: skip
+    tr = TRAITS[t]
+    if tr.blck_size > 1:
+        if ne[0] % tr.blck_size:
+            raise ShapeError(f"tensor {name!r}: ne0={ne[0]} not a multiple of {t.name} block")
+        if nb[0] != tr.type_size:
+            raise ShapeError(f"tensor {name!r}: nb0={nb[0]} of a {t.name} tensor must be its block "
+                             f"size {tr.type_size}")  # fmt: skip
+    elif any(x % tr.type_size for x in nb):
+        raise ShapeError(f"tensor {name!r}: strides nb={list(nb)} are not whole {t.name} elements "
+                         f"({tr.type_size} bytes)")  # fmt: skip
+
+
+def _check_extent(v: Tensor, owner: Tensor) -> None:
+    """ShapeError unless view ``v`` (offset, ne, nb) lies inside its memory owner."""
+    es = TRAITS[v.type].type_size if TRAITS[v.type].blck_size == 1 else 1
+    if v.view_offs < 0 or v.view_offs % es or v.view_offs + v.nbytes > owner.nbytes:
+        what = v.name or (v.op.name if v.op is not None else "view")
+        raise ShapeError(
+            f"view {what!r}: bytes [{v.view_offs}, {v.view_offs + v.nbytes}) (offset, ne="
+            f"{list(v.ne)}, nb={list(v.nb)}) are not inside the {owner.nbytes} bytes of "
+            f"{owner.name or owner.uid!r}" + (" (the offset is not a whole element)"
+                                              if v.view_offs % es else "")
+        )  # fmt: skip
 
 
 def contiguous_strides(type_: GGMLType, ne: tuple[int, int, int, int]) -> tuple[int, ...]:
@@ -89,11 +122,12 @@ class Tensor:
         ne = ne + (1,) * (GGML_MAX_DIMS - len(ne))
         if nb is None:
             nb = contiguous_strides(t, ne)  # raises ShapeError on a partial block
-        elif TRAITS[t].blck_size > 1 and ne[0] % TRAITS[t].blck_size:
-            raise ShapeError(f"tensor {name!r}: ne0={ne[0]} not a multiple of {t.name} block")
+        else:
+            nb = tuple(int(x) for x in nb)
+            _check_strides(t, ne, nb, name)
         self.type = t
         self.ne: tuple[int, int, int, int] = ne  # type: ignore[assignment]
-        self.nb: tuple[int, int, int, int] = tuple(int(x) for x in nb)  # type: ignore[assignment]
+        self.nb: tuple[int, int, int, int] = nb  # type: ignore[assignment]
         self.op = op
         self.op_params = op_params
         self.src = src
@@ -112,6 +146,7 @@ class Tensor:
                 self.view_offs += view_src.view_offs
                 view_src = view_src.view_src
             self.view_src = view_src
+            _check_extent(self, view_src)
             if view_src.buffer is not None:
                 self.buffer = view_src.buffer
                 self.offs = view_src.offs + self.view_offs
@@ -246,10 +281,17 @@ class Tensor:
         return out
 
     def set(self, value: Any) -> Tensor:
-        """Write a numpy-compatible array of ``self.shape`` (converted and quantized as needed)."""
+        """Write a numpy-compatible array of ``self.shape`` (converted and quantized as needed).
+
+        Float types take any real numbers (F16/BF16 round to nearest; values past their range
+        become infinities, as in numpy and ggml). Block-quantized types reject NaN and
+        infinity with DataError: ggml's quantizers take the block's scale from its largest
+        magnitude, so one such value silently turns its whole block (32 or 256 values) into
+        zeros or NaN. Integer types reject values outside their range and fractions (DataError)
+        rather than wrap or truncate them. Non-numeric arrays raise TypeMismatchError."""
         from .types import quantize
 
-        arr = np.asarray(value)
+        arr = _numeric(value, self)
         if arr.shape != self.shape and arr.size == self.nelements and arr.ndim <= 1:
             arr = arr.reshape(self.shape)
         if arr.shape != self.shape:
@@ -259,9 +301,21 @@ class Tensor:
             )
         full = arr.reshape(tuple(reversed(self.ne)))
         if self.type.is_quantized:
-            raw = quantize(self.type, np.ascontiguousarray(full, np.float32))
+            x = np.ascontiguousarray(full, np.float32)
+            bad = ~np.isfinite(x)
+            if bad.any():
+                i = tuple(int(j) for j in np.argwhere(bad)[0][::-1])
+                raise DataError(
+                    f"tensor {self.name or self.uid!r} ({self.type.name}): {x[bad][0]} at ggml index "
+                    f"{list(i)} cannot be quantized ({int(bad.sum())} non-finite values); a "
+                    "block-quantized type holds finite values only"
+                )
+            raw = quantize(self.type, x)
+        elif self.type.is_float:
+            with np.errstate(over="ignore"):  # past the type's range: infinity, as documented
+                raw = np.ascontiguousarray(full, dtype=np_dtype(self.type))
         else:
-            raw = np.ascontiguousarray(full, dtype=np_dtype(self.type))
+            raw = _integers(full, np_dtype(self.type), self)
         if self.is_contiguous():
             self.set_bytes(raw.reshape(-1).view(np.uint8))
             return self
@@ -286,6 +340,35 @@ class Tensor:
     def __array__(self, dtype=None, copy=None):
         a = self.get()
         return a if dtype is None else a.astype(dtype)
+
+
+def _numeric(value: Any, t: Tensor) -> np.ndarray:
+    """``value`` as a numpy array of real numbers, else TypeMismatchError."""
+    name = t.name or t.uid
+    try:
+        arr = np.asarray(value)
+        if arr.dtype.kind == "O":  # Python ints past 64 bits and the like: as numbers, if they are
+            arr = arr.astype(np.float64)
+    except (ValueError, TypeError, OverflowError) as e:  # ragged sequences, objects
+        raise TypeMismatchError(f"tensor {name!r}: the value is not an array of numbers ({e})") from None
+    if arr.dtype.kind not in "biuf" and arr.dtype != np_dtype(GGMLType.BF16):  # ml_dtypes' bfloat16
+        raise TypeMismatchError(
+            f"tensor {t.name or t.uid!r}: values of dtype {arr.dtype} are not real numbers"
+        )
+    return arr
+
+
+def _integers(x: np.ndarray, dt: np.dtype, t: Tensor) -> np.ndarray:
+    """``x`` converted to the integer dtype ``dt``, or DataError for values it cannot hold."""
+    info = np.iinfo(dt)
+    if x.dtype.kind == "f" and (not np.isfinite(x).all() or (x != np.trunc(x)).any()):
+        raise DataError(f"tensor {t.name or t.uid!r} ({dt}): values must be whole numbers")
+    if x.size and (x.min() < info.min or x.max() > info.max):
+        raise DataError(
+            f"tensor {t.name or t.uid!r} ({dt}): values outside [{info.min}, {info.max}] "
+            f"(min {x.min()}, max {x.max()})"
+        )
+    return np.ascontiguousarray(x, dtype=dt)
 
 
 def _as_u8(data: Any) -> np.ndarray:

@@ -20,7 +20,7 @@ import ctypes
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
 
-from .env import flag
+from . import tuning
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
@@ -61,7 +61,7 @@ def _driver():
 
 def pdl_wanted(compute_capability: int) -> bool:
     """Launch with programmatic dependent launch: sm_90+ and not ACCELPLANE_CUDA_PDL=0."""
-    return flag("ACCELPLANE_CUDA_PDL") and compute_capability >= 90
+    return tuning.PDL.get() and compute_capability >= 90
 
 
 class Launch:

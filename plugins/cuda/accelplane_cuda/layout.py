@@ -37,7 +37,7 @@ import numpy as np
 from accelplane.errors import UnsupportedOpError
 from accelplane.types import GGMLType as T
 
-from .env import flag
+from . import tuning
 
 X8 = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}  # kernel type ids of the x8 layouts
 GROUP = 8  # blocks per group
@@ -46,7 +46,7 @@ _BLOCK = {T.Q4_0: 18, T.Q8_0: 34}
 
 def enabled() -> bool:
     """ACCELPLANE_CUDA_REPACK (1, default): new weights buffers take the x8 layouts."""
-    return flag("ACCELPLANE_CUDA_REPACK")
+    return tuning.REPACK.get()
 
 
 def _nibbles_to_words(sub: np.ndarray) -> np.ndarray:

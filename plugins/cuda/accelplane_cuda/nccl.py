@@ -16,14 +16,11 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from accelplane.errors import DeviceError
 from accelplane.tensor import Tensor
 from accelplane.types import GGMLType
 
+from . import tuning
 from .p2p import PeerAllReduce, max_bytes, peer_access
-
-# NCCL stays off NVLink multicast: on shared hosts it can take the GPUs out of service
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 _DTYPE = {GGMLType.F32: 7, GGMLType.F16: 6, GGMLType.BF16: 9}  # ncclFloat32, ncclFloat16, ncclBfloat16
 _SUM = 0
@@ -37,9 +34,13 @@ class NcclComm:
         self.devices = devices
         self.p2p = p2p
         self.p2p_why = p2p_why  # why small tensors go through NCCL too, if they do (diagnostics)
+        # NCCL stays off NVLink multicast (it reads this when a communicator is made): on shared
+        # hosts multicast can take the GPUs out of service; a user's own setting wins
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         self.comms = nccl.NcclCommunicator.initAll(devices)
         default = {2: 32768, 3: 131072}.get(len(devices), 262144)
-        self.bf16_min = int(os.environ.get("ACCELPLANE_CUDA_NCCL_BF16_MIN", default))
+        wanted = tuning.NCCL_BF16_MIN.get()
+        self.bf16_min = default if wanted is None else wanted
         self._bf16_bufs: dict = {}  # (device, elements) -> (pointer, memory): the wire copy
         self._args: dict = {}  # (device, elements) -> the conversion kernel's arguments
 
@@ -121,9 +122,7 @@ class NcclComm:
 def init(backends) -> NcclComm | None:
     from .plugin import StreamCtx
 
-    mode = os.environ.get("ACCELPLANE_CUDA_ALLREDUCE", "auto")
-    if mode not in ("auto", "nccl", "none"):
-        raise DeviceError(f"ACCELPLANE_CUDA_ALLREDUCE must be auto, nccl or none, got {mode!r}")
+    mode = tuning.ALLREDUCE.get()
     if mode == "none":
         return None
     if len(backends) < 2 or not all(isinstance(b.ctx, StreamCtx) for b in backends):

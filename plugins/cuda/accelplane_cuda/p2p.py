@@ -15,12 +15,11 @@ of hanging; the communicator is unusable after that.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-from accelplane.errors import DeviceError
 from accelplane.tensor import Tensor
 from accelplane.types import GGMLType
+
+from . import tuning
 
 AR_MAXB = 64  # blocks per launch at most (kernels.cu: the flags and counters per block)
 THREADS = 256
@@ -28,14 +27,7 @@ _ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 
 
 def max_bytes() -> int:
-    v = os.environ.get("ACCELPLANE_CUDA_P2P_MAX", str(1 << 20))
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise DeviceError(f"ACCELPLANE_CUDA_P2P_MAX must be a byte count >= 0, got {v!r}")
-    return n
+    return tuning.P2P_MAX.get()
 
 
 def peer_access(devices: list[int]) -> str:

@@ -8,12 +8,11 @@ turns that off), so the per-token host cost does not grow with the node count.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from accelplane.errors import BufferFreedError, ComputeError, DeviceError, UnsupportedOpError
+from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
 from accelplane.fusion import NORMS, Fusion, RopeCache, scales_rows
 from accelplane.ops import (
     FLOAT,
@@ -29,8 +28,7 @@ from accelplane.ops import (
 )
 from accelplane.types import GGMLType
 
-from . import layout
-from .env import choice, flag
+from . import layout, tuning
 from .launch import Launch, pdl_wanted
 from .layout import X8, type_id
 
@@ -45,42 +43,30 @@ MMVQ_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_st
 MMVQ_UNIT = {2: 144, 8: 272, 12: 144, 14: 1680, 102: 144, 108: 272, 112: 144}
 
 
-def _mmvp_config() -> tuple[int, int]:
-    """k_mmv_pipe's stage bytes and stages per warp: ACCELPLANE_CUDA_MMVP=SEG,NS (tuning)."""
-    v = os.environ.get("ACCELPLANE_CUDA_MMVP", "4096,2")
-    try:
-        seg, ns = (int(x) for x in v.split(","))
-    except ValueError:
-        raise DeviceError(f"ACCELPLANE_CUDA_MMVP must be SEG,NS (e.g. 4096,2), got {v!r}") from None
-    if seg % 16 or seg < 2048 or not 2 <= ns <= 8:  # a stage holds at least one Q6_K unit (1680 B)
-        raise DeviceError(f"ACCELPLANE_CUDA_MMVP: SEG a multiple of 16 >= 2048, 2 <= NS <= 8; got {v!r}")
-    return seg, ns
-
-
-MMVP_SEG, MMVP_NS = _mmvp_config()
+MMVP_SEG, MMVP_NS = tuning.MMVP.get()  # k_mmv_pipe's stage bytes and stages per warp
 
 
 def _mmv_mode() -> str:
     """ACCELPLANE_CUDA_MMV: which mat-vec kernels may run (a tuning knob, see below)."""
-    return choice("ACCELPLANE_CUDA_MMV", "row", ("row", "pipe", "f32"))
+    return tuning.MMV.get()
 
 
 def _attn_fused() -> bool:
     """ACCELPLANE_CUDA_ATTN: decode attention as one kernel (fused, default) or three (split)."""
-    return choice("ACCELPLANE_CUDA_ATTN", "fused", ("fused", "split")) == "fused"
+    return tuning.ATTN.get() == "fused"
 
 
 def _qkv_fused() -> bool:
     """ACCELPLANE_CUDA_QKV: the Q/K/V projection's register mat-vec also ropes Q and K and
     writes the KV caches (fusion.product_rope_cache; 1, default) or leaves that to k_rope and
     k_set_rows (0)."""
-    return flag("ACCELPLANE_CUDA_QKV")
+    return tuning.QKV.get()
 
 
 def _ring_on() -> bool:
     """ACCELPLANE_CUDA_RING: one-row products of x8 weights whose rows suit it stream through
     per-warp shared-memory rings (k_mmv_ring; 1, default) or take the register kernel (0)."""
-    return flag("ACCELPLANE_CUDA_RING")
+    return tuning.RING.get()
 
 
 # tuning knobs, for measuring the alternatives side by side:
@@ -312,7 +298,7 @@ class CudaPlan:
         self.cublas_ok = True
         self.runs = 0
         self.cuda_graph = None
-        self.graph_failed = not flag("ACCELPLANE_CUDA_GRAPHS")
+        self.graph_failed = not tuning.GRAPHS.get()
         self.nodes = graph.nodes
         # activations already quantized for the register mat-vec, by the kernel that produced
         # them or by an earlier product's k_quant_x: id(tensor) → (tensor, scratch address,
@@ -545,7 +531,7 @@ class CudaPlan:
                                 and b.offs == out.offs and b.nelements == out.nelements
                                 and b.is_contiguous() and out.is_contiguous())  # fmt: skip
 
-        if not flag("ACCELPLANE_CUDA_XQ"):
+        if not tuning.XQ.get():
             return np.uint64(0)
         readers = [c for c in self.nodes if c.op is Op.MUL_MAT and c.src[0].buffer and reads_as_is(c.src[1])]
         readers = [c for c in readers if c.src[1].ne[0] % 32 == 0 and c.src[1].ne[2] == c.src[1].ne[3] == 1
@@ -778,9 +764,7 @@ class CudaPlan:
         if k % 32 or not self._rows_aligned(a) or k * n >= 1 << 28:
             return None
         xbytes = n * k * 4 if a.type in FLOAT else n * k + n * (k // 32) * 8
-        forced = os.environ.get("ACCELPLANE_CUDA_MMV_WARPS")
-        if forced and forced not in ("16", "8", "4"):  # the kernel's launch bounds: 512 threads
-            raise DeviceError(f"ACCELPLANE_CUDA_MMV_WARPS must be 16, 8 or 4, got {forced!r}")
+        forced = tuning.MMV_WARPS.get()  # the kernel's launch bounds: 512 threads
         choices = [int(forced)] if forced else [16, 8, 4]
         for warps in choices:
             smem = warps * MMVP_NS * MMVP_SEG + xbytes
@@ -996,7 +980,7 @@ class CudaPlan:
         lda, ldb, ldc = anb[1] // es, bnb[1] // es, n.nb[1] // 4
         nn = b.ne[1]
         ctype = 0  # CUDA_R_32F
-        f16_out = choice("ACCELPLANE_CUDA_GEMM_OUT", "f32", ("f32", "f16")) == "f16"
+        f16_out = tuning.GEMM_OUT.get() == "f16"
         if wt == T.F16 and f16_out and n.is_contiguous():
             # F16 results from cuBLAS, widened to F32 by one pass afterwards
             from accelplane.tensor import Tensor

@@ -12,16 +12,16 @@ Nothing heavy is imported at module load: CuPy is imported in get_devices.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from accelplane.backend import BufferUsage
 from accelplane.errors import AllocationError, CommTimeoutError, ComputeError, DeviceError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
 
-from . import layout  # numpy and the SDK only: nothing heavy at import
-from .env import flag
+from . import (
+    layout,  # numpy and the SDK only: nothing heavy at import
+    tuning,
+)
 
 ALIGNMENT = 256
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
@@ -174,7 +174,7 @@ def offload_op(device, op):
     # a big batch amortizes copying host weights to the GPU (ggml: GGML_OP_OFFLOAD_MIN_BATCH)
     from accelplane.ops import Op
 
-    min_batch = int(os.environ.get("ACCELPLANE_CUDA_OFFLOAD_MIN_BATCH", "32"))
+    min_batch = tuning.OFFLOAD_MIN_BATCH.get()
     if op.op is Op.MUL_MAT:
         return op.src[1].ne[1] * op.src[1].ne[2] * op.src[1].ne[3] >= min_batch
     if op.op is Op.MUL_MAT_ID:
@@ -388,7 +388,7 @@ class Recording:
 @hookimpl
 def record_begin(backend):
     sc: StreamCtx = backend.ctx
-    if not flag("ACCELPLANE_CUDA_GRAPHS"):
+    if not tuning.GRAPHS.get():
         return False
     cp = _cp()
     with cp.cuda.Device(sc.device):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from accelplane.errors import DeviceError
+from accelplane.errors import ConfigError
 from accelplane_cuda import launch
 
 
@@ -74,5 +74,7 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "0")
     assert not launch.pdl_wanted(90)
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "yes")
-    with pytest.raises(DeviceError, match="ACCELPLANE_CUDA_PDL"):
+    assert launch.pdl_wanted(90)
+    monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "2")
+    with pytest.raises(ConfigError, match="ACCELPLANE_CUDA_PDL"):
         launch.pdl_wanted(90)

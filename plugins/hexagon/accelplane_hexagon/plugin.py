@@ -17,20 +17,18 @@ ACCELPLANE_HEXAGON_ACC (matmul accumulators: fp16, the default, or fp32).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
-from accelplane.errors import AllocationError, DeviceError
+from accelplane.errors import AllocationError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
 
-from . import npu, repack
+from . import npu, repack, tuning
 from .memory import ALIGNMENT, HtpBuffer
 from .prepare import Options, prepare, reorder
 from .support import supports_op as _supports_op
 
-MAX_DEVICES = 16
 DESCRIPTION = ("Hexagon HTP, emulated: NPU kernels in host C with the DSP's data layouts and "
                "arithmetic (no NPU present; timings are not NPU performance)")  # fmt: skip
 
@@ -52,17 +50,6 @@ class BackendState:
         self.batches_sent = 0  # NPU calls made
 
 
-def _ndev() -> int:
-    raw = os.environ.get("ACCELPLANE_HEXAGON_NDEV", "1")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise DeviceError(f"ACCELPLANE_HEXAGON_NDEV={raw!r} is not a number") from None
-    if not 0 <= n <= MAX_DEVICES:
-        raise DeviceError(f"ACCELPLANE_HEXAGON_NDEV={n}: 0..{MAX_DEVICES} devices")
-    return n
-
-
 # --- registration and device ------------------------------------------------------------------
 @hookimpl
 def api_version():
@@ -73,7 +60,7 @@ def api_version():
 def get_devices():
     npu.load()  # a missing build is a broken runtime, reported by the registry
     return [DeviceSpec(f"HTP{i}", DESCRIPTION, DeviceType.ACCEL, DeviceCaps(), DevState(i))
-            for i in range(_ndev())]  # fmt: skip
+            for i in range(tuning.read().ndev)]  # fmt: skip
 
 
 @hookimpl

@@ -10,20 +10,20 @@ descriptors, each executed by one call into the NPU side. The result is cached p
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from accelplane.backend import Buffer
-from accelplane.errors import BufferFreedError, ComputeError, DeviceError
+from accelplane.errors import BufferFreedError, ComputeError, ConfigError
 from accelplane.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, UnaryOp, rope_yarn_corr_dims
 from accelplane.tensor import Tensor, TensorFlag
 from accelplane.types import GGMLType
 
-from . import npu
+from . import npu, tuning
 from .memory import HtpBuffer
 from .support import is_repacked
+from .tuning import Tuning
 
 T = GGMLType
 ALIGN = 128
@@ -37,34 +37,30 @@ _GLU_ACT = {GluOp.SWIGLU: "HTP_ACT_SILU", GluOp.GEGLU: "HTP_ACT_GELU"}
 @dataclass(frozen=True)
 class Options:
     """Per-backend settings: ``init_backend`` params (``"opbatch=8,fusion=0,acc=fp32"``) over
-    the environment (ACCELPLANE_HEXAGON_OPBATCH, _OPFUSION, _ACC) over the defaults."""
+    the plugin's settings (tuning.py: ACCELPLANE_HEXAGON_OPBATCH, _OPFUSION, _ACC)."""
 
     opbatch: int = 1024
     fusion: bool = True
     acc_f16: bool = True  # per-tile matmul accumulators in fp16 (the HVX kernels'), else fp32
 
     @classmethod
-    def parse(cls, params: str = "") -> Options:
-        kv = {k: os.environ.get(f"ACCELPLANE_HEXAGON_{e}")
-              for k, e in (("opbatch", "OPBATCH"), ("fusion", "OPFUSION"), ("acc", "ACC"))}  # fmt: skip
+    def parse(cls, params: str = "", base: Tuning | None = None) -> Options:
+        t = base or tuning.read()
+        kv = {"opbatch": str(t.opbatch), "fusion": "1" if t.fusion else "0", "acc": t.acc}
         for item in filter(None, (p.strip() for p in params.split(","))):
             k, sep, v = (x.strip() for x in item.partition("="))
             if not sep or k not in kv:
-                raise DeviceError(f"HTP backend params: {item!r} is not one of opbatch=N, fusion=0|1, "
-                                 "acc=fp16|fp32")  # fmt: skip
+                raise ConfigError(f"HTP backend params: {item!r} is not one of opbatch=N, fusion=0|1, "
+                                  "acc=fp16|fp32")  # fmt: skip
             kv[k] = v
-        opts = cls()
-        if kv["opbatch"]:
-            if not kv["opbatch"].isdigit() or int(kv["opbatch"]) < 1:
-                raise DeviceError(f"HTP: opbatch must be >= 1, got {kv['opbatch']}")
-            opts = replace(opts, opbatch=int(kv["opbatch"]))
-        if kv["fusion"]:
-            opts = replace(opts, fusion=kv["fusion"].lower() not in ("0", "false", "off", "no"))
-        if kv["acc"]:
-            if kv["acc"] not in ("fp16", "fp32"):
-                raise DeviceError(f"HTP: acc must be fp16 or fp32, got {kv['acc']!r}")
-            opts = replace(opts, acc_f16=kv["acc"] == "fp16")
-        return opts
+        if not kv["opbatch"].isdigit() or int(kv["opbatch"]) < 1:
+            raise ConfigError(f"HTP: opbatch must be >= 1, got {kv['opbatch']}")
+        if kv["fusion"].lower() not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+            raise ConfigError(f"HTP: fusion must be 1 or 0, got {kv['fusion']!r}")
+        if kv["acc"] not in ("fp16", "fp32"):
+            raise ConfigError(f"HTP: acc must be fp16 or fp32, got {kv['acc']!r}")
+        fusion = kv["fusion"].lower() in ("1", "true", "on", "yes")
+        return cls(int(kv["opbatch"]), fusion, kv["acc"] == "fp16")
 
 
 def _align(n: int) -> int:

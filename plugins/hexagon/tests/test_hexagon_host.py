@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from accelplane.alloc import GraphAllocator
-from accelplane.errors import DeviceError
+from accelplane.errors import ConfigError
 from accelplane.graph import Context
 from accelplane.types import GGMLType
 
@@ -67,9 +67,12 @@ def test_options_from_env_and_params(monkeypatch):
     monkeypatch.setenv("ACCELPLANE_HEXAGON_ACC", "fp32")
     assert Options.parse() == Options(16, False, False)
     assert Options.parse("opbatch=2, fusion=1, acc=fp16") == Options(2, True, True)
-    for bad in ("opbatch=0", "opbatch=x", "acc=bf16", "threads=4", "opbatch"):
-        with pytest.raises(DeviceError):
+    for bad in ("opbatch=0", "opbatch=x", "acc=bf16", "threads=4", "opbatch", "fusion=maybe"):
+        with pytest.raises(ConfigError):
             Options.parse(bad)
+    monkeypatch.setenv("ACCELPLANE_HEXAGON_ACC", "bf16")
+    with pytest.raises(ConfigError, match="ACCELPLANE_HEXAGON_ACC='bf16': expected one of fp16, fp32"):
+        Options.parse()
 
 
 # --- fusion -------------------------------------------------------------------------------------

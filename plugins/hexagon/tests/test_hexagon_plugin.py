@@ -52,10 +52,12 @@ def test_ndev_and_cheap_import():
     assert names == ["HTP0", "HTP1", "HTP2"]
 
 
-def test_bad_ndev_is_a_recorded_plugin_failure():
-    out = _py("import accelplane\nprint(accelplane.get_registry().info())",
-              ACCELPLANE_HEXAGON_NDEV="x", ACCELPLANE_PLUGINS="")  # fmt: skip
-    assert "ACCELPLANE_HEXAGON_NDEV" in out
+@pytest.mark.parametrize("bad", ["x", "17", "-1"])
+def test_bad_ndev_is_a_config_error(bad):
+    out = _py("import accelplane\nfrom accelplane.errors import ConfigError\n"
+              "try:\n    accelplane.get_registry().devices\nexcept ConfigError as e:\n    print(e)",
+              ACCELPLANE_HEXAGON_NDEV=bad, ACCELPLANE_PLUGINS="")  # fmt: skip
+    assert out.startswith(f"ACCELPLANE_HEXAGON_NDEV={bad!r}: expected an integer from 0 to 16"), out
 
 
 # --- supports_op ------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ llama.cpp's SYCL per-instance-queue work (docs/ordering.md):
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,8 @@ import numpy as np
 from accelplane.errors import ComputeError, DeviceError
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
+
+from . import tuning
 
 ALIGNMENT = 128
 SPINS_PER_US = 700  # k_spin steps per microsecond on the OpenCL CPU device, roughly
@@ -59,9 +60,9 @@ class BackendState:
         self.last: Any = None  # event of the latest submission (None: unknown, e.g. after dpnp)
         self.err: Any = None  # UsmBuffer: 4 bytes of device memory, allocated by the first index op
         self.check_err = False  # an index op ran since the error word was last read
-        self.delay_us = float(os.environ.get("ACCELPLANE_TEST_DELAY_US", "0") or 0)
-        seed = os.environ.get("ACCELPLANE_SYCL_DELAY_SEED")
-        self.rng = random.Random(int(seed) if seed else None)
+        settings = tuning.read()
+        self.delay_us = settings.delay_us or 0.0
+        self.rng = random.Random(settings.delay_seed)
         dev.streams.add(self)
 
     def _plan(self, graph) -> Any:

@@ -2,14 +2,10 @@
 
 Imported on the first get_devices, never at plugin discovery (dpctl loads the SYCL runtime).
 
-Environment:
-  ACCELPLANE_SYCL_DEVICES   comma list of dpctl device indices to expose, one accelplane device
-                            each; an index may repeat ("0,0": one SYCL device opened as two
-                            logical devices, each with its own context and queues). Default:
-                            every device dpctl lists.
-  ACCELPLANE_SYCL_ONEMKL    0 disables matmul through oneMKL (dpnp); own kernels only.
-  OCL_ICD_FILENAMES         set here to the intel-opencl-rt wheel's runtime library when unset
-                            (the wheel's .icd file names a path that does not exist).
+Settings are in tuning.py (ACCELPLANE_SYCL_DEVICES: which dpctl devices to expose, an index
+may repeat: "0,0" opens one SYCL device as two logical devices, each with its own context and
+queues). OCL_ICD_FILENAMES is set here to the intel-opencl-rt wheel's runtime library when
+unset (the wheel's .icd file names a path that does not exist).
 """
 
 from __future__ import annotations
@@ -24,7 +20,10 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from accelplane.errors import AllocationError, ComputeError, DeviceError
+from accelplane.errors import AllocationError, ComputeError, ConfigError, DeviceError
+
+from . import tuning
+from .tuning import Tuning
 
 RUNTIME_DIST = "intel-opencl-rt"
 RUNTIME_LIB = "libintelocl.so"
@@ -57,22 +56,20 @@ def open_dpctl() -> Any:
     return dpctl
 
 
-def _device_indices(n: int) -> list[int]:
-    spec = os.environ.get("ACCELPLANE_SYCL_DEVICES", "").strip()
-    if not spec:
+def _device_indices(n: int, wanted: tuple[int, ...] | None) -> list[int]:
+    if not wanted:
         return list(range(n))
-    try:
-        idx = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise DeviceError(f"ACCELPLANE_SYCL_DEVICES={spec!r} is not a comma list of indices") from None
-    bad = [i for i in idx if not 0 <= i < n]
-    if bad or not idx:
-        raise DeviceError(f"ACCELPLANE_SYCL_DEVICES={spec!r}: dpctl lists {n} device(s), indices 0..{n - 1}")
-    return idx
+    bad = [i for i in wanted if not 0 <= i < n]
+    if bad:
+        raise ConfigError(
+            f"ACCELPLANE_SYCL_DEVICES: dpctl lists {n} device(s), indices 0..{n - 1}; got {bad}"
+        )
+    return list(wanted)
 
 
 def discover() -> list[DevState]:
     """The logical devices: one per index of ACCELPLANE_SYCL_DEVICES (default: every device)."""
+    settings = tuning.read()
     dpctl = open_dpctl()
     phys = list(dpctl.get_devices())
     if not phys:
@@ -82,8 +79,8 @@ def discover() -> list[DevState]:
             f"{os.environ.get('OCL_ICD_FILENAMES', '<unset>')}; {RUNTIME_DIST} "
             f"{'runtime at ' + lib if lib else 'not installed'})"
         )
-    idx = _device_indices(len(phys))
-    return [DevState(i, phys[j], j, idx.count(j) > 1) for i, j in enumerate(idx)]
+    idx = _device_indices(len(phys), settings.devices)
+    return [DevState(i, phys[j], j, idx.count(j) > 1, settings) for i, j in enumerate(idx)]
 
 
 _sources: tuple[str, dict[str, str]] | None = None
@@ -111,9 +108,10 @@ class DevState:
     """One logical device: a SYCL device with its own context, a queue for blocking buffer
     operations, the kernel program (built on first use) and the streams opened on it."""
 
-    def __init__(self, index: int, dev: Any, phys_index: int, shared: bool) -> None:
+    def __init__(self, index: int, dev: Any, phys_index: int, shared: bool, settings: Tuning) -> None:
         import dpctl
 
+        self.settings = settings
         self.index = index
         self.name = f"SYCL{index}"
         self.dev = dev
@@ -167,7 +165,7 @@ class DevState:
         """dpnp (oneMKL gemm) when installed and not disabled, else None."""
         if self._onemkl is None:
             mod: Any = False
-            if os.environ.get("ACCELPLANE_SYCL_ONEMKL", "1") != "0":
+            if self.settings.onemkl:
                 try:
                     import dpnp
 

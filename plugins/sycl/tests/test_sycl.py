@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from accelplane.alloc import alloc_tensors
 from accelplane.backend import Comm, tensor_copy_async
-from accelplane.errors import AllocationError, ComputeError, DeviceError
+from accelplane.errors import AllocationError, ComputeError, ConfigError, DeviceError
 from accelplane.graph import Context, Graph
 from accelplane.types import GGMLType
 from accelplane_sycl import runtime
@@ -358,9 +358,10 @@ def test_no_device_is_a_clear_error(monkeypatch):
         runtime.discover()
 
 
-def test_bad_device_list_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("ACCELPLANE_SYCL_DEVICES", "0,99")
-    with pytest.raises(DeviceError, match="ACCELPLANE_SYCL_DEVICES"):
+@pytest.mark.parametrize("bad", ["0,99", "a", "0,,1", "-1"])
+def test_bad_device_list_is_a_config_error(monkeypatch, bad):
+    monkeypatch.setenv("ACCELPLANE_SYCL_DEVICES", bad)
+    with pytest.raises(ConfigError, match="ACCELPLANE_SYCL_DEVICES"):
         runtime.discover()
 
 

@@ -17,15 +17,12 @@ byte-identical to the SDK's butterfly and ring (the same canonical order of addi
 
 ACCELPLANE_VK_COMM_RING=1 runs the SDK's ring (reduce-scatter + all-gather) over this plugin's
 asynchronous copies instead; ACCELPLANE_VK_COMM_OFF=1 makes comm_init return None, leaving
-the SDK's butterfly. ACCELPLANE_VK_COMM_PEER=1 asks for peer memory (DMA-BUF import between
-devices): not implemented here, and lavapipe and NVIDIA's driver do not advertise it anyway;
-the request is logged once and host staging serves.
+the SDK's butterfly. There is no peer-memory path (DMA-BUF import between devices): lavapipe
+and NVIDIA's driver do not advertise it.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,23 +35,11 @@ from accelplane.tensor import Tensor
 from accelplane.types import GGMLType, np_dtype
 
 from .runtime import Memory, Stream, cmd_copy, cmd_to_host
+from .tuning import Tuning
 
 T = GGMLType
 REDUCIBLE = (T.F32, T.F16, T.BF16)
-DEFAULT_CHUNK = 4 << 20
 MAX_GRAPHS = 32  # conversion graphs kept per layout (one pair per tensor seen)
-PEER_EXTENSIONS = ("VK_KHR_external_memory_fd", "VK_EXT_external_memory_dma_buf")
-log = logging.getLogger("accelplane.vulkan")
-_peer_logged = False
-
-
-def flag(name: str) -> bool:
-    """An on/off environment switch (unset, '', 0, false, no: off)."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-
-
-def _chunk_bytes() -> int:
-    return max(4096, int(os.environ.get("ACCELPLANE_VK_COMM_CHUNK", str(DEFAULT_CHUNK))))
 
 
 @dataclass
@@ -72,13 +57,12 @@ class _Layout:
 class VkComm:
     """The communicator of a set of Vulkan backends (one per rank)."""
 
-    def __init__(self, backends) -> None:
+    def __init__(self, backends, settings: Tuning) -> None:
         self.backends = list(backends)
         self.streams: list[Stream] = [b.ctx for b in self.backends]
         self.layouts: dict[tuple, _Layout] = {}
         self.ring: AllReduce | None = None
-        if flag("ACCELPLANE_VK_COMM_PEER"):
-            _log_peer_once(self.streams)
+        self.settings = settings
 
     # --- entry --------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[Tensor]) -> bool:
@@ -87,12 +71,12 @@ class VkComm:
             return False
         if ref.nelements == 0:
             return True
-        if flag("ACCELPLANE_VK_COMM_RING"):
+        if self.settings.comm_ring:
             return self._ring(tensors)
         wire = ref.type
         if (
             ref.type == T.F32
-            and not flag("ACCELPLANE_VK_COMM_FP32")
+            and not self.settings.comm_fp32
             and ref.nbytes >= compress_threshold_default()
         ):
             wire = T.F16
@@ -101,7 +85,7 @@ class VkComm:
 
     def _ring(self, tensors: list[Tensor]) -> bool:
         if self.ring is None:
-            self.ring = AllReduce(self.backends, "ring", None if flag("ACCELPLANE_VK_COMM_FP32") else "f16")
+            self.ring = AllReduce(self.backends, "ring", None if self.settings.comm_fp32 else "f16")
         self.ring(tensors)
         return True
 
@@ -144,7 +128,7 @@ class VkComm:
     def _host_reduce(self, tensors: list[Tensor], lay: _Layout) -> None:
         n, streams = len(tensors), self.streams
         es = lay.wire.type_size
-        step = max(1, _chunk_bytes() // es)
+        step = max(1, self.settings.comm_chunk // es)
         chunks = [(lo, min(step, lay.nel - lo)) for lo in range(0, lay.nel, step)]
         compressed = lay.wire != tensors[0].type
         # the device memory that travels: the partial itself, or its F16 image
@@ -227,20 +211,6 @@ class VkComm:
         if self.ring is not None:
             self.ring.free()
             self.ring = None
-
-
-def _log_peer_once(streams: list[Stream]) -> None:
-    global _peer_logged
-    if _peer_logged:
-        return
-    _peer_logged = True
-    lacking = sorted({s.dev.phys.name for s in streams if not set(PEER_EXTENSIONS) <= s.dev.phys.extensions})
-    why = (
-        f"the driver does not advertise {' + '.join(PEER_EXTENSIONS)} on {', '.join(lacking)}"
-        if lacking
-        else "this version has no peer-memory path"
-    )
-    log.warning("ACCELPLANE_VK_COMM_PEER: %s; all-reduce partials go through host memory", why)
 
 
 def _bind(fn, c: int):

@@ -11,15 +11,15 @@ constants holding GGUF type ids.
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from accelplane.errors import DeviceError
 from accelplane.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, SortOrder, UnaryOp, rope_yarn_corr_dims
 from accelplane.tensor import Tensor
 from accelplane.types import GGMLType
+
+from .tuning import Tuning
 
 T = GGMLType
 FLOAT = frozenset({T.F32, T.F16, T.BF16})
@@ -72,6 +72,13 @@ class Caps:
     storage16: bool = True  # storageBuffer16BitAccess: F16/BF16/quantized tensors
     subgroup: int = 0  # subgroup size where compute shaders have subgroup arithmetic, else 0
     int_dot: bool = False  # shaderIntegerDotProduct: packed int8 dot products (mul_mat_vec_q8)
+    mmv_rows: int = 4  # weight rows per workgroup of mul_mat_vec_q (0: mul_mat_vec), tuning.py
+    mmv_wg: int = 128  # threads per workgroup of mul_mat_vec_q
+
+    @classmethod
+    def of(cls, storage16: bool, subgroup: int, int_dot: bool, t: Tuning) -> Caps:
+        """The device's features as the user's settings (``t``) let the kernels use them."""
+        return cls(storage16, subgroup if t.mmv_subgroup else 0, int_dot and t.mmv_q8, t.mmv_rows, t.mmv_wg)
 
 
 @dataclass(frozen=True)
@@ -253,36 +260,25 @@ def _rope(t: Tensor) -> list[Dispatch]:
 
 
 # quantized weights by 1..8 columns (mul_mat_vec_q): rows per workgroup and threads per
-# workgroup; ACCELPLANE_VK_MMV_ROWS=0 keeps such products on mul_mat_vec (one row a workgroup).
+# workgroup (Caps.mmv_rows = 0 keeps such products on mul_mat_vec, one row a workgroup).
 # With integer dot products the activations are quantized to int8 blocks first (quantize_b8)
-# and the products run on packed 4x8-bit dot products (mul_mat_vec_q8); ACCELPLANE_VK_MMV_Q8=0
-# keeps the float kernel.
-MMV_ROWS = (0, 1, 2, 4, 8)
-MMV_WG = (32, 64, 128, 256)
+# and the products run on packed 4x8-bit dot products (mul_mat_vec_q8; Caps.int_dot off keeps
+# the float kernel).
 MMV_SHARED_FLOATS = 4096  # shared-memory reduction without subgroups: 16 KiB, Vulkan's minimum
 PUSH_OFFB = 72  # byte offset of offb in mul_mat_vec's push constants (4 uvec4, K, offa, offb)
-
-
-def _env_choice(name: str, default: int, allowed: tuple[int, ...]) -> int:
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    if not v.isdigit() or int(v) not in allowed:
-        raise DeviceError(f"{name}={v!r}: expected one of {', '.join(map(str, allowed))}")
-    return int(v)
 
 
 def _mmv_q(a: Tensor, ncols: int, id_mode: int, tb: GGMLType, caps: Caps):
     """(shader, spec, rows per workgroup) of mul_mat_vec_q(8) for weights ``a``, or None for
     mul_mat_vec."""
     ta, k = a.type, a.ne[0]
-    rows = _env_choice("ACCELPLANE_VK_MMV_ROWS", 4, MMV_ROWS)
+    rows = caps.mmv_rows
     if ta not in QUANT or rows == 0:
         return None
-    sg = caps.subgroup if _env_choice("ACCELPLANE_VK_MMV_SUBGROUP", 1, (0, 1)) else 0
-    q8 = bool(sg) and caps.int_dot and bool(_env_choice("ACCELPLANE_VK_MMV_Q8", 1, (0, 1)))
+    sg = caps.subgroup
+    q8 = bool(sg) and caps.int_dot
     per = 16 if q8 and ta in (T.Q4_K, T.Q6_K) else 8  # values a thread takes at a time
-    wg = _env_choice("ACCELPLANE_VK_MMV_WG", 128, MMV_WG)
+    wg = caps.mmv_wg
     while wg > 32 and wg // 2 >= k // per:  # short rows: no idle threads
         wg //= 2
     # Q4_K rows that start 4-byte aligned (every block then is): 32-bit loads

@@ -15,13 +15,14 @@ loader or driver is missing; the registry records that and the host carries on.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.plancache import PlanCache
+
+from . import tuning
 
 if TYPE_CHECKING:
     from .runtime import LogicalDevice, Stream
@@ -83,11 +84,12 @@ def api_version():
 
 @hookimpl
 def get_devices():
+    settings = tuning.read()
     rt = _rt()  # DeviceError when libvulkan is missing
     from .kernels import Caps
 
     inst = rt.instance()
-    sel = rt.select_physical(inst)
+    sel = rt.select_physical(inst, settings.devices)
     per_phys: dict[int, int] = {}
     for i, _ in sel:
         per_phys[i] = per_phys.get(i, 0) + 1
@@ -107,7 +109,8 @@ def get_devices():
                 dtype,
                 caps,
                 DeviceCtx(
-                    f"Vulkan{n}", p, Caps(p.storage16, p.subgroup_size if p.subgroup_arith else 0, p.int_dot)
+                    f"Vulkan{n}", p,
+                    Caps.of(p.storage16, p.subgroup_size if p.subgroup_arith else 0, p.int_dot, settings),
                 ),
             )
         )
@@ -127,7 +130,7 @@ def init_backend(device, backend, params):
 
     ctx: DeviceCtx = device.ctx
     stream = _rt().Stream(ctx.open(), backend.name)
-    stream.delay_s = float(os.environ.get("ACCELPLANE_TEST_DELAY_US", "0")) * 1e-6
+    stream.delay_s = (tuning.read().delay_us or 0.0) * 1e-6
     stream.plans = PlanCache(lambda graph: Plan(stream, graph, ctx.caps))
     return stream
 
@@ -355,14 +358,15 @@ def event_synchronize(device, event):
 # --- comm --------------------------------------------------------------------------------------------------
 @hookimpl
 def comm_init(backends):
-    from .comm import VkComm, flag
+    from .comm import VkComm
 
     streams = [_stream(b) for b in backends]
-    if flag("ACCELPLANE_VK_COMM_OFF") or len(backends) < 2 or any(s is None for s in streams):
+    settings = tuning.read()
+    if settings.comm_off or len(backends) < 2 or any(s is None for s in streams):
         return None  # the SDK's butterfly serves
     if len({id(s) for s in streams}) < len(streams):
         return None
-    return VkComm(backends)
+    return VkComm(backends, settings)
 
 
 @hookimpl

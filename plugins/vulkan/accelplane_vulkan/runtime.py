@@ -19,7 +19,6 @@ waiting stream: the host that queued the work is never blocked.
 from __future__ import annotations
 
 import collections
-import os
 import queue as queue_mod
 import random
 import threading
@@ -29,13 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from accelplane.errors import AllocationError, BufferFreedError, ComputeError, DeviceError
+from accelplane.errors import AllocationError, BufferFreedError, ComputeError, ConfigError, DeviceError
 
-if os.environ.get("ACCELPLANE_VK_LOADER"):  # a loader outside the library path (e.g. unpacked
-    import ctypes  # from the libvulkan1 .deb): loaded first, the package's dlopen finds it by soname
+from . import tuning
+from .tuning import LOADER
+
+if LOADER.get():  # a loader outside the library path (e.g. unpacked from the libvulkan1 .deb):
+    import ctypes  # loaded first, the package's dlopen finds it by soname
 
     try:
-        ctypes.CDLL(os.environ["ACCELPLANE_VK_LOADER"], mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(LOADER.get(), mode=ctypes.RTLD_GLOBAL)
     except OSError as _e:
         raise DeviceError(f"no Vulkan driver found: ACCELPLANE_VK_LOADER: {_e}") from _e
 
@@ -63,10 +65,6 @@ STAGING_CHUNK = 16 << 20  # blocking transfers go through staging in pieces of t
 WAIT_SLICE_NS = 200_000_000  # host waits wake up this often (Ctrl-C, timeout checks)
 DEVICE_TYPES = {0: "other", 1: "integrated GPU", 2: "discrete GPU", 3: "virtual GPU", 4: "CPU"}
 _TYPE_ORDER = {2: 0, 1: 1, 3: 2, 0: 3, 4: 4}  # discrete first, CPU (lavapipe) last
-
-
-def _timeout_s() -> float:
-    return float(os.environ.get("ACCELPLANE_VK_TIMEOUT_S", "600"))
 
 
 def _result_name(r: int) -> str:
@@ -257,24 +255,21 @@ def instance() -> Instance:
         return _instance
 
 
-def select_physical(inst: Instance) -> list[tuple[int, PhysInfo]]:
-    """(physical index, info) of each accelplane device: ACCELPLANE_VK_DEVICES (comma list of
+def select_physical(inst: Instance, wanted: tuple[int, ...] | None) -> list[tuple[int, PhysInfo]]:
+    """(physical index, info) of each accelplane device: ``wanted`` (ACCELPLANE_VK_DEVICES:
     indices into the sorted physical list; repeats open one physical device as several
     logical devices), else every usable GPU, else every usable device (lavapipe)."""
     phys = inst.physical
     usable = [(i, p) for i, p in enumerate(phys) if not p.usable]
-    env = os.environ.get("ACCELPLANE_VK_DEVICES", "").strip()
-    if env:
+    if wanted:
         out = []
-        for tok in env.split(","):
-            try:
-                i = int(tok)
-                p = phys[i]
-            except (ValueError, IndexError):
-                raise DeviceError(
-                    f"ACCELPLANE_VK_DEVICES={env!r}: {tok!r} is not an index 0..{len(phys) - 1} "
-                    f"of the physical devices ({', '.join(p.name for p in phys)})"
-                ) from None
+        for i in wanted:
+            if i >= len(phys):
+                raise ConfigError(
+                    f"ACCELPLANE_VK_DEVICES: {i} is not an index 0..{len(phys) - 1} of the physical "
+                    f"devices ({', '.join(p.name for p in phys)})"
+                )
+            p = phys[i]
             if p.usable:
                 raise DeviceError(
                     f"ACCELPLANE_VK_DEVICES: physical device {i} ({p.name}) is not usable: {p.usable}"
@@ -698,6 +693,7 @@ class Stream:
         # bugs show up in the conformance suite's race cases
         self.delay_s = 0.0
         self._rng = random.Random()
+        self.timeout_s = tuning.read().timeout_s  # host waits give up after this long
         dev.streams.add(self)
 
     def __repr__(self) -> str:
@@ -724,7 +720,7 @@ class Stream:
             pSemaphores=sems,
             pValues=vals,
         )
-        deadline = time.monotonic() + _timeout_s()
+        deadline = time.monotonic() + self.timeout_s
         while True:
             r = lib.vkWaitSemaphores(self.dev.handle, wi, WAIT_SLICE_NS)
             if r == V.VK_SUCCESS:
@@ -733,7 +729,7 @@ class Stream:
                 check(r, f"vkWaitSemaphores ({self.label})")
             if time.monotonic() > deadline:
                 raise ComputeError(
-                    f"Vulkan {self.label}: timed out after {_timeout_s():.0f} s waiting for "
+                    f"Vulkan {self.label}: timed out after {self.timeout_s:.0f} s waiting for "
                     f"{what or 'queued work'} (ACCELPLANE_VK_TIMEOUT_S)"
                 )
 
@@ -1044,7 +1040,7 @@ class Bridge:
 
     def stop(self) -> None:
         self.q.put(None)
-        self.thread.join(timeout=_timeout_s())
+        self.thread.join(timeout=self.dst.timeout_s)
         lib.vkDestroySemaphore(self.dst.dev.handle, self.sem, NULL)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from accelplane.errors import KernelCompileError
 from accelplane.plancache import cache_dir
 
+from . import tuning
+
 SHADER_DIR = Path(__file__).parent / "shaders"
 PREBUILT_DIR = Path(__file__).parent / "spirv"
 GLSLC_ARGS = ("-fshader-stage=compute", "--target-env=vulkan1.2", "-O")
@@ -33,7 +35,7 @@ class ShaderCompileError(KernelCompileError):
 def shader_dir() -> Path:
     """Where the shaders are read from: ACCELPLANE_VK_SHADER_DIR (kernel development), else
     the package's shaders/."""
-    d = os.environ.get("ACCELPLANE_VK_SHADER_DIR")
+    d = tuning.read().shader_dir
     return Path(d) if d else SHADER_DIR
 
 
@@ -50,7 +52,7 @@ def source_key(name: str, shader_dir: Path = SHADER_DIR) -> str:
 
 
 def glslc() -> str | None:
-    return shutil.which(os.environ.get("ACCELPLANE_GLSLC", "glslc"))
+    return shutil.which(tuning.read().glslc)
 
 
 def run_glslc(src: Path, include_dir: Path) -> bytes:

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from accelplane.alloc import alloc_tensors
 from accelplane.backend import tensor_copy_async
-from accelplane.errors import AccelplaneError, DeviceError, KernelCompileError
+from accelplane.errors import AccelplaneError, ConfigError, KernelCompileError
 from accelplane.graph import Context
 from accelplane.registry import reset_registry
 from accelplane.types import GGMLType, quantize
-from accelplane_vulkan import kernels, shaders
+from accelplane_vulkan import kernels, shaders, tuning
 
 T = GGMLType
 
@@ -83,16 +83,22 @@ def test_logical_devices_from_env(vk_devices, monkeypatch):
         x.free()
 
 
-def test_bad_device_list_is_reported(monkeypatch):
-    monkeypatch.setenv("ACCELPLANE_VK_DEVICES", "0,99")
+@pytest.mark.parametrize("bad", ["0,99", "0,x", "-1"])
+def test_bad_device_list_is_a_config_error(monkeypatch, bad):
+    """A bad ACCELPLANE_VK_DEVICES stops every use of the registry with the variable named
+    (no quiet fall-back to the other devices)."""
+    monkeypatch.setenv("ACCELPLANE_VK_DEVICES", bad)
     reset_registry()
     try:
         reg = accelplane.get_registry()
-        reasons = [f.reason for f in reg.failures if f.name == "vulkan"]
-        if "vulkan" not in reg.plugins and not any("ACCELPLANE_VK_DEVICES" in r for r in reasons):
-            pytest.skip(f"no device: {reasons}")
-        assert "vulkan" not in reg.plugins
-        assert any("ACCELPLANE_VK_DEVICES" in r and "'99'" in r for r in reasons), reasons
+        try:
+            _ = reg.devices
+        except ConfigError as e:
+            assert "ACCELPLANE_VK_DEVICES" in str(e) and ("99" in str(e) or bad in str(e)), e
+        else:  # the index is checked against the driver's devices: none, no error
+            pytest.skip(f"no Vulkan device: {[f.reason for f in reg.failures]}")
+        with pytest.raises(ConfigError):  # again, not only the first time
+            _ = reg.devices
     finally:
         reset_registry()
 
@@ -303,18 +309,27 @@ def test_mul_mat_vec_q_dispatch(monkeypatch):
     assert (pre.shader, pre.groups, pre.scratch.write) == ("quantize_b8", 3 * 4096 // 512, True)
     assert pre.scratch.nbytes == 3 * 4096 + 3 * 128 * 4 == d.scratch.nbytes and not d.scratch.write
     assert (d.shader, d.spec, d.bindings[1]) == ("mul_mat_vec_q8", (T.Q4_0, T.F32, 3, 0, 4, 32, 128, 0), None)
+
+    def caps(subgroup: int, int_dot: bool) -> kernels.Caps:  # the device's, as the settings allow
+        return kernels.Caps.of(True, subgroup, int_dot, tuning.read())
+
     monkeypatch.setenv("ACCELPLANE_VK_MMV_Q8", "0")
-    (d,) = kernels.dispatches(q, kernels.Caps(subgroup=32, int_dot=True))
+    (d,) = kernels.dispatches(q, caps(32, True))
     assert d.shader == "mul_mat_vec_q"
     monkeypatch.delenv("ACCELPLANE_VK_MMV_Q8")
-    (d,) = kernels.dispatches(q, kernels.Caps())  # no subgroup arithmetic: shared memory
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_SUBGROUP", "0")
+    (d,) = kernels.dispatches(q, caps(32, True))  # no subgroup arithmetic: shared memory
     assert (d.shader, d.spec[4:]) == ("mul_mat_vec_q_sm", (4, 1, 128, 0))
     monkeypatch.setenv("ACCELPLANE_VK_MMV_ROWS", "8")
-    (d,) = kernels.dispatches(q, kernels.Caps())  # 8 rows x 3 columns x 128 threads: 12 KiB
+    (d,) = kernels.dispatches(q, caps(0, False))  # 8 rows x 3 columns x 128 threads: 12 KiB
     assert d.spec[4] == 8 and d.groups == 3
     monkeypatch.setenv("ACCELPLANE_VK_MMV_WG", "256")
-    (d,) = kernels.dispatches(q, kernels.Caps())  # 24 KiB would exceed 16: fewer rows
+    (d,) = kernels.dispatches(q, caps(0, False))  # 24 KiB would exceed 16: fewer rows
     assert d.spec[4:] == (4, 1, 256, 0) and d.groups == 5
+    monkeypatch.setenv("ACCELPLANE_VK_MMV_WG", "100")
+    with pytest.raises(ConfigError, match="ACCELPLANE_VK_MMV_WG='100': expected one of 32, 64, 128, 256"):
+        tuning.read()
+    monkeypatch.delenv("ACCELPLANE_VK_MMV_WG")
     b512 = ctx.new_tensor_ne(T.F32, 512, 1)
     q4k = ctx.mul_mat(ctx.new_tensor_ne(T.Q4_K, 512, 16), b512)
     (d,) = kernels.dispatches(q4k, sg)
@@ -324,11 +339,11 @@ def test_mul_mat_vec_q_dispatch(monkeypatch):
     (d,) = kernels.dispatches(ctx.mul_mat(ctx.new_tensor_ne(T.F16, 4096, 16), b), sg)
     assert d.shader == "mul_mat_vec", "float weights keep their kernel"
     monkeypatch.setenv("ACCELPLANE_VK_MMV_ROWS", "0")
-    (d,) = kernels.dispatches(q, sg)
+    (d,) = kernels.dispatches(q, caps(32, False))
     assert d.shader == "mul_mat_vec" and d.groups == 17
     monkeypatch.setenv("ACCELPLANE_VK_MMV_ROWS", "3")
-    with pytest.raises(DeviceError, match="ACCELPLANE_VK_MMV_ROWS"):
-        kernels.dispatches(q, sg)
+    with pytest.raises(ConfigError, match="ACCELPLANE_VK_MMV_ROWS"):
+        caps(32, False)
 
 
 def test_mul_mat_vec_q8_quantizes_each_activation_once(vk_devices):

@@ -142,18 +142,3 @@ def test_repeated_calls_without_host_sync(ranks, monkeypatch):
             np.testing.assert_allclose(x.get(), want[0], rtol=1e-5)
     for b in bufs:
         b.free()
-
-
-def test_peer_request_falls_back_logging_once(ranks, monkeypatch, caplog):
-    from accelplane_vulkan import comm
-
-    monkeypatch.setenv("ACCELPLANE_VK_COMM_PEER", "1")
-    monkeypatch.setattr(comm, "_peer_logged", False)
-    bks = ranks(2)
-    vals = [np.ones(100, np.float32), np.full(100, 2.0, np.float32)]
-    with caplog.at_level("WARNING", logger="accelplane.vulkan"):
-        for _ in range(2):
-            used, out = _run(bks, T.F32, (100,), vals, "plugin")
-            assert used == "plugin" and np.array_equal(out[1], np.full(100, 3.0, np.float32))
-    msgs = [r.getMessage() for r in caplog.records if "ACCELPLANE_VK_COMM_PEER" in r.getMessage()]
-    assert len(msgs) == 1 and "host memory" in msgs[0], msgs

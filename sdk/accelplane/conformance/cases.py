@@ -464,9 +464,60 @@ def _col2im() -> Iterator[OpCase]:
                      build, 1e-7)  # fmt: skip
 
 
+# views with extreme but legal strides, whose last element is their owner's last: kernels may
+# trust the strides they are given and must reach exactly those bytes (the guards right after
+# the owner catch any other)
+EXTREME_VIEWS = {  # name: (ne, nb in elements, offset in elements)
+    "sparse": ((4, 3, 2, 2), (7, 7 * 5, 7 * 5 * 3, 7 * 5 * 3 * 2 * 2), 6),
+    "reversed": ((5, 3, 4, 2), (24, 8, 2, 1), 9),  # the innermost stride the largest
+    "row-broadcast": ((16, 5, 1, 1), (1, 0, 16, 16), 48),  # every row the same memory
+    "tail": ((3, 2, 2, 1), (1, 3, 6, 12), 988),
+    "one-element": ((1, 1, 1, 1), (1, 1, 1, 1), 36),
+}
+
+
+def _extreme_view(ctx: Context, ta: GGMLType, kind: str, name: str) -> Tensor:
+    ne, nb, offs = EXTREME_VIEWS[kind]
+    last = offs + sum((n - 1) * s for n, s in zip(ne, nb, strict=True))
+    es = ta.type_size
+    base = ctx.new_tensor_ne(ta, last + 1, name=name)
+    return ctx.view(base, ne, tuple(x * es for x in nb), offs * es)
+
+
+def _views() -> Iterator[OpCase]:
+    for kind in EXTREME_VIEWS:
+        for ta in (T.F32, T.F16, T.I32):
+
+            def build_cont(ctx, ta=ta, kind=kind):
+                return ctx.cont(_extreme_view(ctx, ta, kind, "a"))
+
+            yield OpCase("CONT", {"type": ta, "view": kind}, build_cont, 1e-7,
+                         {"a": ints(-99, 99)} if ta == T.I32 else {}, exact=ta == T.I32)  # fmt: skip
+        for ta in (T.F32, T.F16):
+
+            def build_add(ctx, ta=ta, kind=kind):
+                v = _extreme_view(ctx, ta, kind, "a")
+                return ctx.add(v, ctx.new_tensor_ne(ta, *v.ne, name="b"))
+
+            def build_unary(ctx, ta=ta, kind=kind):
+                return ctx.scale(_extreme_view(ctx, ta, kind, "a"), 1.5, 0.25)
+
+            yield OpCase("ADD", {"type": ta, "view": kind}, build_add, _float_thr(ta))
+            yield OpCase("SCALE", {"type": ta, "view": kind}, build_unary, _float_thr(ta))
+    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0):
+        # weight rows 3 rows apart in a bigger matrix, starting at its 2nd row
+        def build_mm(ctx, ta=ta):
+            k, m, n = 64, 5, 3
+            w = ctx.new_tensor_ne(ta, k, 3 * m + 1, name="w")
+            rows = ctx.view(w, (k, m), (w.nb[0], 3 * w.nb[1]), w.nb[1])
+            return ctx.mul_mat(rows, ctx.new_tensor_ne(T.F32, k, n, name="x"))
+
+        yield OpCase("MUL_MAT", {"a": ta, "view": "rows-3-apart"}, build_mm, 5e-4)
+
+
 GENERATORS = (
     _binary, _unary, _glu, _norms, _norm_mul, _soft_max, _rope, _mul_mat, _mul_mat_id, _get_set_rows,
-    _copies, _concat, _reductions, _im2col, _col2im,
+    _copies, _concat, _reductions, _im2col, _col2im, _views,
 )  # fmt: skip
 
 

@@ -1014,9 +1014,8 @@ static int cpu_has_avx2(void) { return 0; }
 
 __attribute__((constructor)) static void ap_init(void) {
     for (uint32_t h = 0; h < 65536; h++) g_f16[h] = f16_to_f32_sw((uint16_t)h);
-    const char *env = getenv("ACCELPLANE_CPU_ISA");
-    const int want_portable = env && strcmp(env, "portable") == 0;
-    g_isa = (!want_portable && cpu_has_avx2()) ? AP_ISA_AVX2 : AP_ISA_PORTABLE;
+    /* the Python boundary (kernels.py) applies ACCELPLANE_CPU_ISA right after loading */
+    g_isa = cpu_has_avx2() ? AP_ISA_AVX2 : AP_ISA_PORTABLE;
 }
 
 int ap_cpu_has_avx2(void) { return cpu_has_avx2(); }

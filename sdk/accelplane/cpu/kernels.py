@@ -20,13 +20,13 @@ at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count (else ``os.c
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import Final, Literal
 
 import numpy as np
 
-from ..errors import ComputeError, OutOfRangeError, ShapeError, TypeMismatchError
+from .. import env
+from ..errors import ComputeError, ConfigError, OutOfRangeError, ShapeError, TypeMismatchError
 from ..types import GGMLType, parse_type
 
 # OpenMP threads that spin while waiting starve everything else on a busy or oversubscribed
@@ -120,7 +120,7 @@ def set_isa(isa: str) -> str:
     elif name == "portable":
         code = 0
     else:
-        raise ValueError(f"unknown CPU kernel ISA {isa!r}; expected 'auto', 'avx2' or 'portable'")
+        raise ConfigError(f"unknown CPU kernel ISA {isa!r}; expected 'auto', 'avx2' or 'portable'")
     return _ISA_NAMES[_lib.ap_set_isa(code)]
 
 
@@ -131,28 +131,10 @@ def get_isa() -> str:
 
 def default_threads() -> int:
     """Threads used when a call passes none: ``ACCELPLANE_NTHREADS`` or ``os.cpu_count()``."""
-    env = os.environ.get("ACCELPLANE_NTHREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n > 0:
-            return n
-        warnings.warn(f"ignoring ACCELPLANE_NTHREADS={env!r}: not a positive integer", stacklevel=2)
-    return _CPU_COUNT
+    return env.NTHREADS.get() or _CPU_COUNT
 
 
-def _init_isa() -> None:
-    env = os.environ.get("ACCELPLANE_CPU_ISA", "")
-    try:
-        set_isa(env)
-    except ValueError:
-        warnings.warn(f"ignoring ACCELPLANE_CPU_ISA={env!r}; using 'auto'", stacklevel=2)
-        set_isa("auto")
-
-
-_init_isa()
+set_isa(env.CPU_ISA.get())
 
 
 # --- validation helpers --------------------------------------------------------------------

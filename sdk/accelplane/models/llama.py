@@ -34,7 +34,6 @@ columns per device, row-parallel products all-reduced).
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,9 +42,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import env
 from ..alloc import alloc_tensors
 from ..backend import Backend, Buffer, BufferUsage, Device
-from ..errors import DeviceError, OutOfRangeError, ShapeError
+from ..errors import ConfigError, DeviceError, OutOfRangeError, ShapeError
 from ..graph import Context, Graph
 from ..hookspecs import DeviceType
 from ..ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, VIEW_OPS, SortOrder, op_desc
@@ -358,18 +358,18 @@ class LlamaModel:
             else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
         )  # fmt: skip
         self.output_dev = self.layer_dev[-1]
-        embd = embd or os.environ.get("ACCELPLANE_MODEL_EMBD", "auto")
+        embd = embd or env.MODEL_EMBD.get()
         if embd not in ("auto", "cpu", "device"):
-            raise DeviceError(f"embd (ACCELPLANE_MODEL_EMBD) must be auto, cpu or device, got {embd!r}")
+            raise ConfigError(f"embd must be auto, cpu or device, got {embd!r}")
         first = self.layer_dev[0]
         if embd == "auto":
             ety = parse_type((types or {}).get("token_embd.weight", T.F32))
             embd = "device" if first.type != DeviceType.CPU and _gets_rows(first, ety, cfg) else "cpu"
         self.embd_dev = first if embd == "device" and split != "tensor" else cpu
         self.meta = None
-        policy = policy or os.environ.get("ACCELPLANE_MODEL_POLICY", "relaxed")
+        policy = policy or env.MODEL_POLICY.get()
         if policy not in ("strict", "relaxed"):
-            raise DeviceError(f"policy (ACCELPLANE_MODEL_POLICY) must be relaxed or strict, got {policy!r}")
+            raise ConfigError(f"policy must be relaxed or strict, got {policy!r}")
         if split == "tensor":
             from ..meta import MetaDevice
 
@@ -387,7 +387,7 @@ class LlamaModel:
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
         self.buffers: list[Buffer] = []
         if merge is None:
-            merge = os.environ.get("ACCELPLANE_MODEL_MERGE", "1") != "0"
+            merge = env.MODEL_MERGE.get()
         self.merge = bool(merge) and self.meta is None
         self._build_weights(types or {})
 

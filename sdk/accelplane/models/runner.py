@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import Device
 from ..bench import copy_bandwidth
-from ..errors import DeviceError
+from ..errors import ComputeError, DeviceError, ShapeError
 from ..hookspecs import DeviceType
 from ..plancache import cache_dir
 from .gguf import GGUFFile, parallel_sources, read_gguf, synthetic_sources, total_bytes, write_gguf
@@ -115,6 +115,31 @@ def load(f: GGUFFile, devices: Sequence[Device], cpu: Device, split: str, n_ctx:
                                     progress=bar.update, **kw)  # fmt: skip
 
 
+def context_for(cfg, n_tokens: int, what: str, cache_type_size: int = 2) -> int:
+    """The KV cache length for ``n_tokens`` positions (a multiple of 256), or ShapeError when
+    they exceed the model's trained context (n_ctx), naming the cache size it would take."""
+    n_ctx = -(-(n_tokens + 1) // 256) * 256
+    if n_tokens > cfg.n_ctx_train:
+        kv = 2 * cfg.n_layers * n_ctx * cfg.n_embd_kv * cache_type_size
+        raise ShapeError(
+            f"{what} = {n_tokens} tokens exceed the model's context of {cfg.n_ctx_train} tokens "
+            f"(n_ctx; a KV cache of {n_ctx} positions would take {kv / 2**20:.1f} MiB)"
+        )
+    return n_ctx
+
+
+def check_finite(logits: np.ndarray, step: str) -> None:
+    """ComputeError when ``logits`` hold NaN or infinity, naming the step and how to find the
+    node that produced them."""
+    bad = ~np.isfinite(logits)
+    if bad.any():
+        kinds = "NaN" if np.isnan(logits).any() else "infinity"
+        raise ComputeError(
+            f"the logits of {step} hold {kinds} ({int(bad.sum())} of {logits.size} values); "
+            "run again with ACCELPLANE_CHECK_RESULTS=1 to find the first node that produces it"
+        )
+
+
 def nmse(a: np.ndarray, ref: np.ndarray) -> float:
     """sum((a - ref)^2) / sum(ref^2), in float64 (test-backend-ops' measure)."""
     a64, r64 = np.asarray(a, np.float64), np.asarray(ref, np.float64)
@@ -141,6 +166,8 @@ def generate(model: LlamaModel, prompt: Sequence[int], n_decode: int, keep_logit
     pp = time.perf_counter() - t0
     toks = [int(r.ids[-1])]
     logits = [r.logits[-1].copy()] if keep_logits else []
+    if keep_logits:
+        check_finite(logits[0], "the prefill")
     with Bar("generate", n_decode, "tok", enabled=show) as bar:
         t0 = time.perf_counter()
         for _ in range(n_decode):
@@ -148,6 +175,7 @@ def generate(model: LlamaModel, prompt: Sequence[int], n_decode: int, keep_logit
             toks.append(int(r.ids[-1]))
             if keep_logits:
                 logits.append(r.logits[-1].copy())
+                check_finite(logits[-1], f"decode step {len(logits) - 1}")
             bar.update(1)
         tg = time.perf_counter() - t0
     return RunResult(list(map(int, prompt)), toks, logits, pp, tg)
@@ -185,9 +213,7 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     devs = pick_devices(reg, args.device)
     cpu = _cpu_of(reg)
     n_prompt, n_dec = int(args.prompt_tokens), int(args.tokens)
-    if n_prompt < 1 or n_dec < 0:
-        raise DeviceError("--prompt-tokens must be >= 1 and --tokens >= 0")
-    n_ctx = -(-(n_prompt + n_dec + 1) // 256) * 256
+    n_ctx = context_for(cfg, n_prompt + n_dec, "--prompt-tokens + --tokens")
     model = load(f, devs, cpu, args.split, n_ctx)
     try:
         p(f"split plan (--split {args.split}; devices {', '.join(d.name for d in devs)}, then "
@@ -199,7 +225,7 @@ def cmd_run(args, out: TextIO | None = None) -> int:
         check = not args.no_check
         # warm-up: graphs, scheduler plans and backend plans are built once, outside the timing
         generate(model, prompt, min(n_dec, 1), False, show=False)
-        res = generate(model, prompt, n_dec, check)
+        res = generate(model, prompt, n_dec, True)  # logits are checked for NaN even with --no-check
         p(f"prefill: {n_prompt} tokens in {res.pp_s * 1e3:.1f} ms = {n_prompt / res.pp_s:.1f} tokens/s")
         if n_dec:
             p(f"decode:  {n_dec} tokens in {res.tg_s * 1e3:.1f} ms = {n_dec / res.tg_s:.1f} tokens/s")
@@ -285,7 +311,7 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
     cProfile.Profile enabled around the timed tg runs (where the host time of a token goes)."""
     rows = []
-    n_ctx = -(-(max(pp, tg) + 1) // 256) * 256
+    n_ctx = context_for(f.llama_config(), max(pp, tg), "--pp/--tg")
     wbytes = total_bytes(f)
     params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     rng = np.random.default_rng(0)

@@ -16,7 +16,6 @@ Environment:
 
 from __future__ import annotations
 
-import os
 import queue
 import random
 import threading
@@ -24,6 +23,8 @@ import time
 
 import numpy as np
 
+from .. import env
+from ..env import TEST_DELAY_US
 from ..errors import AllocationError, ComputeError
 from ..hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from ..ops import RULES, Op
@@ -152,7 +153,7 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    n = int(os.environ.get("ACCELPLANE_ASYNCDEV_NDEV", "2"))
+    n = env.ASYNCDEV_NDEV.get()
     caps = DeviceCaps(async_=True, events=True)
     return [DeviceSpec(f"ASYNC{i}", "asynchronous test device (worker-thread stream, random "
                        "delays; a test double, not a backend)", DeviceType.GPU, caps,
@@ -166,9 +167,8 @@ def device_memory(device):
 
 @hookimpl
 def init_backend(device, backend, params):
-    delay = float(os.environ.get("ACCELPLANE_TEST_DELAY_US", "100"))
-    seed = os.environ.get("ACCELPLANE_ASYNCDEV_SEED")
-    return BackendState(Stream(backend.name, delay, int(seed) if seed else None))
+    delay = TEST_DELAY_US.get()
+    return BackendState(Stream(backend.name, 100.0 if delay is None else delay, env.ASYNCDEV_SEED.get()))
 
 
 @hookimpl
@@ -210,7 +210,7 @@ def buft_alignment(buft):
 @hookimpl
 def buft_max_size(buft):
     # small on purpose, so multi-buffer paths get exercised
-    return int(os.environ.get("ACCELPLANE_ASYNCDEV_MAX_SIZE", str(32 << 20)))
+    return env.ASYNCDEV_MAX_SIZE.get()
 
 
 @hookimpl
