@@ -23,7 +23,7 @@ import pytest
 from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
 from accelplane.backend import Device
 from accelplane.cpu import plugin as cpu_plugin
-from accelplane.errors import AccelplaneError
+from accelplane.errors import AccelplaneError, DeviceError, PluginLoadError
 from accelplane.hookspecs import API_VERSION, HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
 from accelplane.registry import Registry
 from accelplane.testing.plugins import host_plugin
@@ -434,6 +434,7 @@ def test_duplicate_names_rejected():
     assert reg.register(host_plugin("OTHER"), "one") is None  # plugin name taken
     assert [f.stage for f in reg.failures] == ["devices", "validate"]
     assert "DUP" in reg.failures[0].reason.upper() and "'one'" in reg.failures[1].reason
+    assert not reg.failures[0].no_device, "a device-name clash is a plugin bug, not an absent device"
     assert [d.name for d in reg.devices] == ["DUP"]
     assert len(reg.pm.get_plugins()) == 1
 
@@ -448,6 +449,28 @@ def test_two_devices_of_one_plugin_with_one_name_rejected():
     assert reg.register(m, "twins") is None
     assert "TWIN" in reg.failures[0].reason
     assert reg.devices == []
+
+
+def _no_runtime():
+    raise DeviceError("no FAKE device: the runtime is not installed")
+
+
+def _bug():
+    raise AttributeError("'NoneType' object has no attribute 'enumerate'")
+
+
+@pytest.mark.parametrize("get_devices, no_device", [(lambda: [], True), (_no_runtime, True), (_bug, False)],
+                         ids=["empty", "DeviceError", "bug"])  # fmt: skip
+def test_devices_failure_records_whether_the_device_is_absent(get_devices, no_device):
+    """[] or DeviceError from get_devices is "no device" (hardware or runtime absent); any other
+    exception is a broken plugin. An allow-listed plugin's PluginLoadError carries the record."""
+    reg = Registry()
+    assert reg.register(host_plugin("X", get_devices=get_devices), "x") is None
+    assert [(f.name, f.stage, f.no_device) for f in reg.failures] == [("x", "devices", no_device)]
+    with pytest.raises(PluginLoadError, match="failed at devices") as e:
+        Registry().register(host_plugin("X", get_devices=get_devices), "x", _allow=["x"])
+    f = e.value.failure
+    assert (f.name, f.stage, f.no_device) == ("x", "devices", no_device)
 
 
 def test_unregister_and_lookup_errors():

@@ -209,8 +209,11 @@ def cmd_conformance(args, extra: list[str]) -> int:
 
     from accelplane.conformance import pytest_plugin
 
-    argv = [str(pytest_plugin.SUITE_DIR), "--accelplane-plugin", args.plugin, "-p",
-            "no:cacheprovider", "-q", "--rootdir", str(pytest_plugin.SUITE_DIR)]  # fmt: skip
+    # accelplane is imported already, so pytest would warn that it cannot rewrite the asserts of
+    # the suite's plugin; the suite does not use hypothesis, whose pytest plugin takes a second
+    argv = [str(pytest_plugin.SUITE_DIR), "--accelplane-plugin", args.plugin, "-p", "no:cacheprovider",
+            "-p", "no:hypothesispytest", "-q", "--rootdir", str(pytest_plugin.SUITE_DIR),
+            "-W", "ignore::pytest.PytestAssertRewriteWarning"]  # fmt: skip
     if args.device:
         argv += ["--accelplane-device", args.device]
     if args.json:
@@ -219,6 +222,8 @@ def cmd_conformance(args, extra: list[str]) -> int:
         argv += ["-k", args.k]
     if args.thorough:
         argv.append("--thorough")
+    if args.allow_no_device:
+        argv.append("--accelplane-allow-no-device")
     for x in args.xfails or []:
         argv += ["--accelplane-xfails", x]
     return int(pytest.main(argv + extra))
@@ -307,13 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true")
     o.add_argument("--markdown", nargs="?", const="docs/ops.md", default=None,
                    help="write a markdown table (default docs/ops.md; '-' for stdout)")  # fmt: skip
-    c = sub.add_parser("conformance", help="run the conformance suite against a plugin")
+    c = sub.add_parser("conformance", help="run the conformance suite against a plugin",
+                       epilog="exit status: 0 passed (or skipped: no device, with --allow-no-device); "
+                       "1 a case failed or an expected failure passed; 4 the plugin is not installed, "
+                       "did not load or has no device, or an expected-failures entry matches no case; "
+                       "5 no case ran. The last line says why.")  # fmt: skip
     c.add_argument("plugin")
     c.add_argument("--device")
     c.add_argument("--json", help="write per-op counts and every case to this file")
     c.add_argument("-k", help="pytest -k expression selecting cases")
     c.add_argument("--thorough", action="store_true")
     c.add_argument("--xfails", action="append", help="extra expected-failures file")
+    c.add_argument("--allow-no-device", action="store_true",
+                   help="a plugin that is installed but has no device (hardware or runtime absent) "
+                        "prints 'skipped: no device: <reason>' and exits 0")  # fmt: skip
     b = sub.add_parser("bench", help="benchmarks")
     b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "tp"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "

@@ -86,9 +86,11 @@ class Specs:
     @hookspec
     def get_devices(self) -> list[DeviceSpec]:
         """*Required.* The plugin's devices, in a stable order. May open the runtime (this is
-        the first call allowed to). Return [] when the runtime has no device; raise to
-        report a broken runtime (the registry records it, the host carries on).
-        Example: ``return [DeviceSpec("CPU", "numpy + C kernels", DeviceType.CPU)]``."""
+        the first call allowed to, so import it here). Return [] when the runtime has no
+        device, and raise DeviceError when the runtime itself is absent: both are "no
+        device" (``accelplane conformance --allow-no-device`` reports them as skipped). Raise
+        anything else to report a broken runtime (the registry records it, the host carries
+        on). Example: ``return [DeviceSpec("CPU", "numpy + C kernels", DeviceType.CPU)]``."""
 
     # --- device (ggml_backend_device_i) -------------------------------------------------------
     @hookspec
@@ -303,8 +305,10 @@ class Specs:
     # --- conformance ------------------------------------------------------------------------------
     @hookspec
     def conformance_expected_failures(self) -> str | None:
-        """Text of the plugin's expected-failures file (``test id: reason`` lines, ``#``
-        comments) for the conformance suite, or None. Fallback: None (no expected
+        """Text of the plugin's expected-failures file for the conformance suite, or None:
+        ``test id: reason`` lines, ``#`` comments, each id the case's name as the suite's JSON
+        report prints it (``test_op[ADD(type=f32,...)]``). Strict: an entry whose case
+        passes, or that matches no case, fails the run. Fallback: None (no expected
         failures)."""
 
 

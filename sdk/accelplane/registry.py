@@ -71,6 +71,10 @@ class Failure:
     stage: str  # import | api_version | validate | devices | allowlist
     reason: str
     detail: str = ""
+    # the devices stage found no device: get_devices returned [] or raised DeviceError (absent
+    # hardware or runtime), as opposed to a plugin bug; the conformance suite's
+    # --allow-no-device reports only these as skipped
+    no_device: bool = False
 
 
 def _dist_version(ep: metadata.EntryPoint) -> str:
@@ -166,10 +170,15 @@ class Registry:
                     f"distribution provides (installed: {', '.join(sorted(found)) or 'none'})"
                 )
 
-    def _fail(self, name: str, stage: str, reason: str, allow: list[str] | None = None) -> None:
-        self._failures.append(Failure(name, stage, reason, traceback.format_exc(limit=3)))
+    def _fail(
+        self, name: str, stage: str, reason: str, allow: list[str] | None = None, no_device: bool = False
+    ) -> None:
+        failure = Failure(name, stage, reason, traceback.format_exc(limit=3), no_device)
+        self._failures.append(failure)
         if allow is not None and name in allow:
-            raise PluginLoadError(f"plugin {name!r} failed at {stage}: {reason}")
+            err = PluginLoadError(f"plugin {name!r} failed at {stage}: {reason}")
+            err.failure = failure
+            raise err
 
     # --- registration -----------------------------------------------------------------------------
     def register(
@@ -240,7 +249,8 @@ class Registry:
                 self.pm.unregister(module)
                 if isinstance(e, ConfigError):
                     self._config_error = self._config_error or e
-                self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow)
+                self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow,
+                           no_device=isinstance(e, DeviceError))  # fmt: skip
                 return None
             # device names are looked up case-insensitively: unique across all plugins
             taken = {d.name.lower() for d in self._devices}
@@ -368,6 +378,15 @@ def _memory(d: Device) -> tuple[int, int]:
         return d.memory()
     except Exception:
         return (0, 0)
+
+
+def installed_names() -> list[str]:
+    """Names of every plugin this environment offers (the entry points of the group and the
+    ACCELPLANE_EXTRA_PLUGINS entries), whether loaded, broken, or left out by the allow and
+    block lists."""
+    names = {ep.name for ep in metadata.entry_points(group=GROUP)}
+    names |= {s.partition("=")[0].strip() for s in env.EXTRA_PLUGINS.get() or ()}
+    return sorted(names - {""})
 
 
 _registry: Registry | None = None
