@@ -338,7 +338,7 @@ CPU_ISA = choice(
 
 # --- the asynchronous test device (accelplane.testing.asyncdev) ----------------------------------
 ASYNCDEV_NDEV = integer(
-    "ACCELPLANE_ASYNCDEV_NDEV", 2, "devices of the asynchronous test device", min=1, max=64
+    "ACCELPLANE_ASYNCDEV_NDEV", 2, "devices of the asynchronous test device", min=0, max=64
 )
 ASYNCDEV_SEED = integer(
     "ACCELPLANE_ASYNCDEV_SEED", None, "seed of the asynchronous test device's random delays"
