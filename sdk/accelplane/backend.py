@@ -502,9 +502,10 @@ def _graph_buffers(graph: Graph, backend: Backend, first: bool) -> tuple[Buffer,
     bufs: dict[int, Buffer] = {}
     for t in (*graph.leafs, *graph.nodes):
         if first and t.op is not None and t.op not in VIEW_OPS and not dev.supports_op(t):
+            srcs = ", ".join(s.type.name for s in t.src if s is not None)
             raise UnsupportedOpError(
-                f"{dev.name} does not support node {t.name or t.uid!r} ({op_desc(t)} {t.type.name} "
-                f"ne={list(t.ne)}); Backend.compute runs a graph on one device only: "
+                f"{dev.name} does not support node {t.name or t.uid!r} ({op_desc(t)} of {srcs} -> "
+                f"{t.type.name} ne={list(t.ne)}); Backend.compute runs a graph on one device only: "
                 "accelplane.sched.Scheduler places such nodes on a device that supports them"
             )
         if t.buffer is None:

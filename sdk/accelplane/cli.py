@@ -97,7 +97,8 @@ def _progress(msg: str) -> None:
 
 def cmd_env() -> int:
     """``accelplane devices --env``: the ACCELPLANE_* variables that are set, with their meaning
-    (and any that does not parse or that nothing installed reads), then the others known."""
+    (and any that does not parse or that nothing installed reads), then the others known.
+    Exit status 2 when a set value does not parse."""
     import accelplane
     from accelplane import env
 
@@ -109,12 +110,12 @@ def cmd_env() -> int:
         owner = f" [{r['owner']}]" if r["owner"] else ""
         print(f"  {r['name']}={r['value']}{owner}: {r['meaning'] or '?'}")
         if r["problem"]:
-            bad += 1
+            bad += bool(r["owner"])  # a value that does not parse (an unknown name only warns)
             print(f"    problem: {r['problem']}")
     rest = [v for n, v in env.declared().items() if n not in {r["name"] for r in rows}]
     print(f"other variables ({len(rest)}; unset):")
     for v in rest:
-        default = "" if v.default in (None, "") else f", default {v.default}"
+        default = f", default {v.default_text()}" if v.default_text() else ""
         print(f"  {v.name} [{v.owner}] ({v.accepts}{default}): {v.help}")
     return EXIT_USAGE if bad else 0
 
@@ -433,9 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     """The ``accelplane`` command; returns the exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.cmd != "conformance":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.cmd != "conformance":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # --help, or a usage error argparse has printed
+        return int(e.code or 0)
     from accelplane import env
     from accelplane.errors import AccelplaneError, AllocationError, ComputeError
 

@@ -66,6 +66,17 @@ class Var(Generic[T]):
     def is_set(self) -> bool:
         return self.raw() is not None
 
+    def default_text(self) -> str:
+        """The default as one would write it in the environment ('' when there is none)."""
+        d = self.default
+        if d is None or d == "":
+            return ""
+        if isinstance(d, bool):
+            return "1" if d else "0"
+        if isinstance(d, tuple):
+            return ",".join(map(str, d))
+        return str(d)
+
 
 _VARS: dict[str, Var] = {}
 

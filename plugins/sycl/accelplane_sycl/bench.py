@@ -39,22 +39,15 @@ DEFAULT_SIZES = (32767, 32768, 1 << 20, 1 << 22)
 
 
 def open_devices() -> list[Any]:
-    """The SYCL plugin's devices in a registry of their own (two logical devices unless
-    ACCELPLANE_SYCL_DEVICES says otherwise)."""
+    """The SYCL plugin's devices in a registry of their own (main() asks for two logical
+    devices, ACCELPLANE_SYCL_DEVICES=0,0, unless the variable says otherwise)."""
     from accelplane.registry import Registry
 
     from . import plugin
 
-    saved = os.environ.get("ACCELPLANE_SYCL_DEVICES")
-    if saved is None:
-        os.environ["ACCELPLANE_SYCL_DEVICES"] = "0,0"
-    try:
-        reg = Registry()
-        reg.register(plugin, "sycl")
-        devs = reg.devices_of("sycl")
-    finally:
-        if saved is None:
-            del os.environ["ACCELPLANE_SYCL_DEVICES"]
+    reg = Registry()
+    reg.register(plugin, "sycl")
+    devs = reg.devices_of("sycl")
     if not devs:
         why = [f.reason for f in reg.failures if f.name == "sycl"]
         raise SystemExit(f"no SYCL device: {why[0] if why else 'plugin not registered'}")
@@ -302,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=9, help="timed runs per row (default 9; medians)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test, not a measurement)")
     args = ap.parse_args(argv)
+    os.environ.setdefault("ACCELPLANE_SYCL_DEVICES", "0,0")  # this process's own default
     devs = open_devices()
     d0 = devs[0]
     mkn, copy_mb, sizes = None, DEFAULT_COPY_MB, DEFAULT_SIZES
