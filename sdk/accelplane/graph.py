@@ -365,8 +365,8 @@ class Context:
             nb[ax] = a.nb[i]
         t = self._op(Op.PERMUTE, (a,), (tuple(ne), tuple(nb), 0))
         t.op_params = (tuple(ne), tuple(nb), 0, axes)
-        t.ndim = max(a.ndim, max(axes[i] + 1 for i in range(4) if a.ne[i] != 1) if a.nelements
-                     else 1)  # fmt: skip
+        # a one-element tensor has no axis above 1 to move
+        t.ndim = max(a.ndim, max((axes[i] + 1 for i in range(4) if a.ne[i] != 1), default=1))
         return t
 
     def transpose(self, a: Tensor) -> Tensor:
