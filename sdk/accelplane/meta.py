@@ -1085,6 +1085,14 @@ class _Plan:
                                    [s], s.writable)  # fmt: skip
         if st.is_split:
             s = self.mirror(s, s_log)
+        if op is Op.VIEW and s.state.axis is M_ and any(x.nelements and x.nb != s_log.nb for x in s.t):
+            # the whole copies of s_log are packed, not laid out as s_log (a gathered or summed
+            # copy of a strided view), and n's strides and offset are bytes of s_log's memory
+            # owner: view the owner's whole value instead
+            o_log = n.view_src
+            ov = self.mirror(self._v(o_log), o_log)
+            return self._clone(n, MIRRORED, lambda j, ctx: ctx.view(ov.t[j], n.ne, n.nb, n.view_offs),
+                               [ov], ov.writable)  # fmt: skip
         return self._clone(n, s.state, lambda j, ctx: self._view_like(n, ctx, j, s.t[j]), [s], s.writable)
 
     def _contig(self, j: int, x: Tensor) -> Tensor:
