@@ -191,10 +191,10 @@ def _step(draw, pool: list[Tensor]) -> tuple:
 
 @st.composite
 def programs(draw, max_steps: int = 8) -> Program:
-    """Random steps; then a chain of one to three views of an intermediate, its end an output,
-    and perhaps a reader of that view; then more random steps (which may reuse memory the
-    allocator freed, and read the views). Outputs: the view chain's end, the newest node and up
-    to three more pool entries (inputs and views of inputs among them)."""
+    """Random steps; then a chain of one to three views of an intermediate, its end an output
+    and read by a CONT; then more random steps (which may reuse memory the allocator freed, and
+    read the views). Outputs: the view chain's end, the newest node and up to three more pool
+    entries (inputs and views of inputs among them)."""
     dims = tuple(draw(st.integers(1, hi)) for hi in (2, 5, 9, 6))  # B, R, C, M
     ctx = Context("draft")
     pool = _inputs(ctx, dims)
@@ -215,9 +215,8 @@ def programs(draw, max_steps: int = 8) -> Program:
     view = owner
     for _ in range(draw(st.integers(1, 3))):
         view = add(_view_of(draw, pool[view], view))
-    if draw(st.booleans()):
-        add(("cont", view))
-    for _ in range(draw(st.integers(0, max_steps - max_steps // 2))):
+    add(("cont", view))  # a reader of the chain: its owner is dead after it, unless kept
+    for _ in range(draw(st.integers(1, max_steps - max_steps // 2))):
         add(_step(draw, pool))
     newest = max(k for k in range(len(pool)) if is_node(k))
     outputs = {view, newest} | set(draw(st.lists(st.integers(0, len(pool) - 1), max_size=3)))
