@@ -61,6 +61,31 @@ def test_norm_is_kept(why, monkeypatch):
     assert not Fusion(g).match(_index(g, n), NM)
 
 
+@pytest.mark.parametrize("view", ["reshape", "view_of_view"])
+def test_norm_viewed_by_an_output_is_kept(view):
+    """An output that is a view (of a view) of the norm keeps the norm's memory written."""
+    ctx = Context()
+    n, y = _norm_mul(ctx)
+    v = ctx.reshape(n, (192,))
+    if view == "view_of_view":
+        v = ctx.view(v, (32,), None, 64)
+    g = ctx.graph(y, v)
+    assert id(n) in g.keep
+    assert not Fusion(g).match(_index(g, n), NM)
+
+
+def test_norm_read_twice_by_the_next_node_is_not_fused():
+    """MUL(norm, norm): a fused kernel reads the MUL's other operand from memory, which the
+    norm would leave unwritten."""
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (3, 64), "x")
+    n = ctx.rms_norm(x, 1e-6)
+    g = ctx.graph(ctx.scale(ctx.mul(n, n), 2.0))
+    f = Fusion(g)
+    assert not f.match(_index(g, n), NM)
+    assert f.norm_mul(_index(g, n)) is None
+
+
 def test_intermediate_must_feed_the_next_node_directly():
     ctx = Context()
     x = ctx.new_tensor(T.F32, (3, 64), "x")

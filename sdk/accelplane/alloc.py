@@ -7,16 +7,40 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .backend import Buffer, BufferType, BufferUsage, MultiBuffer
 from .errors import AllocationError
-from .graph import Graph
 from .ops import INPLACE_OPS, VIEW_OPS
 from .tensor import Tensor, TensorFlag
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+# flags of tensors whose memory must outlive the graph (or be there before it runs)
+KEEP_FLAGS = TensorFlag.INPUT | TensorFlag.OUTPUT | TensorFlag.PARAM
 
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+def memory_owner(t: Tensor) -> Tensor:
+    """The tensor whose memory ``t`` is: the end of its ``view_src`` chain (``t`` itself when
+    it is no view)."""
+    while t.view_src is not None:
+        t = t.view_src
+    return t
+
+
+def owners_to_keep(tensors: Iterable[Tensor], kept: Iterable[Tensor] = ()) -> frozenset[int]:
+    """ids of the memory owners (:func:`memory_owner`) that an allocation must keep alive to
+    the end of the graph and never hand to another node: the owner of every tensor of
+    ``tensors`` flagged INPUT, OUTPUT or PARAM, and of every tensor of ``kept``. A view that
+    is a graph output thus keeps the tensor it views, however deep the chain of views."""
+    ids = {id(memory_owner(t)) for t in tensors if t.flags & KEEP_FLAGS}
+    ids.update(id(memory_owner(t)) for t in kept)
+    return frozenset(ids)
 
 
 def alloc_tensors(
@@ -120,10 +144,15 @@ class GraphAllocator:
     """Places a graph's unallocated tensors in compute buffer(s) of one buffer type, reusing
     memory. Buffers are kept and grown across calls (ggml_gallocr_reserve / alloc_graph).
 
-    Rules: inputs (TensorFlag.INPUT) are allocated first and never reused; outputs are never
-    freed; a node whose op allows it takes over its first source's memory when that source
-    is an intermediate with no other consumer and the same size; tensors already in a buffer
-    (weights) are left alone.
+    Rules: inputs (TensorFlag.INPUT) are allocated first and never reused; memory is
+    released after the last node that reads it, directly or through any view of it; the
+    memory owner (:func:`memory_owner`) of every tensor flagged INPUT, OUTPUT or PARAM, of
+    every tensor in the graph's ``keep`` and in alloc_graph's ``keep`` is never released nor
+    computed over in place (:func:`owners_to_keep`), so a graph output that is a view keeps
+    the tensor it views; a view no node of the graph reads keeps its owner too (its readers
+    are elsewhere); a node whose op allows it takes over its first source's memory when that
+    source is an intermediate of the same layout that nothing else reads, directly or through
+    a view; tensors already in a buffer (weights) are left alone.
     """
 
     def __init__(self, buft: BufferType) -> None:
@@ -143,17 +172,39 @@ class GraphAllocator:
             b.free()
         self.buffers = []
 
+    @staticmethod
+    def _protected(graph: Graph, pinned: frozenset[int]) -> frozenset[int]:
+        """ids of the memory owners this plan must keep to the end (class docstring)."""
+        seen: dict[int, Tensor] = {}
+        read: set[int] = set()
+        for t in list(graph.leafs) + list(graph.nodes):
+            seen[id(t)] = t
+            for s in t.src:
+                if s is not None:
+                    seen[id(s)] = s
+                    read.add(id(s))
+        kept = [t for i, t in seen.items() if i in pinned]
+        # a view nobody here reads is read outside this graph (or is what the caller wants)
+        kept += [n for n in graph.nodes if n.view_src is not None and id(n) not in read]
+        return owners_to_keep(seen.values(), kept) | pinned | (graph.keep or frozenset())
+
     def _plan(self, graph: Graph, pinned: frozenset[int]) -> tuple[list[tuple[Tensor, _Block]], list[int]]:
         fl = _FreeList(self.buft.alignment, self.buft.max_size)
         owned: dict[int, _Block] = {}  # id(tensor) -> block, for tensors this plan places
-        consumers: dict[int, int] = {}
-        views: dict[int, int] = {}
-        for n in graph.nodes:
+        protected = self._protected(graph, pinned)
+        # per memory owner: the index of the last node reading it (directly or through a
+        # view), and how many references to it there are (sources and view nodes)
+        last: dict[int, int] = {}
+        refs: dict[int, int] = {}
+        for i, n in enumerate(graph.nodes):
             for s in n.src:
                 if s is not None:
-                    consumers[id(s)] = consumers.get(id(s), 0) + 1
+                    o = id(memory_owner(s))
+                    last[o] = i
+                    refs[o] = refs.get(o, 0) + 1
             if n.view_src is not None:
-                views[id(n.view_src)] = views.get(id(n.view_src), 0) + 1
+                o = id(memory_owner(n))
+                refs[o] = refs.get(o, 0) + 1
         plan: list[tuple[Tensor, _Block]] = []
         self.n_inplace = 0
 
@@ -173,63 +224,48 @@ class GraphAllocator:
 
         # inputs first, so nothing ever overlaps them
         for t in list(graph.leafs) + list(graph.nodes):
-            if t.flags & TensorFlag.INPUT and needs(t):
-                place(t, fl.alloc(self.buft.alloc_size(t)))
+            if t.flags & TensorFlag.INPUT:
+                o = memory_owner(t)
+                if needs(o):
+                    place(o, fl.alloc(self.buft.alloc_size(o)))
         for t in graph.leafs:
             if needs(t):
                 place(t, fl.alloc(self.buft.alloc_size(t)))
 
-        keep = TensorFlag.INPUT | TensorFlag.OUTPUT | TensorFlag.PARAM
-        for n in graph.nodes:
+        for i, n in enumerate(graph.nodes):
             if n.op not in VIEW_OPS and needs(n):
                 s0 = n.src[0] if n.src else None
                 if (
                     n.op in INPLACE_OPS
                     and s0 is not None
-                    and id(s0) in owned
-                    and id(s0) not in pinned
                     and s0.view_src is None
-                    and not (s0.flags & keep)
-                    and consumers.get(id(s0), 0) == 1
-                    and views.get(id(s0), 0) == 0
+                    and id(s0) in owned
+                    and id(s0) not in protected
+                    and refs.get(id(s0), 0) == 1  # n's src[0] is the only use of its memory
                     and s0.type == n.type
                     and s0.nb == n.nb
                     and s0.ne == n.ne
                 ):
-                    blk = owned.pop(id(s0))  # hand s0's memory to n (s0 is never freed again)
-                    place(n, blk)
-                    consumers[id(s0)] = -1
+                    place(n, owned.pop(id(s0)))  # s0's memory is n's now (never freed as s0)
                     self.n_inplace += 1
                 else:
                     place(n, fl.alloc(self.buft.alloc_size(n)))
-            # release sources whose last consumer was this node
+            # release memory whose last reader was this node
             for s in n.src:
                 if s is None:
                     continue
-                consumers[id(s)] = consumers.get(id(s), 0) - 1
-                if id(s) not in pinned and id(s.view_src) not in pinned:
-                    self._release(s, consumers, views, owned, fl, keep)
+                o = id(memory_owner(s))
+                if last[o] == i and o in owned and o not in protected:
+                    fl.release(owned.pop(o))
         return plan, fl.high
 
-    @staticmethod
-    def _release(s, consumers, views, owned, fl, keep) -> None:
-        owner = s.view_src if s.view_src is not None else s
-        if s.view_src is not None and consumers.get(id(s), 0) == 0:
-            views[id(owner)] = views.get(id(owner), 0) - 1
-        if (
-            id(owner) in owned
-            and consumers.get(id(owner), 0) == 0
-            and views.get(id(owner), 0) <= 0
-            and not (owner.flags & keep)
-        ):
-            fl.release(owned.pop(id(owner)))
-
     def alloc_graph(self, graph: Graph, keep: frozenset[int] = frozenset()) -> None:
-        """Place every unallocated tensor of ``graph`` and bind its views. Tensors whose id()
-        is in ``keep`` are never freed nor computed over in place (e.g. the scheduler's
-        sources of cross-backend copies). Re-planning happens only for a graph not seen since
-        the buffers last changed; graph.layout_version is bumped only when placements
-        actually change."""
+        """Place every unallocated tensor of ``graph`` and bind its views. The memory of the
+        tensors whose id() is in ``keep`` (of their memory owners, for views the graph
+        references) is never freed nor computed over in place (e.g. the scheduler's sources
+        of cross-backend copies; :func:`owners_to_keep` gives owner ids). Re-planning happens
+        only for a graph not seen since the buffers last changed; graph.layout_version is
+        bumped only when placements actually change."""
         seen = self._placed.get(graph.uid)
         if seen is not None and seen[0] == self._generation:
             return

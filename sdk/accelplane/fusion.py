@@ -7,7 +7,8 @@ every plugin asks it:
 A run of nodes ``i .. i+k`` with the given ops may be computed as one kernel when every node
 but the last owns its memory (is not a view of another tensor, or is the scheduler's clone of
 a node, which writes that node's memory), is read by exactly one node
-of the graph, the next one in the run, directly (not through a view), and is in no ``keep``
+of the graph, the next one in the run, directly (not through a view) and through one of its
+sources only (a fused kernel reads the other sources from memory), and is in no ``keep``
 set: not a tensor the caller asked for or flagged OUTPUT, not read by another scheduler split
 (the scheduler passes those as the split graph's ``keep``). The skipped nodes' memory is then
 left unwritten. A run may also name nodes whose results the kernel still writes (``written``
@@ -85,10 +86,13 @@ class Fusion:
         if any(n.op is not o for n, o in zip(run, ops, strict=True)):
             return False
         for j, (n, nxt) in enumerate(zip(run, run[1:], strict=False)):
-            if not any(s is n for s in nxt.src):
+            reads = sum(s is n for s in nxt.src)
+            if reads == 0:
                 return False
             if j in written:
                 continue
+            if reads > 1:  # e.g. MUL(norm, norm): the kernel takes one operand from memory
+                return False
             own = _owner(n)
             if not _own_memory(n) or id(own) in self.keep or own.flags & TensorFlag.OUTPUT:
                 return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
+from .alloc import owners_to_keep
 from .errors import ShapeError
 from .ops import (
     ROPE_TYPE_NEOX,
@@ -365,8 +366,8 @@ class Context:
             nb[ax] = a.nb[i]
         t = self._op(Op.PERMUTE, (a,), (tuple(ne), tuple(nb), 0))
         t.op_params = (tuple(ne), tuple(nb), 0, axes)
-        t.ndim = max(a.ndim, max(axes[i] + 1 for i in range(4) if a.ne[i] != 1) if a.nelements
-                     else 1)  # fmt: skip
+        # a one-element tensor has no axis above 1 to move
+        t.ndim = max(a.ndim, max((axes[i] + 1 for i in range(4) if a.ne[i] != 1), default=1))
         return t
 
     def transpose(self, a: Tensor) -> Tensor:
@@ -402,8 +403,11 @@ class Graph:
         self.uid = next(_graph_ids)
         self.layout_version = 0
         # memory a plugin's fused kernels must still write although a node of this graph
-        # reads it (accelplane.fusion): here the outputs asked for; None = unknown, fuse nothing
-        self.keep: frozenset[int] | None = frozenset(id(o.view_src or o) for o in outputs)
+        # reads it (accelplane.fusion): the memory owners of the outputs asked for and of every
+        # tensor flagged OUTPUT (or INPUT, PARAM), however deep its chain of views; None =
+        # unknown, fuse nothing
+        self.keep: frozenset[int] | None = owners_to_keep(itertools.chain(self.leafs, self.nodes),
+                                                          outputs)
 
     def _visit(self, root: Tensor, seen: set[int]) -> None:
         # iterative post-order DFS over src (deep graphs must not hit the recursion limit)

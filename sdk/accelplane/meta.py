@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import env
-from .alloc import GraphAllocator, alloc_tensors
+from .alloc import GraphAllocator, alloc_tensors, owners_to_keep
 from .backend import Backend, Buffer, BufferUsage, CompositeBuffer, Device
 from .comm import REDUCIBLE, AllReduce
 from .errors import DeviceError, ShapeError, UnsupportedOpError
@@ -592,12 +592,28 @@ class _Plan:
         self.metabuf = MetaBuffer(meta, "graph", [])
         self._build()
         self.alloc_graphs = [Graph.from_nodes(self.nodes[j], self.inputs[j]) for j in range(nl)]
+        self.alloc_keep = self._alloc_keep()
         self.layout: tuple[int, ...] = ()
         self.weights_seen = -1  # MetaDevice._weights_version when the weights were last compared
         self.runs = 0  # computes since planned or last moved (recording starts at the second)
         self.recordings: list | None = None  # one per backend: the steps, replayed as one call
         self.record_error = ""  # why this plan is not recorded, once that is known
         self.algorithms: dict[str, int] = {}  # all-reduce algorithm -> calls, last run
+
+    def _alloc_keep(self) -> list[frozenset[int]]:
+        """Per device, the memory its allocator keeps to the end of the graph: the current
+        shards of every logical memory owner the host reads or writes (of every input and
+        output; a logical view reads its owner's value, so a view output keeps the tensor it
+        views). The allocator keeps flagged shards by itself, but a value the plan replaced
+        (the all-reduce's copy of a PARTIAL leaf) is not flagged as its logical tensor is."""
+        graph_tensors = list(self.graph.leafs) + list(self.graph.nodes)
+        logical = owners_to_keep(graph_tensors)
+        shards: list[list[Tensor]] = [[] for _ in range(self.meta.n_local)]
+        for t in graph_tensors:
+            if id(t) in logical:
+                for j, x in enumerate(self.vals[id(t)].t):
+                    shards[j].append(x)
+        return [owners_to_keep((), xs) for xs in shards]
 
     # --- helpers
     def _v(self, t: Tensor | None) -> _Val | None:
@@ -1085,6 +1101,14 @@ class _Plan:
                                    [s], s.writable)  # fmt: skip
         if st.is_split:
             s = self.mirror(s, s_log)
+        if op is Op.VIEW and s.state.axis is M_ and any(x.nelements and x.nb != s_log.nb for x in s.t):
+            # the whole copies of s_log are packed, not laid out as s_log (a gathered or summed
+            # copy of a strided view), and n's strides and offset are bytes of s_log's memory
+            # owner: view the owner's whole value instead
+            o_log = n.view_src
+            ov = self.mirror(self._v(o_log), o_log)
+            return self._clone(n, MIRRORED, lambda j, ctx: ctx.view(ov.t[j], n.ne, n.nb, n.view_offs),
+                               [ov], ov.writable)  # fmt: skip
         return self._clone(n, s.state, lambda j, ctx: self._view_like(n, ctx, j, s.t[j]), [s], s.writable)
 
     def _contig(self, j: int, x: Tensor) -> Tensor:
@@ -1423,8 +1447,8 @@ class MetaDevice(GraphRunner):
         graph's logical tensors then read and write through the meta device."""
         self._check()
         plan = self._plan_for(graph)
-        for ga, g in zip(self._galloc, plan.alloc_graphs, strict=True):
-            ga.alloc_graph(g)
+        for ga, g, keep in zip(self._galloc, plan.alloc_graphs, plan.alloc_keep, strict=True):
+            ga.alloc_graph(g, keep)
         layout = tuple(g.layout_version for g in plan.alloc_graphs)
         if plan is self._allocated and layout == plan.layout:
             return  # nothing moved since this plan was bound: a decode step skips the rebinding

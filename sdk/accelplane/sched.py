@@ -31,7 +31,7 @@ from operator import attrgetter
 import numpy as np
 
 from . import env
-from .alloc import GraphAllocator
+from .alloc import GraphAllocator, memory_owner, owners_to_keep
 from .backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
 from .errors import CheckResultsError, DeviceError, UnsupportedOpError
 from .graph import Graph
@@ -402,8 +402,16 @@ class Scheduler(GraphRunner):
                         nodes.append(n)
                 sp.graphs.append(Graph.from_nodes(nodes, keep=sp.keep))
         # allocation: one graph per backend with its nodes in graph order (views included, so
-        # they get bound) and the input copies of its splits as leafs (allocated first)
-        keep_ids = frozenset(id(i.src) for sp in splits for i in sp.inputs)
+        # they get bound) and the input copies of its splits as leafs (allocated first). Each
+        # backend's allocator sees only its own nodes, so it keeps to the end what the others
+        # read: sources of copies, memory read in place by another backend's nodes, and the
+        # owners of the graph's outputs and inputs (a view output may sit on another backend)
+        kept = [i.src for sp in splits for i in sp.inputs]
+        for n in graph.nodes:
+            for s in n.src:
+                if s is not None and a.get(id(memory_owner(s)), a[id(n)]) != a[id(n)]:
+                    kept.append(s)
+        keep_ids = owners_to_keep(list(graph.leafs) + list(graph.nodes), kept)
         for k in range(len(self.backends)):
             leafs = [t for t in graph.leafs if a.get(id(t)) == k]
             for sp in splits:
