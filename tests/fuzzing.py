@@ -1,7 +1,9 @@
-"""The shared fuzz switch: ACCELPLANE_FUZZ=long runs property tests at their long example counts."""
+"""The shared fuzz switch: ``ACCELPLANE_FUZZ=long`` runs the property-based and fuzz tests at
+their long example counts (tox -e fuzz), else at a CI-sized count (accelplane.env.FUZZ)."""
 
-import os
+from accelplane import env
 
 
 def examples(ci: int, long: int) -> int:
-    return long if os.environ.get("ACCELPLANE_FUZZ") == "long" else ci
+    """``long`` under ACCELPLANE_FUZZ=long, else ``ci``."""
+    return long if env.FUZZ.get() == "long" else ci

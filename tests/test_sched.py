@@ -16,8 +16,9 @@ from accelplane.sched import Scheduler
 from accelplane.testing.graphs import llama_layer, moe_layers
 from accelplane.testing.plugins import cpu_and_async_registry
 from accelplane.types import GGMLType
+from fuzzing import examples
 
-SCHEDULES = int(os.environ.get("ACCELPLANE_TEST_SCHEDULES", "1000"))
+SCHEDULES = examples(1000, 10000)  # randomized delay schedules in total (tests/fuzzing.py)
 
 
 @pytest.fixture(scope="module")
