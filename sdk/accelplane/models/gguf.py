@@ -2,10 +2,12 @@
 and a maker of synthetic llama models so no download is needed.
 
 Reading: :func:`read_gguf` opens the file with ``gguf.GGUFReader`` (an ``np.memmap``: tensor
-data is paged in when copied to a device, never read up front) and checks everything a bad
-file could get wrong — size, magic, every read inside the file, tensor type ids, tensor data
-inside the file — raising :class:`~accelplane.errors.GGUFError` that names the problem
-(and the key or tensor) instead of crashing or hanging.
+data is paged in when copied to a device, never read up front) and checks everything but the
+tensor values — the header, every read inside the file, value types, array and string
+lengths, keys, ``general.alignment``, each tensor's name, dims and type, and that the tensors
+tile the data section exactly (aligned, inside the file, no overlap, each exactly the bytes
+its type and dims make) — raising :class:`~accelplane.errors.GGUFError` that names the key or
+tensor at fault and its file offset instead of crashing, hanging or loading garbage.
 
 Writing: :func:`write_gguf` streams tensors one at a time (header, metadata, tensor infos,
 then each tensor's bytes), so a model larger than memory can be written. Saving what
@@ -28,10 +30,12 @@ every backend must decode the same way.
 from __future__ import annotations
 
 import functools
+import math
 import os
+import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,17 +69,31 @@ class MetaValue:
     value: Any
     type: Any  # gguf.GGUFValueType
     sub_type: Any = None
+    offset: int | None = field(default=None, compare=False)  # of the entry, when read from a file
+
+    def at(self) -> str:
+        """`` (file offset N)`` when read from a file, else empty (for messages)."""
+        return "" if self.offset is None else f" (file offset {self.offset})"
 
 
 @dataclass
 class GGUFTensor:
     """One tensor: numpy-ordered ``shape``, ``data`` its raw bytes (uint8, the GGUF block layout;
-    a view of the memory map when read from a file)."""
+    a view of the memory map when read from a file, at ``data_offset`` in the data section and
+    ``file_offset`` in the file)."""
 
     name: str
     type: GGMLType
     shape: tuple[int, ...]
     data: np.ndarray
+    data_offset: int | None = None
+    file_offset: int | None = None
+
+    def at(self) -> str:
+        """`` (data offset D, file offset F)`` when read from a file, else empty (for messages)."""
+        if self.file_offset is None:
+            return ""
+        return f" (data offset {self.data_offset}, file offset {self.file_offset})"
 
     @property
     def nbytes(self) -> int:
@@ -111,18 +129,27 @@ class GGUFFile:
         return default if mv is None else mv.value
 
     def llama_config(self) -> LlamaConfig:
-        """The llama hyper-parameters (GGUFError naming the key when one is missing or bad)."""
-        return config_from_metadata(self.metadata, self.tensors)
+        """The llama hyper-parameters (GGUFError naming the file and the key when one is
+        missing or bad)."""
+        try:
+            return config_from_metadata(self.metadata, self.tensors)
+        except GGUFError as e:
+            raise GGUFError(f"{self.path}: {e}" if self.path else str(e)) from None
 
     def check_llama_tensors(self, cfg: LlamaConfig) -> None:
         """Every tensor the config needs is present with the right shape and a usable type,
         and there is no tensor a llama model does not have; GGUFError naming it otherwise."""
         where = f"{self.path}: " if self.path else ""
+        if cfg.n_layers > len(self.tensors):  # a corrupted block count: do not list its weights
+            have = self.tensors
+            i = next(i for i in range(len(have) + 1) if f"blk.{i}.attn_norm.weight" not in have)
+            raise GGUFError(f"{where}missing tensor 'blk.{i}.attn_norm.weight' required by the llama.* "
+                            f"metadata (llama.block_count = {cfg.n_layers})")  # fmt: skip
         specs = {s.name: s for s in cfg.weights()}
-        for name in self.tensors:
+        for name, t in self.tensors.items():
             if name not in specs:
-                raise GGUFError(f"{where}tensor {name!r} is not part of a llama model with this "
-                                "configuration (unsupported tensor)")  # fmt: skip
+                raise GGUFError(f"{where}tensor {_shown(name)} is not part of a llama model with this "
+                                f"configuration (unsupported tensor){t.at()}")  # fmt: skip
         for name, s in specs.items():
             t = self.tensors.get(name)
             if t is None:
@@ -130,105 +157,265 @@ class GGUFFile:
                                 "llama.* metadata")  # fmt: skip
             if tuple(t.shape) != tuple(s.shape):
                 raise GGUFError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, but the llama.* "
-                                f"metadata needs {tuple(s.shape)}")  # fmt: skip
+                                f"metadata needs {tuple(s.shape)}{t.at()}")  # fmt: skip
             if "norm" in name and not t.type.is_float:
                 raise GGUFError(f"{where}norm tensor {name!r} has type {t.type.name}; it must be "
-                                "F32, F16 or BF16")  # fmt: skip
+                                f"F32, F16 or BF16{t.at()}")  # fmt: skip
 
 
 # --- reading -----------------------------------------------------------------------------------
+GGUF_VERSIONS = (2, 3)  # what llama.cpp reads (v1 had 32-bit counts)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32  # without general.alignment
+MAX_ALIGNMENT = 1 << 24  # a larger general.alignment is a corrupted field, not a layout
+# the fewest bytes a metadata entry (key length, a 1-byte key, value type, a 1-byte value) and a
+# tensor info (name length, n_dims, one dim, type, offset) take: counts that cannot fit are refused
+# before parsing
+_KV_MIN_BYTES, _TENSOR_INFO_MIN_BYTES = 8 + 1 + 4 + 1, 8 + 4 + 8 + 4 + 8
+_HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # gguf.GGUFReader's, not keys
+
+
+def _shown(v: Any, width: int = 80) -> str:
+    """repr of ``v`` cut to ``width`` characters (a corrupted length can make a name huge)."""
+    r = repr(v)
+    return r if len(r) <= width else r[: width - 3] + "..."
+
+
+def _pad(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _check_header(p: Path, size: int, head: bytes) -> None:
+    """The fixed header: magic, a little-endian version accelplane reads, counts that fit the file."""
+    if size < HEADER_BYTES:
+        raise GGUFError(f"{p}: truncated: {size} bytes is shorter than a GGUF header ({HEADER_BYTES})")
+    magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", head)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{p}: bad magic {magic!r}: not a GGUF file (expected {GGUF_MAGIC!r})")
+    if version and not version & 0xFFFF:
+        raise GGUFError(f"{p}: version field {version:#010x} at file offset 4 is that of a big-endian "
+                        "GGUF file; accelplane reads little-endian files")  # fmt: skip
+    if version not in GGUF_VERSIONS:
+        raise GGUFError(f"{p}: GGUF version {version} (file offset 4) is not supported; accelplane "
+                        f"reads versions {' and '.join(map(str, GGUF_VERSIONS))}")  # fmt: skip
+    need = n_tensors * _TENSOR_INFO_MIN_BYTES + n_kv * _KV_MIN_BYTES
+    if need > size - HEADER_BYTES:
+        raise GGUFError(f"{p}: truncated or corrupted header: {n_tensors} tensors (count at file offset 8) "
+                        f"and {n_kv} metadata keys (count at file offset 16) need at least {need} bytes "
+                        f"after the header, the file has {size - HEADER_BYTES}")  # fmt: skip
+
+
+def _tensor_at(name: str, data_offset: int, file_offset: int) -> str:
+    return f"tensor {_shown(name)} at data offset {data_offset} (file offset {file_offset})"
+
+
 @functools.cache
 def _reader_class():
     gguf = _gguf()
+    V = gguf.GGUFValueType
 
     class Reader(gguf.GGUFReader):
-        """GGUFReader that refuses every read past the end of the file (the stock reader
-        returns short arrays there, which can loop for a very long time on a bad count) and
-        checks each tensor's type and extent before mapping it."""
+        """gguf.GGUFReader that checks the file as it parses it: every read inside the file (the
+        stock reader returns short arrays there), value types known, arrays that fit the file
+        (read in one piece: the stock reader makes an array per element), no empty or repeated
+        key, a sane ``general.alignment``; then :meth:`_check_tensors` before it maps any tensor.
+        Every error is a GGUFError naming the key or tensor being read and its file offset; any
+        other exception of the stock parser (a name that is not UTF-8, ...) becomes one too."""
+
+        def __init__(self, path: Path) -> None:
+            self._kind, self._index, self._at, self._name = "header", 0, 0, None
+            try:
+                super().__init__(path)
+            except GGUFError:
+                raise
+            except Exception as e:
+                raise GGUFError(f"{self._where()}: {type(e).__name__}: {e}") from None
+
+        # what is being parsed, for messages: a key or tensor info from its first byte on
+        def _begin(self, kind: str, index: int, at: int) -> None:
+            self._kind, self._index, self._at, self._name = kind, index, at, None
+
+        def _where(self) -> str:
+            if self._kind == "header":
+                return "header"
+            what = f"#{self._index}" if self._name is None else _shown(self._name)
+            return f"{self._kind} {what} at file offset {self._at}"
 
         def _get(self, offset, dtype, count=1, override_order=None):
-            count = int(count)
-            end = int(offset) + np.dtype(dtype).itemsize * count
-            if count < 0 or end > self.data.size:
-                raise GGUFError(f"truncated: a header field at byte {offset} needs {end - offset} bytes, "
-                                f"the file has {self.data.size}")  # fmt: skip
+            offset, count = int(offset), int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            if end > self.data.size:
+                raise GGUFError(f"{self._where()}: truncated: needs file bytes [{offset}, {end}), the file "
+                                f"has {self.data.size}")  # fmt: skip
             return super()._get(offset, dtype, count, override_order)
 
+        def _get_str(self, offset):
+            parts = super()._get_str(offset)
+            if offset == self._at and self._name is None:  # the key or tensor name
+                self._name = bytes(parts[1]).decode("utf-8", "replace")
+            return parts
+
+        def _push_field(self, field, skip_sum=False):
+            first = self.fields.get(field.name)
+            if first is not None or not field.name:
+                why = f"duplicate key (first at file offset {first.offset})" if first else "empty key"
+                raise GGUFError(f"{self._where()}: {why}")
+            n = super()._push_field(field, skip_sum)
+            end = field.offset + sum(int(x.nbytes) for x in field.parts)
+            self._begin("metadata key", len(self.fields) - len(_HEADER_FIELDS), end)
+            return n
+
+        def _value_type(self, raw) -> Any:
+            try:
+                return V(int(raw))
+            except ValueError:
+                raise GGUFError(f"{self._where()}: unknown value type {int(raw)}") from None
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if self._value_type(raw_type) != V.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_sub, n = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            sub, start = self._value_type(raw_sub[0]), orig_offs + 12
+            if sub == V.ARRAY:
+                raise GGUFError(f"{self._where()}: an array of arrays (llama.cpp does not read them either)")
+            item = 8 if sub == V.STRING else np.dtype(self.gguf_scalar_to_np[sub]).itemsize
+            if int(n[0]) > (self.data.size - start) // item:
+                raise GGUFError(f"{self._where()}: truncated or corrupted: an array of {int(n[0])} "
+                                f"{sub.name} values does not fit in the {self.data.size - start} bytes left "
+                                "in the file")  # fmt: skip
+            if sub == V.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            values = self._get(start, self.gguf_scalar_to_np[sub], n[0])
+            return 12 + int(values.nbytes), [raw_sub, n, values], [2], [V.ARRAY, sub]
+
+        def _build_tensor_info(self, offs, count):
+            align = self.fields.get("general.alignment")
+            if align is not None:  # checked here, before any tensor offset is read against it
+                a = int(align.parts[-1][0]) if align.types == [V.UINT32] else None
+                if a is None or a <= 0 or a & (a - 1) or a > MAX_ALIGNMENT:
+                    got = f"a {align.types[0].name}" if a is None else a
+                    raise GGUFError(f"metadata key 'general.alignment' at file offset {align.offset}: must "
+                                    f"be a UINT32 power of two <= {MAX_ALIGNMENT}, got {got}")  # fmt: skip
+            self._infos = 0
+            return super()._build_tensor_info(offs, count)
+
+        def _get_tensor_info_field(self, orig_offs):
+            self._begin("tensor", self._infos, orig_offs)
+            self._infos += 1
+            return super()._get_tensor_info_field(orig_offs)
+
         def _build_tensors(self, start_offs, fields):
-            size = self.data.size
-            for f in fields:
-                name = bytes(f.parts[1]).decode("utf-8", "replace")
-                raw = int(f.parts[4][0])
-                dims = [int(x) for x in f.parts[3]]
-                try:
-                    qt = gguf.GGMLQuantizationType(raw)
-                except ValueError:
-                    raise GGUFError(f"tensor {name!r} has unknown tensor type id {raw}") from None
-                blck, tsize = gguf.GGML_QUANT_SIZES[qt]
-                if dims and dims[0] % blck:
-                    raise GGUFError(f"tensor {name!r}: row of {dims[0]} elements is not a whole number "
-                                    f"of {qt.name} blocks ({blck})")  # fmt: skip
-                n = int(np.prod(dims, dtype=np.int64)) if dims else 1
-                start = int(start_offs) + int(f.parts[5][0])
-                end = start + n * tsize // blck
-                if end > size:
-                    raise GGUFError(f"truncated: tensor {name!r} ({qt.name} {dims}) needs bytes "
-                                    f"[{start}, {end}), the file has {size}")  # fmt: skip
+            self._check_tensors(int(start_offs), fields)
             super()._build_tensors(start_offs, fields)
+
+        def _check_tensors(self, start: int, fields) -> None:
+            """Each tensor info: a new name, 1 to 4 dims each >= 1 whose product fits int64, a
+            type accelplane supports, rows of whole blocks. Then the data section (from ``start``
+            to the end of the file): sorted by offset the tensors tile it exactly, as llama.cpp
+            lays them out — each aligned, starting where the previous one's padded bytes end, the
+            last one ending at the end of the file or in its padding — so none overlaps another,
+            runs past the file, or has a byte size its type and dims do not account for."""
+            seen: dict[str, int] = {}
+            extents = []
+            for f in fields:
+                info = f"tensor {_shown(f.name)} (tensor info at file offset {f.offset})"
+                if f.name in seen:
+                    raise GGUFError(f"{info}: duplicate tensor name (first at file offset {seen[f.name]})")
+                seen[f.name] = f.offset
+                dims, raw = [int(x) for x in f.parts[3]], int(f.parts[4][0])
+                ty = _supported_type(info, raw)
+                if not 1 <= len(dims) <= MAX_DIMS or min(dims) < 1 or math.prod(dims) >= 1 << 63:
+                    raise GGUFError(f"{info}: dims {dims}: accelplane reads 1 to {MAX_DIMS} dims, each >= 1, "
+                                    "whose product fits int64")  # fmt: skip
+                if dims[0] % ty.blck_size:
+                    raise GGUFError(f"{info}: rows of {dims[0]} elements are not a whole number of "
+                                    f"{ty.name} blocks ({ty.blck_size} elements)")  # fmt: skip
+                nbytes = row_size(ty, dims[0]) * math.prod(dims[1:])
+                extents.append((int(f.parts[5][0]), nbytes, f"{ty.name} {dims}", f.name))
+            align, data_size = int(self.alignment), self.data.size - start
+            end, prev = 0, None  # the padded end of the tensors so far, the last one
+            for off, n, what, name in sorted(extents):
+                at = f"{_tensor_at(name, off, start + off)} ({what}, {n} bytes)"
+                if off % align:
+                    raise GGUFError(f"{at}: the offset is not a multiple of the data alignment {align}")
+                if off + n > data_size:
+                    raise GGUFError(f"truncated: {at} needs file bytes [{start + off}, {start + off + n}), "
+                                    f"the file has {self.data.size}")  # fmt: skip
+                if prev is not None and off < prev[0] + prev[1]:
+                    raise GGUFError(f"{prev[2]} overlaps {at}")
+                if off > end and prev is None:
+                    raise GGUFError(f"{at}: the first tensor does not start at data offset 0")
+                if off > end:
+                    raise GGUFError(f"{prev[2]}: its type and dims account for {_pad(prev[1], align)} "
+                                    f"bytes (padded), but {at} starts {off - prev[0]} bytes after it: the "
+                                    "type or dims do not match the data")  # fmt: skip
+                end, prev = _pad(off + n, align), (off, n, at)
+            if prev is not None and data_size > end:
+                raise GGUFError(f"{prev[2]}: its type and dims account for {_pad(prev[1], align)} bytes "
+                                f"(padded), but it is the last tensor and {data_size - prev[0]} bytes follow "
+                                "its start in the file: the type or dims do not match the data")  # fmt: skip
 
     return Reader
 
 
+def _supported_type(info: str, raw: int) -> GGMLType:
+    """The tensor type with id ``raw`` if accelplane supports it, else GGUFError naming it."""
+    try:
+        ty = GGMLType(raw)
+    except ValueError:
+        ty = None
+    if ty in SUPPORTED_TYPES:
+        return ty
+    try:
+        name = _gguf().GGMLQuantizationType(raw).name
+    except ValueError:
+        raise GGUFError(f"{info} has unknown tensor type id {raw}") from None
+    raise GGUFError(f"{info} has type {name}, which accelplane does not support (type id {raw}; "
+                    f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")  # fmt: skip
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Open a GGUF file memory-mapped. Raises GGUFError (naming the file and what is wrong) for
-    a missing, empty, truncated or malformed file, a bad magic, a duplicate key or tensor, an
-    unknown tensor type id, or a tensor type accelplane does not support."""
+    """Open a GGUF file memory-mapped, checking everything but the tensor values; nothing is read
+    past the end of the file. GGUFError names the file, the key or tensor at fault and its file
+    offset, for: a missing or unreadable file; a bad magic; a version other than 2 or 3, or a
+    big-endian file; anything truncated; an unknown value type, an array of arrays, a string or
+    array longer than the rest of the file; an empty or duplicate key; a ``general.alignment``
+    that is not a UINT32 power of two (at most 2**24); a duplicate tensor name; dims not
+    1 to 4 of at least 1 each, or whose product overflows int64; a tensor type accelplane does
+    not support; rows that are not whole blocks; tensor data that is misaligned, overlaps
+    another tensor, lies outside the file, or is not exactly its type's and dims' byte size (the
+    tensors must tile the data section, as llama.cpp writes and requires)."""
     gguf = _gguf()
     p = Path(path)
     try:
         size = p.stat().st_size
         with open(p, "rb") as fh:
-            magic = fh.read(4)
+            head = fh.read(HEADER_BYTES)
     except OSError as e:
         raise GGUFError(f"{p}: cannot read: {e.strerror or e}") from None
-    if size < HEADER_BYTES:
-        raise GGUFError(f"{p}: truncated: {size} bytes is shorter than a GGUF header ({HEADER_BYTES})")
-    if magic != GGUF_MAGIC:
-        raise GGUFError(f"{p}: bad magic {magic!r}: not a GGUF file (expected {GGUF_MAGIC!r})")
+    _check_header(p, size, head)
     try:
         r = _reader_class()(p)
     except GGUFError as e:
         raise GGUFError(f"{p}: {e}") from None
-    except Exception as e:
-        raise GGUFError(f"{p}: malformed GGUF file ({type(e).__name__}: {e})") from None
     md: dict[str, MetaValue] = {}
     for key, f in r.fields.items():
-        if key.startswith("GGUF."):
+        if key in _HEADER_FIELDS:
             continue
         vt = f.types[0]
+        sub = gguf.GGUFValueType(int(f.parts[3][0])) if vt == gguf.GGUFValueType.ARRAY else None
         try:
-            if vt == gguf.GGUFValueType.ARRAY:
-                sub = gguf.GGUFValueType(int(f.parts[3][0]))
-                md[key] = MetaValue(f.contents(), vt, sub)
-            else:
-                md[key] = MetaValue(f.contents(), vt)
-        except Exception as e:
-            raise GGUFError(
-                f"{p}: metadata key {key!r} cannot be decoded ({type(e).__name__}: {e})"
-            ) from None
+            value = f.contents()
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{p}: metadata key {_shown(key)} at file offset {f.offset}: a string is not "
+                            f"UTF-8 ({e})") from None  # fmt: skip
+        md[key] = MetaValue(value, vt, sub, int(f.offset))
     tensors: dict[str, GGUFTensor] = {}
     for rt in r.tensors:
-        try:
-            ty = GGMLType(int(rt.tensor_type))
-        except ValueError:
-            ty = None
-        if ty not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"{p}: tensor {rt.name!r} has type {rt.tensor_type.name}, which accelplane "
-                f"does not support (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
-            )
         shape = tuple(int(x) for x in reversed(rt.shape.tolist()))
-        tensors[rt.name] = GGUFTensor(rt.name, ty, shape, rt.data.reshape(-1).view(np.uint8))
+        data, at = rt.data.reshape(-1).view(np.uint8), int(rt.data_offset)
+        ty = GGMLType(int(rt.tensor_type))
+        tensors[rt.name] = GGUFTensor(rt.name, ty, shape, data, at - int(r.data_offset), at)
     return GGUFFile(p, md, tensors, int(r.alignment), r)
 
 
@@ -244,20 +431,17 @@ def _meta(md: Mapping[str, MetaValue], key: str, kind: type, default: Any = _MIS
         return default
     v = mv.value
     if kind is int:
-        if isinstance(v, bool) or not isinstance(v, int | np.integer):
-            raise GGUFError(f"metadata key {key!r} must be an integer, got {v!r}")
-        return int(v)
-    if kind is float:
-        if isinstance(v, bool) or not isinstance(v, int | float | np.number):
-            raise GGUFError(f"metadata key {key!r} must be a number, got {v!r}")
-        return float(v)
-    if kind is bool:
-        if not isinstance(v, bool | np.bool_):
-            raise GGUFError(f"metadata key {key!r} must be a bool, got {v!r}")
-        return bool(v)
-    if not isinstance(v, str):
-        raise GGUFError(f"metadata key {key!r} must be a string, got {v!r}")
-    return v
+        ok = isinstance(v, int | np.integer) and not isinstance(v, bool)
+    elif kind is float:
+        ok = isinstance(v, int | float | np.number) and not isinstance(v, bool)
+    elif kind is bool:
+        ok = isinstance(v, bool | np.bool_)
+    else:
+        ok = isinstance(v, str)
+    if not ok:
+        want = {int: "an integer", float: "a number", bool: "a bool"}.get(kind, "a string")
+        raise GGUFError(f"metadata key {key!r} must be {want}, got {_shown(v)}{mv.at()}")
+    return kind(v)
 
 
 def config_from_metadata(md: Mapping[str, MetaValue],
@@ -368,17 +552,25 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, MetaValue],
     """Write a GGUF file: ``metadata`` in the given order (llama.cpp puts
     ``general.architecture`` first), then ``tensors`` in order, streamed one at a time.
     ``alignment``: tensor data alignment (default: ``general.alignment`` of the metadata, else
-    32). The file is written next to ``path`` and renamed into place, so a crash never leaves
-    a partial model."""
+    32; a power of two; any other than 32 is written as ``general.alignment``, which must agree
+    with it). The file is written next to ``path`` and renamed into place, so a crash never
+    leaves a partial model."""
     gguf = _gguf()
     p = Path(path)
     arch = metadata.get("general.architecture")
     w = gguf.GGUFWriter(None, arch.value if arch is not None else "llama")
     w.kv_data[0].clear()  # the writer adds general.architecture itself; keep the caller's order
-    if alignment is None and "general.alignment" in metadata:
-        alignment = int(metadata["general.alignment"].value)
-    if alignment is not None:
-        w.data_alignment = int(alignment)
+    given = metadata.get("general.alignment")
+    if given is not None and given.type != gguf.GGUFValueType.UINT32:
+        raise GGUFError(f"general.alignment must be a UINT32, got a {given.type.name}")
+    align = int(alignment if alignment is not None else given.value if given else DEFAULT_ALIGNMENT)
+    if align <= 0 or align & (align - 1) or align > MAX_ALIGNMENT:
+        raise GGUFError(f"alignment {align} is not a power of two <= {MAX_ALIGNMENT}")
+    if given is not None and int(given.value) != align:
+        raise GGUFError(f"alignment {align} differs from the metadata's general.alignment {given.value}")
+    if given is None and align != DEFAULT_ALIGNMENT:  # readers would assume the default
+        metadata = {**metadata, "general.alignment": MetaValue(align, gguf.GGUFValueType.UINT32)}
+    w.data_alignment = align
     for key, mv in metadata.items():
         if mv.type == gguf.GGUFValueType.ARRAY and len(mv.value) == 0:
             continue  # GGUFWriter cannot write empty arrays
@@ -407,11 +599,13 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, MetaValue],
                 progress(data.size)
         w.close()
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         if w.fout:
             for f in w.fout:
                 f.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise GGUFError(f"{p}: cannot write: {e.strerror or e}") from None
         raise
 
 

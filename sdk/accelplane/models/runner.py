@@ -197,11 +197,11 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     out = out or sys.stdout
 
     check_split(args.split)
-    reg = accelplane.get_registry()
     path = Path(args.model) if args.model else default_model_path()
-    f = read_gguf(path)
+    f = read_gguf(path)  # before the plugins load: a bad file fails at once
     cfg = f.llama_config()
     f.check_llama_tensors(cfg)
+    reg = accelplane.get_registry()
     p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     p(f"model: {path}")
     p(f"  {describe_model(f)}")
@@ -434,10 +434,10 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
     from ..bench import machine
 
-    reg = accelplane.get_registry()
     path = Path(args.model) if args.model else default_model_path()
     f = read_gguf(path)
     f.check_llama_tensors(f.llama_config())
+    reg = accelplane.get_registry()
     print(f"model: {path}\n  {describe_model(f)}", file=out)
     for sp in args.split or []:
         check_split(sp)

@@ -1,0 +1,15 @@
+"""The SDK's test suite: the fuzz tests' tally in the terminal summary."""
+
+from __future__ import annotations
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    try:
+        from fuzzing import TALLY
+    except ImportError:  # pragma: no cover - tests/ not on the path
+        return
+    lines = TALLY.lines()
+    if lines:
+        terminalreporter.section("fuzz cases (each: the oracle's result or a typed error)")
+        for ln in lines:
+            terminalreporter.write_line(ln)
