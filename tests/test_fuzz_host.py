@@ -183,6 +183,19 @@ def _describe(g) -> str:
     return "\n".join(lines)
 
 
+def _scale(o: Tensor, values: dict) -> float:
+    """The largest magnitude among the values ``o`` is computed from (at least 1)."""
+    m, seen, stack = 1.0, set(), [s for s in o.src if s is not None]
+    while stack:
+        t = stack.pop()
+        if id(t) not in seen:
+            seen.add(id(t))
+            v = np.asarray(values.get(t, 0.0), np.float64)
+            m = max(m, float(np.abs(v[np.isfinite(v)]).max(initial=0)))
+            stack += [s for s in t.src if s is not None]
+    return m
+
+
 def _upstream_not_finite(o: Tensor, values: dict) -> bool:
     """Whether a node that ``o`` depends on (not ``o`` itself) holds NaN or infinity in the
     oracle: ops given those (sqrt of a negative feeding a leaky ReLU) differ between ggml's
@@ -315,6 +328,10 @@ def _run(draw, ctx, g, outs, dev, sched_cpu, rng) -> str:
             got = o.get().reshape(exp.shape)
             thr = 10 * sum(_threshold(n) for n in g.nodes if n.op not in VIEW_OPS)
             ok, err, msg = compare(exp, got, max(thr, 1e-6), o.type == T.I32)
+            if not ok and o.type != T.I32 and np.isfinite(got).all() and np.isfinite(exp).all():
+                # a result near zero from larger values (a sum of a normed row): relative error
+                # means nothing there; the absolute error against the values it came from does
+                ok = float(np.max(np.abs(got - exp), initial=0)) <= 1e-4 * _scale(o, want)
             assert ok, f"{where}: output {o} differs from the oracle: {msg}\n{_describe(g)}"
             compared += 1
         return "computed = oracle" if compared else "computed, not compared (NaN/inf upstream)"

@@ -7,11 +7,12 @@ the node is built (:mod:`accelplane.ops`), so a bad graph fails before any backe
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 
 from .alloc import owners_to_keep
-from .errors import ShapeError
+from .errors import AccelplaneError, ShapeError
 from .ops import (
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORMAL,
@@ -25,6 +26,12 @@ from .tensor import Tensor, contiguous_strides
 from .types import GGMLType, parse_type
 
 _graph_ids = itertools.count(1)
+
+
+def _tensor(op: Op, t, optional: bool = False) -> None:
+    """ShapeError unless ``t`` is a Tensor (or None where the source is optional)."""
+    if not isinstance(t, Tensor) and not (optional and t is None):
+        raise ShapeError(f"{op.name}: source {t!r} is not a Tensor")
 
 
 def _enum(op: Op, cls, value):
@@ -65,10 +72,12 @@ class Context:
     # --- node construction (one place) ----------------------------------------------------
     def _op(self, op: Op, src: tuple, params: tuple = (), name: str = "") -> Tensor:
         for s in src:
-            if s is not None and not isinstance(s, Tensor):
-                raise ShapeError(f"{op.name}: source {s!r} is not a Tensor")
+            _tensor(op, s, optional=True)
         r = RULES[op](op, src, params)
         ndim = r.ndim or max((s.ndim for s in src if s is not None), default=1)
+        # at least as many host axes as the result has non-trivial dimensions (CONCAT along
+        # a new axis, a broadcasting product)
+        ndim = max(ndim, max((i + 1 for i in range(4) if r.ne[i] != 1), default=1))
         t = Tensor(
             r.type, r.ne, r.nb, op=op, op_params=params, src=src,
             view_src=r.view_of, view_offs=r.view_offs, name=name, ndim=ndim,
@@ -120,7 +129,7 @@ class Context:
         return self._op(Op.COS, (a,))
 
     def clamp(self, a: Tensor, min: float, max: float) -> Tensor:  # noqa: A002
-        """``np.clip(a, min, max)``. op_params = (min, max)."""
+        """``np.clip(a, min, max)``, min <= max (else ShapeError). op_params = (min, max)."""
         return self._op(Op.CLAMP, (a,), (float(min), float(max)))
 
     def leaky_relu(self, a: Tensor, negative_slope: float = 0.01) -> Tensor:
@@ -317,6 +326,7 @@ class Context:
              offset: int = 0) -> Tensor:  # fmt: skip
         """ggml_view_Nd: a view of ``ne`` (ggml order) with byte strides ``nb`` (default:
         a's row strides) at byte ``offset`` of a's data."""
+        _tensor(Op.VIEW, a)
         ne = tuple(int(x) for x in ne) + (1,) * (4 - len(ne))
         if nb is None:
             nb = (a.nb[0], a.nb[1], a.nb[1] * ne[1], a.nb[1] * ne[1] * ne[2])
@@ -345,6 +355,7 @@ class Context:
         return self._reshape(a, tuple(ne) + (1,) * (4 - len(ne)), len(ne))
 
     def _reshape(self, a: Tensor, ne: tuple, ndim: int) -> Tensor:
+        _tensor(Op.RESHAPE, a)
         if not a.is_contiguous():
             raise ShapeError(f"RESHAPE: {a.name or a.uid} is not contiguous; use cont() first")
         n = ne[0] * ne[1] * ne[2] * ne[3]
@@ -356,6 +367,7 @@ class Context:
 
     def permute(self, a: Tensor, ax0: int, ax1: int, ax2: int, ax3: int) -> Tensor:
         """ggml_permute: ggml axis i of a moves to position ax_i (ggml order)."""
+        _tensor(Op.PERMUTE, a)
         axes = (ax0, ax1, ax2, ax3)
         if sorted(axes) != [0, 1, 2, 3]:
             raise ShapeError(f"PERMUTE: axes {axes} are not a permutation of 0..3")
@@ -382,6 +394,27 @@ class Context:
         for o in outputs:
             o.set_output()
         return Graph(outputs)
+
+
+def _typed_errors(name: str, fn):
+    """``fn`` with a parameter that is not a number where one is due (``int("x")``, ``float(None)``)
+    reported as ShapeError naming the builder method, never a raw ValueError/TypeError."""
+
+    @functools.wraps(fn)
+    def checked(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except AccelplaneError:
+            raise
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ShapeError(f"Context.{name}: bad argument: {e}") from None
+
+    return checked
+
+
+for _name, _fn in list(vars(Context).items()):
+    if not _name.startswith("_") and callable(_fn):
+        setattr(Context, _name, _typed_errors(_name, _fn))
 
 
 class Graph:

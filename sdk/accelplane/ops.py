@@ -135,7 +135,12 @@ def _shape_err(op: Op, msg: str) -> ShapeError:
 
 def can_repeat(b, a) -> bool:
     """b broadcasts to a: every a.ne[i] is a multiple of b.ne[i] (ggml_can_repeat)."""
-    return all(bi > 0 and ai % bi == 0 for ai, bi in zip(a.ne, b.ne, strict=True))
+    return all(_divides(bi, ai) for ai, bi in zip(a.ne, b.ne, strict=True))
+
+
+def _divides(d: int, n: int) -> bool:
+    """``n`` is a whole multiple of ``d`` (an empty dimension divides nothing)."""
+    return d > 0 and n % d == 0
 
 
 # --- rules -----------------------------------------------------------------------------------
@@ -191,6 +196,8 @@ def _argmax(op, src, params):
     _need_type(op, a, {T.F32})
     if a.ne[2] != 1 or a.ne[3] != 1:
         raise _shape_err(op, f"{_name(a)} must be a matrix, ne={list(a.ne)}")
+    if a.ne[0] == 0 and a.ne[1] > 0:
+        raise _shape_err(op, f"rows of {_name(a)} are empty: no maximum")
     return Result(T.I32, (a.ne[1], 1, 1, 1), ndim=1)
 
 
@@ -225,7 +232,7 @@ def _soft_max(op, src, params):
         if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1]:
             raise _shape_err(op, f"mask ne={list(mask.ne)} must have ne0={a.ne[0]} and "
                                  f"ne1>={a.ne[1]}")  # fmt: skip
-        if a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
+        if not (_divides(mask.ne[2], a.ne[2]) and _divides(mask.ne[3], a.ne[3])):
             raise _shape_err(op, f"mask ne={list(mask.ne)} does not broadcast over "
                                  f"ne={list(a.ne)}")  # fmt: skip
     return Result(T.F32, a.ne)
@@ -252,7 +259,7 @@ def _mul_mat(op, src, params):
     if a.ne[0] != b.ne[0]:
         raise _shape_err(op, f"inner dimensions differ: {_name(a)} ne0={a.ne[0]}, "
                              f"{_name(b)} ne0={b.ne[0]}")  # fmt: skip
-    if b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
+    if not (_divides(a.ne[2], b.ne[2]) and _divides(a.ne[3], b.ne[3])):
         raise _shape_err(op, f"{_name(a)} ne={list(a.ne)} does not broadcast over "
                              f"{_name(b)} ne={list(b.ne)}")  # fmt: skip
     if a.is_transposed():
@@ -271,7 +278,7 @@ def _mul_mat_id(op, src, params):
         raise _shape_err(op, f"inner dimensions differ: {a.ne[0]} vs {b.ne[0]}")
     if ids.ne[1] != b.ne[2]:
         raise _shape_err(op, f"ids ne1={ids.ne[1]} must equal b ne2={b.ne[2]} (tokens)")
-    if ids.ne[0] % b.ne[1]:
+    if not _divides(b.ne[1], ids.ne[0]):
         raise _shape_err(op, f"b ne1={b.ne[1]} must divide ids ne0={ids.ne[0]}")
     if ids.ne[0] > a.ne[2]:
         raise _shape_err(op, f"{ids.ne[0]} experts used per token > {a.ne[2]} experts")
@@ -298,7 +305,7 @@ def _set_rows(op, src, params):
         raise _shape_err(op, f"row length differs: dst ne0={a.ne[0]}, src ne0={b.ne[0]}")
     if b.ne[1] != idx.ne[0] or idx.ne[3] != 1:
         raise _shape_err(op, f"rows ne={list(idx.ne)} must list src ne1={b.ne[1]} rows")
-    if b.ne[2] % idx.ne[1] or b.ne[3] % idx.ne[2]:
+    if not (_divides(idx.ne[1], b.ne[2]) and _divides(idx.ne[2], b.ne[3])):
         raise _shape_err(op, f"rows ne={list(idx.ne)} do not broadcast over src ne={list(b.ne)}")
     if a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3]:
         raise _shape_err(op, f"dst ne={list(a.ne)} and src ne={list(b.ne)} differ in ne2/ne3")
@@ -325,6 +332,15 @@ def _cont(op, src, params):
 
 
 def _scale(op, src, params):
+    if any(math.isnan(p) for p in params):
+        raise _shape_err(op, f"parameters {params} must be numbers, not NaN")
+    return _same(op, src, params)
+
+
+def _clamp(op, src, params):
+    lo, hi = params
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:  # (ggml computes MAX(MIN(x, hi), lo))
+        raise _shape_err(op, f"min {lo} and max {hi} must be numbers with min <= max")
     return _same(op, src, params)
 
 
@@ -382,7 +398,7 @@ def _view(op, src, params):
 RULES: dict[Op, Callable] = {
     Op.ADD: _binary, Op.SUB: _binary, Op.MUL: _binary, Op.DIV: _binary,
     Op.SQR: _same, Op.SQRT: _same, Op.LOG: _same, Op.SIN: _same, Op.COS: _same,
-    Op.CLAMP: _same, Op.LEAKY_RELU: _same, Op.UNARY: _same, Op.SCALE: _scale,
+    Op.CLAMP: _clamp, Op.LEAKY_RELU: _same, Op.UNARY: _same, Op.SCALE: _scale,
     Op.GLU: _glu, Op.NORM: _norm, Op.RMS_NORM: _norm, Op.L2_NORM: _norm,
     Op.SOFT_MAX: _soft_max, Op.ROPE: _rope, Op.MUL_MAT: _mul_mat, Op.MUL_MAT_ID: _mul_mat_id,
     Op.GET_ROWS: _get_rows, Op.SET_ROWS: _set_rows, Op.CPY: _cpy, Op.CONT: _cont,

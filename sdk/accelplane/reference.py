@@ -285,7 +285,8 @@ def compute_node(node: Tensor, values: Mapping[Tensor, np.ndarray]) -> np.ndarra
 
 # --- ops ------------------------------------------------------------------------------------
 def _tile(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    reps = tuple(n // m for n, m in zip(shape, b.shape, strict=True))
+    # an empty axis stays empty (the op rules let it broadcast only onto an empty one)
+    reps = tuple(n // m if m else 1 for n, m in zip(shape, b.shape, strict=True))
     return np.tile(b, reps)
 
 
@@ -579,9 +580,11 @@ def _compute(node: Tensor, srcs: list) -> np.ndarray:
     fn = _OPS.get(node.op)
     if fn is None:
         raise UnsupportedOpError(f"reference: no oracle for op {node.op}")
+    shape = _shape4(node)
+    if node.nelements == 0:  # an empty result: nothing to compute (its sources may be empty too)
+        return np.zeros(shape, np.int64 if node.type == T.I32 else np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
         out = np.asarray(fn(node, srcs))
-    shape = _shape4(node)
     if out.shape != shape:  # a bug here, not in the caller's graph
         raise AssertionError(
             f"reference: {node.op.name} {_name(node)} computed shape {out.shape}, ne says {shape}"
