@@ -267,7 +267,7 @@ def _data_edges(draw, ctx: Context, rng) -> None:
 
 
 @given(st.data())
-@settings(max_examples=examples(600, 6000), deadline=None,
+@settings(max_examples=examples(600, 10000), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 def test_host_api_ends_in_the_oracle_or_a_typed_error(data):
     draw = data.draw

@@ -179,15 +179,25 @@ def _glu(op, src, params):
     return Result(a.type, a.ne)
 
 
+def _not_empty_reduction(op, a, n: int, what: str) -> None:
+    """ShapeError for a reduction over an empty axis (``n`` == 0) whose result is not empty:
+    refused when built rather than left to every kernel to write the identity for it."""
+    if n == 0:
+        raise _shape_err(op, f"{what} of {_name(a)} ne={list(a.ne)} is empty")
+
+
 def _reduce_rows(op, src, params):
     (a,) = src
     _need_type(op, a, FLOAT)
+    if a.nrows:
+        _not_empty_reduction(op, a, a.ne[0], "each row")
     return Result(T.F32, (1, *a.ne[1:]))
 
 
 def _sum(op, src, params):
     (a,) = src
     _need_type(op, a, FLOAT)
+    _not_empty_reduction(op, a, a.nelements, "the tensor")
     return Result(T.F32, (1, 1, 1, 1), ndim=1)
 
 
@@ -264,6 +274,8 @@ def _mul_mat(op, src, params):
                              f"{_name(b)} ne={list(b.ne)}")  # fmt: skip
     if a.is_transposed():
         raise _shape_err(op, f"{_name(a)} is transposed; make it contiguous first")
+    if a.ne[1] * b.nrows:
+        _not_empty_reduction(op, a, a.ne[0], "the inner dimension")
     return Result(T.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]))
 
 
@@ -282,6 +294,8 @@ def _mul_mat_id(op, src, params):
         raise _shape_err(op, f"b ne1={b.ne[1]} must divide ids ne0={ids.ne[0]}")
     if ids.ne[0] > a.ne[2]:
         raise _shape_err(op, f"{ids.ne[0]} experts used per token > {a.ne[2]} experts")
+    if a.ne[1] * ids.ne[0] * b.ne[2]:
+        _not_empty_reduction(op, a, a.ne[0], "the inner dimension")
     return Result(T.F32, (a.ne[1], ids.ne[0], b.ne[2], 1))
 
 
@@ -309,13 +323,28 @@ def _set_rows(op, src, params):
         raise _shape_err(op, f"rows ne={list(idx.ne)} do not broadcast over src ne={list(b.ne)}")
     if a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3]:
         raise _shape_err(op, f"dst ne={list(a.ne)} and src ne={list(b.ne)} differ in ne2/ne3")
+    _overlap(op, b, a)
+    _overlap(op, idx, a)
     return Result(a.type, a.ne, view_of=a, nb=a.nb, ndim=a.ndim)
+
+
+def _overlap(op, src, dst) -> None:
+    """ShapeError when a write into ``dst`` would overwrite memory it reads from ``src`` (the
+    same bytes under another layout): the result would depend on the kernel's order."""
+    s_own, d_own = src.view_src or src, dst.view_src or dst
+    if s_own is not d_own or src.nbytes == 0 or dst.nbytes == 0:
+        return
+    s0, d0 = src.view_offs if src.view_src else 0, dst.view_offs if dst.view_src else 0
+    same = s0 == d0 and src.ne == dst.ne and src.nb == dst.nb and src.type == dst.type
+    if not same and s0 < d0 + dst.nbytes and d0 < s0 + src.nbytes:
+        raise _shape_err(op, f"{_name(dst)} overlaps the memory it is written from ({_name(src)})")
 
 
 def _cpy(op, src, params):
     a, b = src
     if a.nelements != b.nelements:
         raise _shape_err(op, f"{_name(a)} has {a.nelements} elements, {_name(b)} {b.nelements}")
+    _overlap(op, a, b)
     if a.type == T.I32 or b.type == T.I32:
         _need_type(op, b, {a.type})
     else:
