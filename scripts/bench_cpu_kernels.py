@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from accelplane.core.types import GGMLType
 from accelplane.cpu import kernels
-from accelplane.types import GGMLType
 
 T = GGMLType
 # ggml CPU on this machine kind (GFLOPS), from the task brief; '-' where not given

@@ -16,9 +16,9 @@ import time
 
 import accelplane.cpu.plugin as cpu_plugin
 import numpy as np
-from accelplane.mpi import MPIGroup
-from accelplane.registry import Registry
-from accelplane.testing.tp import LayerParams, layer_values, single, tensor_parallel
+from accelplane.bench.tp import LayerParams, layer_values, single, tensor_parallel
+from accelplane.parallel.mpi import MPIGroup
+from accelplane.runtime.registry import Registry
 
 
 def main() -> int:

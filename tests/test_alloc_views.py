@@ -19,18 +19,19 @@ from dataclasses import dataclass
 import accelplane
 import numpy as np
 import pytest
-from accelplane import reference
-from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
-from accelplane.backend import Backend, Device
-from accelplane.conformance.runner import compare, graph_supported
-from accelplane.graph import Context, Graph
-from accelplane.hookspecs import DeviceType
-from accelplane.meta import MetaDevice, SplitState
-from accelplane.ops import VIEW_OPS, Op, can_repeat
+from accelplane.conformance.runner import graph_supported
+from accelplane.core.graph import Context, Graph
+from accelplane.core.ops import VIEW_OPS, Op, can_repeat
+from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.core.types import GGMLType
+from accelplane.interface import DeviceType
+from accelplane.oracle import reference
+from accelplane.oracle.compare import compare
+from accelplane.parallel.meta import MetaDevice, SplitState
+from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors
+from accelplane.runtime.backend import Backend, Device
 from accelplane.sched import Scheduler
-from accelplane.tensor import Tensor, TensorFlag
 from accelplane.testing.plugins import cpu_and_async_registry
-from accelplane.types import GGMLType
 from fuzzing import examples
 from hypothesis import HealthCheck, assume, currently_in_test_context, given, settings
 from hypothesis import strategies as st
@@ -696,7 +697,7 @@ def test_corner_installed_plugin(plugin, name):
 
 def test_kept_owners_are_the_ends_of_view_chains():
     """owners_to_keep: a flagged view (of a view) names the tensor whose memory it is."""
-    from accelplane.alloc import memory_owner, owners_to_keep
+    from accelplane.runtime.alloc import memory_owner, owners_to_keep
 
     ctx = Context()
     x = ctx.new_tensor(F32, (4, 6), "x")

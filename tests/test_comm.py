@@ -1,4 +1,4 @@
-"""All-reduce (accelplane.comm): the canonical order, results against the float64 oracle,
+"""All-reduce (accelplane.parallel.comm): the canonical order, results against the float64 oracle,
 butterfly and ring byte-identical in F32, compression, the plugin path and its fallback,
 ordering under random delays, typed errors, and the benchmark.
 
@@ -17,17 +17,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from accelplane import Context, GGMLType
-from accelplane import comm as comm_mod
-from accelplane.alloc import alloc_tensors
-from accelplane.backend import Backend, Device
-from accelplane.comm import (
-    AllReduce,
-    allreduce,
-    bench_allreduce,
-    canonical_sum,
-    free_shared,
-    merge_order,
-)
 from accelplane.cpu import plugin as cpu_plugin
 from accelplane.errors import (
     AccelplaneError,
@@ -37,8 +26,19 @@ from accelplane.errors import (
     TypeMismatchError,
     UnsupportedOpError,
 )
-from accelplane.hookspecs import HOOK_NAMES, hookimpl
-from accelplane.registry import Registry
+from accelplane.interface import HOOK_NAMES, hookimpl
+from accelplane.parallel import comm as comm_mod
+from accelplane.parallel.comm import (
+    AllReduce,
+    allreduce,
+    bench_allreduce,
+    canonical_sum,
+    free_shared,
+    merge_order,
+)
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Backend, Device
+from accelplane.runtime.registry import Registry
 from accelplane.testing import asyncdev
 
 T = GGMLType

@@ -21,9 +21,9 @@ import pytest
 
 gguf_quants = pytest.importorskip("gguf.quants")
 import gguf  # noqa: E402
+from accelplane.core.types import GGMLType  # noqa: E402
 from accelplane.cpu import kernels  # noqa: E402
 from accelplane.errors import ConfigError, OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
-from accelplane.types import GGMLType  # noqa: E402
 
 T = GGMLType
 QUANT = [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import accelplane
 import numpy as np
 import pytest
-from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
+from accelplane.core.graph import Context
+from accelplane.core.ops import Op, UnaryOp
+from accelplane.core.types import GGMLType
 from accelplane.errors import (
     BufferFreedError,
     ComputeError,
@@ -16,11 +18,9 @@ from accelplane.errors import (
     TypeMismatchError,
     UnsupportedOpError,
 )
-from accelplane.graph import Context
-from accelplane.ops import Op, UnaryOp
-from accelplane.registry import Registry
+from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors
+from accelplane.runtime.registry import Registry
 from accelplane.testing.plugins import cpu_and_async_registry, host_plugin
-from accelplane.types import GGMLType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,18 +1,18 @@
-"""accelplane.fusion: when a run of nodes may be computed as one kernel, including the keep
+"""accelplane.core.fusion: when a run of nodes may be computed as one kernel, including the keep
 sets the scheduler hands to each split's plugin."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from accelplane.alloc import alloc_tensors
-from accelplane.fusion import Fusion
-from accelplane.graph import Context, Graph
-from accelplane.ops import Op
+from accelplane.core.fusion import Fusion
+from accelplane.core.graph import Context, Graph
+from accelplane.core.ops import Op
+from accelplane.core.tensor import TensorFlag
+from accelplane.core.types import GGMLType
+from accelplane.runtime.alloc import alloc_tensors
 from accelplane.sched import Scheduler
-from accelplane.tensor import TensorFlag
 from accelplane.testing.plugins import cpu_and_async_registry
-from accelplane.types import GGMLType
 
 T = GGMLType
 NM = (Op.RMS_NORM, Op.MUL)
@@ -331,7 +331,7 @@ def test_product_rope_cache(why, monkeypatch):
     K rope into its cache and the V cache write is one run covering them and the views between;
     not when the product or the K rope has another reader or is wanted, when the ropes differ,
     or with fusion off. The split V layout (per channel at the position) matches too."""
-    from accelplane.testing.graphs import qkv_block
+    from accelplane.models.blocks import qkv_block
 
     if why == "env":
         monkeypatch.setenv("ACCELPLANE_FUSION", "0")

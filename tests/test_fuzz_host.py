@@ -16,16 +16,16 @@ from contextlib import contextmanager, suppress
 import accelplane
 import numpy as np
 import pytest
-from accelplane import reference
-from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
-from accelplane.conformance.runner import compare
+from accelplane.core.graph import Context
+from accelplane.core.ops import VIEW_OPS, WRITES_VIEW_SRC, GluOp, Op, SortOrder, UnaryOp
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 from accelplane.errors import AccelplaneError
-from accelplane.graph import Context
-from accelplane.ops import VIEW_OPS, WRITES_VIEW_SRC, GluOp, Op, SortOrder, UnaryOp
+from accelplane.oracle import reference
+from accelplane.oracle.compare import compare
+from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors
 from accelplane.sched import Scheduler
-from accelplane.tensor import Tensor
 from accelplane.testing.plugins import cpu_and_async_registry
-from accelplane.types import GGMLType
 from fuzzing import TALLY, examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

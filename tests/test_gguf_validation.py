@@ -21,10 +21,10 @@ import gguf
 import numpy as np
 import pytest
 from accelplane import cli
+from accelplane.core.types import GGMLType
 from accelplane.errors import GGUFError
 from accelplane.models import make_model, read_gguf, write_gguf
 from accelplane.models.gguf import SUPPORTED_TYPES, GGUFTensor, MetaValue
-from accelplane.types import GGMLType
 from fuzzing import TALLY, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -8,8 +8,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from accelplane import Context, GGMLType
-from accelplane.alloc import GraphAllocator, alloc_ctx_tensors, alloc_tensors
-from accelplane.backend import Buffer, BufferUsage, Device, MultiBuffer, tensor_copy, tensor_copy_async
 from accelplane.cpu import plugin as cpu_plugin
 from accelplane.errors import (
     AccelplaneError,
@@ -20,7 +18,16 @@ from accelplane.errors import (
     ShapeError,
     TypeMismatchError,
 )
-from accelplane.registry import Registry
+from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors, alloc_tensors
+from accelplane.runtime.backend import (
+    Buffer,
+    BufferUsage,
+    Device,
+    MultiBuffer,
+    tensor_copy,
+    tensor_copy_async,
+)
+from accelplane.runtime.registry import Registry
 from accelplane.testing.plugins import host_plugin
 
 F32 = GGMLType.F32

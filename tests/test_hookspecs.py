@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pluggy
 import pytest
-from accelplane import hookspecs
 from accelplane.cpu import plugin as cpu_plugin
-from accelplane.hookspecs import (
+from accelplane.interface import (
     API_VERSION,
     HOOK_MIN_MINOR,
     HOOK_NAMES,
     PROJECT,
     REQUIRED_HOOKS,
     Specs,
+    hookspecs,
 )
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md"

@@ -1,4 +1,4 @@
-"""Tensor parallelism (accelplane.meta): split states, scatter/gather, the llama layer split over
+"""Tensor parallelism (accelplane.parallel.meta): split states, scatter/gather, the llama layer split over
 2, 3 and 4 devices (CPU backends, the asynchronous test device, a mix) against the same graph
 on one device, butterfly and ring byte for byte, compressed all-reduce, uneven and empty
 slices, fused QKV, quantized weights, a KV-cache attention, MoE's delayed all-reduce, typed
@@ -17,17 +17,17 @@ from pathlib import Path
 import accelplane.cpu.plugin as cpu_plugin
 import numpy as np
 import pytest
-from accelplane import reference
-from accelplane.alloc import GraphAllocator, alloc_tensors
-from accelplane.backend import Device
+from accelplane.bench.tp import LayerParams, layer_values, megatron_split, single, tensor_parallel
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType
 from accelplane.errors import DeviceError, ShapeError, UnsupportedOpError
-from accelplane.graph import Context
-from accelplane.meta import MetaDevice, Segment, SplitAxis, SplitState, split_sizes
-from accelplane.registry import Registry
+from accelplane.models.blocks import moe_layers
+from accelplane.oracle import reference
+from accelplane.parallel.meta import MetaDevice, Segment, SplitAxis, SplitState, split_sizes
+from accelplane.runtime.alloc import GraphAllocator, alloc_tensors
+from accelplane.runtime.backend import Device
+from accelplane.runtime.registry import Registry
 from accelplane.testing import asyncdev
-from accelplane.testing.graphs import moe_layers
-from accelplane.testing.tp import LayerParams, layer_values, megatron_split, single, tensor_parallel
-from accelplane.types import GGMLType
 
 T = GGMLType
 U32 = 2.0**-24

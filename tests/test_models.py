@@ -15,14 +15,15 @@ import accelplane
 import gguf
 import numpy as np
 import pytest
+from accelplane.core.types import GGMLType, dequantize
 from accelplane.errors import ConfigError, DeviceError, GGUFError, ShapeError
-from accelplane.hookspecs import DeviceType
+from accelplane.interface import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
 from accelplane.models.gguf import MetaValue, synthetic_tensor
 from accelplane.models.llama import SplitKind, SplitRole, WeightSpec
-from accelplane.models.runner import NMSE_TOL, nmse
+from accelplane.models.runner import NMSE_TOL
+from accelplane.oracle.compare import nmse
 from accelplane.testing.plugins import cpu_and_async_registry
-from accelplane.types import GGMLType, dequantize
 
 TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128, n_ctx=256)
 MOE = dict(TINY, n_expert=4, n_expert_used=2)
@@ -317,7 +318,7 @@ def _teacher_forced_64(path: Path, devices, cpu, inspect=None, **kw) -> np.ndarr
 
 def test_tensor_split_decode_replays_recordings(reg, models):
     """Tensor split over two devices that can record: from the second decode step on, each
-    step is one replay per device (accelplane.meta), with the CPU plugin's logits."""
+    step is one replay per device (accelplane.parallel.meta), with the CPU plugin's logits."""
     cpu = reg.device("CPU")
     stats = []
     want = _teacher_forced_64(models["q8_0"], [cpu], cpu)
@@ -387,7 +388,7 @@ def test_graphs_and_plans_reused_across_tokens(reg, models):
 def test_merged_projections(reg, models):
     """Merged Q/K/V and gate/up matrices: a decode step runs 6 products per layer, not 9, and
     no CONT (either way); the logits equal the unmerged model's (prefill and decode)."""
-    from accelplane.ops import Op
+    from accelplane.core.ops import Op
 
     cpu = reg.device("CPU")
     tokens = np.random.default_rng(8).integers(0, TINY["n_vocab"], 12)

@@ -1,4 +1,4 @@
-"""The float64 oracle (accelplane.reference) against hand-computed values, identities and naive
+"""The float64 oracle (accelplane.oracle.reference) against hand-computed values, identities and naive
 loops written independently of it. No backend is needed: leaf values go in as leaf_values."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from accelplane import Context, GGMLType, Graph, Op, SortOrder
+from accelplane.core.ops import RULES, VIEW_OPS
+from accelplane.core.types import dequantize
 from accelplane.errors import DeviceError, OutOfRangeError
-from accelplane.ops import RULES, VIEW_OPS
-from accelplane.reference import compute_node, evaluate
-from accelplane.types import dequantize
+from accelplane.oracle.reference import compute_node, evaluate
 
 RNG = np.random.default_rng(1234)
 
@@ -56,7 +56,7 @@ def random_q8_0(rows: int, ne0: int) -> tuple[np.ndarray, np.ndarray]:
 
 # --- coverage --------------------------------------------------------------------------------
 def test_every_op_has_an_oracle():
-    from accelplane import reference
+    from accelplane.oracle import reference
 
     missing = set(RULES) - set(reference._OPS) - VIEW_OPS
     assert not missing

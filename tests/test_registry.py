@@ -20,19 +20,19 @@ import accelplane
 import numpy as np
 import pluggy
 import pytest
-from accelplane.alloc import GraphAllocator, alloc_ctx_tensors
-from accelplane.backend import Device
 from accelplane.cpu import plugin as cpu_plugin
 from accelplane.errors import AccelplaneError, DeviceError, PluginLoadError
-from accelplane.hookspecs import API_VERSION, HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
-from accelplane.registry import Registry
+from accelplane.interface import API_VERSION, HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors
+from accelplane.runtime.backend import Device
+from accelplane.runtime.registry import Registry
 from accelplane.testing.plugins import host_plugin
 
 HEAVY = ("cffi", "accelplane.cpu._kernels", "accelplane.cpu.plan", "gguf", "ml_dtypes")
 
 # --- the fixture plugins -------------------------------------------------------------------------
 _REEXPORT = "from accelplane.cpu.plugin import *  # noqa: F401,F403  (every cpu hookimpl)\n"
-_IMPORTS = "from accelplane.hookspecs import DeviceSpec, DeviceType, hookimpl\n"
+_IMPORTS = "from accelplane.interface import DeviceSpec, DeviceType, hookimpl\n"
 
 
 def plugin_src(body: str) -> str:
@@ -288,7 +288,7 @@ def test_wrong_major_never_runs_device_code(site, full):
 def test_good_plugin_listed_with_its_version(full):
     (p,) = [p for p in full["plugins"] if p["name"] == "hostdev"]
     assert p["version"] == "0.3"
-    assert p["api_version"] == list(accelplane.hookspecs.API_VERSION)
+    assert p["api_version"] == list(accelplane.interface.API_VERSION)
     (d,) = p["devices"]
     assert d["name"] == "HOSTDEV" and d["type"] == "ACCEL"
     assert d["description"] == "test host-memory device"

@@ -8,14 +8,14 @@ import os
 
 import numpy as np
 import pytest
-from accelplane import reference
-from accelplane.alloc import alloc_tensors
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType
 from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
-from accelplane.graph import Context
+from accelplane.models.blocks import llama_layer, moe_layers
+from accelplane.oracle import reference
+from accelplane.runtime.alloc import alloc_tensors
 from accelplane.sched import Scheduler
-from accelplane.testing.graphs import llama_layer, moe_layers
 from accelplane.testing.plugins import cpu_and_async_registry
-from accelplane.types import GGMLType
 from fuzzing import examples
 
 SCHEDULES = examples(1000, 10000)  # randomized delay schedules in total (tests/fuzzing.py)
@@ -267,7 +267,7 @@ def test_moe_expert_upload(reg, prefetch, policy):
 def test_views_placed_once_while_nothing_moves(reg, monkeypatch):
     """A repeated graph (a decode step) places no views again; once another graph grows the
     allocator's buffers, its tensors move, their views are placed again and results stay right."""
-    from accelplane.backend import Buffer
+    from accelplane.runtime.backend import Buffer
 
     cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
     lg, g, wv, rng, _ = _layer_setup(reg, [dev], seed=3)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from accelplane.conformance.cases import all_cases
-from accelplane.graph import Context
+from accelplane.core.graph import Context
 from suite_run import conformance
 
 ASYNCTEST = "asynctest=accelplane.testing.asyncdev"

@@ -1,4 +1,4 @@
-"""accelplane.types: (de)quantization against ggml's reference and gguf-py.
+"""accelplane.core.types: (de)quantization against ggml's reference and gguf-py.
 
 Q8_0/Q4_0 are compared byte for byte with gguf.quants (itself bit-exact with ggml); Q4_K/Q6_K
 with digests of ggml's C reference output (quantize_row_q*_ref) on a fixed input, and through
@@ -13,8 +13,8 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
+from accelplane.core.types import GGMLType, dequantize, quantize, row_size
 from accelplane.errors import ShapeError, TypeMismatchError
-from accelplane.types import GGMLType, dequantize, quantize, row_size
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp

@@ -6,11 +6,12 @@ needs devices), and each plugin imports its runtime only when its devices are op
 
 from __future__ import annotations
 
-from .errors import AccelplaneError
-from .graph import Context, Graph
-from .ops import GluOp, Op, SortOrder, UnaryOp
-from .tensor import Tensor, TensorFlag
-from .types import GGMLType
+from accelplane.core.graph import Context, Graph
+from accelplane.core.ops import GluOp, Op, SortOrder, UnaryOp
+from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.core.types import GGMLType
+from accelplane.errors import AccelplaneError
+from accelplane.runtime import data as _data  # noqa: F401 - Tensor.set/get move data through it
 
 __version__ = "0.1.0"
 
@@ -22,7 +23,7 @@ __all__ = [
 
 def get_registry():
     """The process-wide plugin registry (discovers plugins on first call)."""
-    from .registry import get_registry as _get
+    from accelplane.runtime.registry import get_registry as _get
 
     return _get()
 

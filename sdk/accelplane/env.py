@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from .errors import ConfigError
+from accelplane.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -257,7 +257,7 @@ TEST_DELAY_US = number(
 )  # fmt: skip
 
 
-# --- plugin discovery (accelplane.registry) ------------------------------------------------------
+# --- plugin discovery (accelplane.runtime.registry) ------------------------------------------------------
 PLUGINS = names(
     "ACCELPLANE_PLUGINS", "load only these plugins; one that fails or is missing is an error"
 )
@@ -283,13 +283,13 @@ CHECK_RESULTS = flag(
 )  # fmt: skip
 
 
-# --- fusion rules (accelplane.fusion) ------------------------------------------------------------
+# --- fusion rules (accelplane.core.fusion) ------------------------------------------------------------
 FUSION = flag(
     "ACCELPLANE_FUSION", True, "plugins may fuse nodes into one kernel (0: none does, for bisecting)"
 )
 
 
-# --- caches (accelplane.plancache) ---------------------------------------------------------------
+# --- caches (accelplane.runtime.plancache) ---------------------------------------------------------------
 CACHE_DIR = text(
     "ACCELPLANE_CACHE_DIR", None,
     "where compiled kernels and synthetic models are cached (default $XDG_CACHE_HOME/accelplane)",
@@ -297,21 +297,21 @@ CACHE_DIR = text(
 )
 
 
-# --- all-reduce (accelplane.comm) ----------------------------------------------------------------
+# --- all-reduce (accelplane.parallel.comm) ----------------------------------------------------------------
 COMM_COMPRESS_MIN = integer(
     "ACCELPLANE_COMM_COMPRESS_MIN", 1 << 17,  # ggml's CUDA NCCL path compresses from 32768 F32
     "all-reduces of at least this many bytes travel compressed (BF16) where allowed", min=0,
 )  # fmt: skip
 
 
-# --- processes (accelplane.mpi) ------------------------------------------------------------------
+# --- processes (accelplane.parallel.mpi) ------------------------------------------------------------------
 MPI_TIMEOUT = number(
     "ACCELPLANE_MPI_TIMEOUT", 120.0,
     "seconds one collective across MPI ranks may take before CommTimeoutError", min=0.001,
 )  # fmt: skip
 
 
-# --- tensor split (accelplane.meta) --------------------------------------------------------------
+# --- tensor split (accelplane.parallel.meta) --------------------------------------------------------------
 META_DEBUG = flag(
     "ACCELPLANE_META_DEBUG", False, "the meta device prints each op's split states and plan"
 )

@@ -37,7 +37,7 @@ class PluginLoadError(AccelplaneError):
     """A plugin failed to import, validate, register or report its devices. ``failure`` is
     the registry's record of it (name, stage, reason) when one plugin's load failed."""
 
-    failure = None  # accelplane.registry.Failure, when the error is one plugin's failure
+    failure = None  # accelplane.runtime.registry.Failure, when the error is one plugin's failure
 
 
 class APIVersionError(PluginLoadError):

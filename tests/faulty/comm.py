@@ -4,8 +4,8 @@ contribution out of the sum."""
 import threading
 
 import numpy as np
-from accelplane.hookspecs import hookimpl
-from accelplane.tensor import strided_view
+from accelplane.core.tensor import strided_view
+from accelplane.interface import hookimpl
 from accelplane.testing import asyncdev as _base
 from accelplane.testing.asyncdev import *  # noqa: F403
 

@@ -2,7 +2,7 @@
 copies only at the destination backend's next synchronize, after everything queued on its
 stream has run: work ordered after the copy reads the old destination, every time."""
 
-from accelplane.hookspecs import hookimpl
+from accelplane.interface import hookimpl
 from accelplane.testing import asyncdev as _base
 from accelplane.testing.asyncdev import *  # noqa: F403
 

@@ -2,7 +2,7 @@
 never opened): the registry records a failure at the devices stage that is not "no device"."""
 
 from accelplane.cpu.plugin import *  # noqa: F403
-from accelplane.hookspecs import hookimpl
+from accelplane.interface import hookimpl
 
 _runtime = None  # the bug: never opened
 

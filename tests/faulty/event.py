@@ -1,6 +1,6 @@
 """faulty_event: the asynchronous test device, whose event_wait does not wait (a no-op)."""
 
-from accelplane.hookspecs import hookimpl
+from accelplane.interface import hookimpl
 from accelplane.testing import asyncdev as _base
 from accelplane.testing.asyncdev import *  # noqa: F403
 

@@ -1,7 +1,7 @@
 """honest_supports: faulty_supports's wrong descending ARGSORT, but its supports_op says no
 to it: the suite must report those cases "not supported", never failed."""
 
-from accelplane.hookspecs import hookimpl
+from accelplane.interface import hookimpl
 
 from . import renamed
 from .supports import *  # noqa: F403

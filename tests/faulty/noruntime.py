@@ -4,7 +4,7 @@ CuPy), so the registry records "no device" and the plugin is not broken."""
 
 from accelplane.cpu.plugin import *  # noqa: F403
 from accelplane.errors import DeviceError
-from accelplane.hookspecs import hookimpl
+from accelplane.interface import hookimpl
 
 
 @hookimpl

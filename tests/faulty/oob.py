@@ -1,10 +1,10 @@
 """faulty_oob: the CPU plugin, except that MUL writes one 4-byte element past the end of its
 output tensor (the bytes at [offs + nbytes, offs + nbytes + 4) of the buffer)."""
 
+from accelplane.core.ops import Op
 from accelplane.cpu import plugin as _base
 from accelplane.cpu.plugin import *  # noqa: F403
-from accelplane.hookspecs import hookimpl
-from accelplane.ops import Op
+from accelplane.interface import hookimpl
 
 from . import renamed
 

@@ -2,11 +2,11 @@
 ARGSORT sorts ascending when asked for descending order."""
 
 import numpy as np
+from accelplane.core.ops import Op, SortOrder
 from accelplane.cpu import plugin as _base
 from accelplane.cpu.plan import host_view
 from accelplane.cpu.plugin import *  # noqa: F403
-from accelplane.hookspecs import hookimpl
-from accelplane.ops import Op, SortOrder
+from accelplane.interface import hookimpl
 
 from . import renamed
 

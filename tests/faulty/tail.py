@@ -1,11 +1,11 @@
 """faulty_tail: the CPU plugin, except that ADD gets the last element of every output row
 wrong (+1) when rows have more than one element: a vector loop's tail bug."""
 
+from accelplane.core.ops import Op
 from accelplane.cpu import plugin as _base
 from accelplane.cpu.plan import host_view
 from accelplane.cpu.plugin import *  # noqa: F403
-from accelplane.hookspecs import hookimpl
-from accelplane.ops import Op
+from accelplane.interface import hookimpl
 
 from . import renamed
 

@@ -34,8 +34,8 @@ type id (102, 108, 112). ACCELPLANE_CUDA_REPACK=0 turns it off (for new buffers)
 from __future__ import annotations
 
 import numpy as np
+from accelplane.core.types import GGMLType as T
 from accelplane.errors import UnsupportedOpError
-from accelplane.types import GGMLType as T
 
 from . import tuning
 

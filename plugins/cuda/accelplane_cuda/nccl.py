@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 from . import tuning
 from .p2p import PeerAllReduce, max_bytes, peer_access

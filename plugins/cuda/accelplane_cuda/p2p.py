@@ -16,8 +16,8 @@ of hanging; the communicator is unusable after that.
 from __future__ import annotations
 
 import numpy as np
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 from . import tuning
 

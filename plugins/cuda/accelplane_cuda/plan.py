@@ -12,9 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
-from accelplane.fusion import NORMS, Fusion, RopeCache, scales_rows
-from accelplane.ops import (
+from accelplane.core.fusion import NORMS, Fusion, RopeCache, scales_rows
+from accelplane.core.ops import (
     FLOAT,
     QUANT,
     ROPE_TYPE_NEOX,
@@ -26,7 +25,8 @@ from accelplane.ops import (
     UnaryOp,
     rope_yarn_corr_dims,
 )
-from accelplane.types import GGMLType
+from accelplane.core.types import GGMLType
+from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
 
 from . import layout, tuning
 from .launch import Launch, pdl_wanted
@@ -374,7 +374,7 @@ class CudaPlan:
 
     def _contig_copy(self, t, ty: GGMLType) -> tuple[int, list[int]]:
         """A packed copy of t converted to ``ty`` in scratch memory: (address, nb)."""
-        from accelplane.tensor import Tensor
+        from accelplane.core.tensor import Tensor
 
         tmp = Tensor(ty, t.ne)
         ptr = self._scratch(tmp.nbytes)
@@ -562,7 +562,7 @@ class CudaPlan:
 
     def _fuse(self, fusion: Fusion, i: int, nodes) -> int:
         """Launch nodes ``i ..`` as one kernel where a fused kernel exists and
-        accelplane.fusion allows it; returns how many nodes that covered (0: none)."""
+        accelplane.core.fusion allows it; returns how many nodes that covered (0: none)."""
         n = nodes[i]
         if n.op is Op.ROPE:
             sr = fusion.rope_set_rows(i)
@@ -983,7 +983,7 @@ class CudaPlan:
         f16_out = tuning.GEMM_OUT.get() == "f16"
         if wt == T.F16 and f16_out and n.is_contiguous():
             # F16 results from cuBLAS, widened to F32 by one pass afterwards
-            from accelplane.tensor import Tensor
+            from accelplane.core.tensor import Tensor
 
             tmp = Tensor(T.F16, n.ne)
             cp16 = self._scratch(tmp.nbytes)

@@ -13,10 +13,10 @@ Nothing heavy is imported at module load: CuPy is imported in get_devices.
 from __future__ import annotations
 
 import numpy as np
-from accelplane.backend import BufferUsage
 from accelplane.errors import AllocationError, CommTimeoutError, ComputeError, DeviceError
-from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
-from accelplane.plancache import PlanCache
+from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.backend import BufferUsage
+from accelplane.runtime.plancache import PlanCache
 
 from . import (
     layout,  # numpy and the SDK only: nothing heavy at import
@@ -172,7 +172,7 @@ def supports_op(device, op):
 @hookimpl
 def offload_op(device, op):
     # a big batch amortizes copying host weights to the GPU (ggml: GGML_OP_OFFLOAD_MIN_BATCH)
-    from accelplane.ops import Op
+    from accelplane.core.ops import Op
 
     min_batch = tuning.OFFLOAD_MIN_BATCH.get()
     if op.op is Op.MUL_MAT:

@@ -8,11 +8,11 @@ import accelplane
 import gguf
 import numpy as np
 import pytest
-from accelplane.alloc import alloc_tensors
-from accelplane.backend import Comm
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType, quantize
 from accelplane.errors import AccelplaneError
-from accelplane.graph import Context
-from accelplane.types import GGMLType, quantize
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Comm
 
 T = GGMLType
 
@@ -155,7 +155,8 @@ def test_tensor_split_records_each_gpu_into_one_graph(tmp_path):
     on, each step replays one CUDA graph per GPU (subgraphs and all-reduces recorded by the meta
     device); the logits match one GPU's."""
     from accelplane.models import LlamaModel, make_model
-    from accelplane.models.runner import NMSE_TOL, nmse
+    from accelplane.models.runner import NMSE_TOL
+    from accelplane.oracle.compare import nmse
 
     devs = _two_gpus()
     path = tmp_path / "tiny.gguf"
@@ -298,7 +299,7 @@ def test_matvec_kernels(monkeypatch, wtype, mode):
 @pytest.mark.parametrize("op", ["NORM", "RMS_NORM", "L2_NORM"])
 @pytest.mark.parametrize("keep_norm", [False, True])
 def test_norm_mul_fused(op, keep_norm):
-    """A norm read only by the MUL after it runs as one launch (accelplane.fusion), broadcast
+    """A norm read only by the MUL after it runs as one launch (accelplane.core.fusion), broadcast
     weights included; asked for as an output too, it runs as two. Against float64 numpy."""
     from accelplane.testing.fusion import run_norm_mul
 
@@ -388,9 +389,9 @@ def test_rope_into_cache_fused(cache_type, neox):
     rotated rows into the cache at the given positions, converted to the cache's type; the rest
     of the cache is untouched; matches the float64 reference; a position past the cache is a
     ComputeError."""
-    from accelplane import reference
+    from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL
     from accelplane.errors import ComputeError
-    from accelplane.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL
+    from accelplane.oracle import reference
 
     dev = _cuda()
     rng = np.random.default_rng(21)
@@ -434,13 +435,13 @@ def test_rope_into_cache_fused(cache_type, neox):
 def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
     """The llama decode's Q/K/V projection → Q rope, K rope into the K cache, V into the V cache
     (both layouts the model writes) runs as one k_mmv_row1 launch with the QKV epilogue; Q and
-    the caches match float64 (accelplane.reference on the gguf package's dequantization), slots
+    the caches match float64 (accelplane.oracle.reference on the gguf package's dequantization), slots
     not written are untouched, a position past the cache is a ComputeError; with
     ACCELPLANE_CUDA_QKV=0 separate kernels compute the same."""
-    from accelplane import reference
-    from accelplane.backend import BufferUsage
     from accelplane.errors import ComputeError
-    from accelplane.testing.graphs import qkv_block
+    from accelplane.models.blocks import qkv_block
+    from accelplane.oracle import reference
+    from accelplane.runtime.backend import BufferUsage
 
     dev = _cuda()
     rng = np.random.default_rng(8)
@@ -728,7 +729,7 @@ def test_x8_weights(wtype):
     (mat-vec for 1 and 3 rows, the dequantize + GEMM path, GET_ROWS, CPY to F32, CPY and
     SET_ROWS into them: Q4_0 and Q8_0) agrees with float64 numpy on the gguf package's
     dequantization, and a copy to a compute buffer holds GGUF bytes."""
-    from accelplane.backend import BufferUsage, tensor_copy
+    from accelplane.runtime.backend import BufferUsage, tensor_copy
     from accelplane_cuda import layout
 
     dev = _cuda()
@@ -830,7 +831,7 @@ def test_programmatic_launch_chain(monkeypatch, pdl):
     the attribute, and the register mat-vec reads weights before waiting only when no kernel
     of the graph writes their buffer (here: the CPY into a weights-buffer tensor disables it
     for the weights sharing that buffer)."""
-    from accelplane.backend import BufferUsage
+    from accelplane.runtime.backend import BufferUsage
 
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", pdl)
     dev = _cuda()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType, quantize
 from accelplane.errors import UnsupportedOpError
-from accelplane.graph import Context
-from accelplane.types import GGMLType, quantize
 from accelplane_cuda import layout
 
 T = GGMLType

@@ -37,10 +37,10 @@ def _values(dist: str, rng: np.random.Generator, shape: tuple[int, ...]) -> np.n
 def measure(types=("q4_0", "q8_0"), ks=KS, dists=DISTS, m: int = 64, n: int = 8,
             seed: int = 0) -> list[Row]:  # fmt: skip
     import accelplane
-    from accelplane import reference
-    from accelplane.alloc import alloc_tensors
-    from accelplane.conformance.runner import nmse
-    from accelplane.graph import Context
+    from accelplane.core.graph import Context
+    from accelplane.oracle import reference
+    from accelplane.oracle.compare import nmse
+    from accelplane.runtime.alloc import alloc_tensors
 
     dev = next(d for d in accelplane.devices() if d.name.startswith("HTP"))
     repack = dev.extra_buffer_types[0]

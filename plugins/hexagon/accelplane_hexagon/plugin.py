@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from accelplane.errors import AllocationError
-from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
-from accelplane.plancache import PlanCache
+from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.plancache import PlanCache
 
 from . import npu, repack, tuning
 from .memory import ALIGNMENT, HtpBuffer

@@ -4,7 +4,7 @@ Like ggml's Hexagon host code: compute nodes are fused where that saves NPU work
 MUL; matmuls sharing their activations, e.g. Q/K/V or FFN gate/up), every op's kernel
 parameters are computed here, and the ops are packed into batches of at most ``opbatch`` op
 descriptors, each executed by one call into the NPU side. The result is cached per graph
-(accelplane.plancache.PlanCache), so an unchanged graph is not prepared again.
+(accelplane.runtime.plancache.PlanCache), so an unchanged graph is not prepared again.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from accelplane.backend import Buffer
+from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, UnaryOp, rope_yarn_corr_dims
+from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.core.types import GGMLType
 from accelplane.errors import BufferFreedError, ComputeError, ConfigError
-from accelplane.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, UnaryOp, rope_yarn_corr_dims
-from accelplane.tensor import Tensor, TensorFlag
-from accelplane.types import GGMLType
+from accelplane.runtime.backend import Buffer
 
 from . import npu, tuning
 from .memory import HtpBuffer

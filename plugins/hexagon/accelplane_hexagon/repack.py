@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 T = GGMLType
 TILE = 32

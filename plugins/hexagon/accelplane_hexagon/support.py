@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from accelplane.ops import VIEW_OPS, GluOp, Op, UnaryOp
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType
+from accelplane.core.ops import VIEW_OPS, GluOp, Op, UnaryOp
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 from .memory import HtpBuffer
 

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("accelplane_hexagon", reason="accelplane-hexagon is not installed")
 
 import accelplane  # noqa: E402
-from accelplane.alloc import alloc_tensors  # noqa: E402
+from accelplane.runtime.alloc import alloc_tensors  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from accelplane.alloc import GraphAllocator
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType
 from accelplane.errors import ConfigError
-from accelplane.graph import Context
-from accelplane.types import GGMLType
+from accelplane.runtime.alloc import GraphAllocator
 
 from accelplane_hexagon.prepare import Options
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from accelplane import reference
-from accelplane.alloc import GraphAllocator
 from accelplane.conformance.cases import all_cases
-from accelplane.conformance.runner import compare, graph_supported, init_leaf, nmse
+from accelplane.conformance.runner import graph_supported, init_leaf
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType
 from accelplane.errors import ComputeError
-from accelplane.graph import Context
-from accelplane.types import GGMLType
+from accelplane.oracle import reference
+from accelplane.oracle.compare import compare, nmse
+from accelplane.runtime.alloc import GraphAllocator
 
 from accelplane_hexagon import accuracy
 from accelplane_hexagon.isa import hvx

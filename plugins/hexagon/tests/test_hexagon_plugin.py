@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from accelplane.graph import Context
-from accelplane.hookspecs import DeviceType
-from accelplane.ops import GluOp, UnaryOp
-from accelplane.types import GGMLType
+from accelplane.core.graph import Context
+from accelplane.core.ops import GluOp, UnaryOp
+from accelplane.core.types import GGMLType
+from accelplane.interface import DeviceType
 
 T = GGMLType
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from accelplane.graph import Context
-from accelplane.types import GGMLType, dequantize, quantize
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType, dequantize, quantize
 
 from accelplane_hexagon import npu
 from accelplane_hexagon import repack as rp

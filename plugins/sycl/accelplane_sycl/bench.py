@@ -41,7 +41,7 @@ DEFAULT_SIZES = (32767, 32768, 1 << 20, 1 << 22)
 def open_devices() -> list[Any]:
     """The SYCL plugin's devices in a registry of their own (main() asks for two logical
     devices, ACCELPLANE_SYCL_DEVICES=0,0, unless the variable says otherwise)."""
-    from accelplane.registry import Registry
+    from accelplane.runtime.registry import Registry
 
     from . import plugin
 
@@ -103,10 +103,10 @@ def bench_overlap(
 ) -> dict:  # fmt: skip
     """One row: compute alone, copy alone, and the copy + compute pipeline on one queue and on
     two queues (medians over ``reps``, in ms)."""
-    from accelplane.alloc import alloc_tensors
-    from accelplane.backend import tensor_copy_async
-    from accelplane.graph import Context
-    from accelplane.types import GGMLType as T
+    from accelplane.core.graph import Context
+    from accelplane.core.types import GGMLType as T
+    from accelplane.runtime.alloc import alloc_tensors
+    from accelplane.runtime.backend import tensor_copy_async
 
     if gemm == "onemkl" and dev.ctx.onemkl() is None:
         return {"gemm": gemm, "copy": copy, "skipped": "dpnp (oneMKL) is not installed"}
@@ -204,10 +204,10 @@ def bench_allreduce(d0: Any, d1: Any, sizes: tuple[int, ...] = DEFAULT_SIZES, re
     """Per size and path: bytes each rank sends per call, and the median wall time of one call
     until both backends are synchronized."""
     import ml_dtypes
-    from accelplane.alloc import alloc_tensors
-    from accelplane.backend import Comm
-    from accelplane.graph import Context
-    from accelplane.types import GGMLType as T
+    from accelplane.core.graph import Context
+    from accelplane.core.types import GGMLType as T
+    from accelplane.runtime.alloc import alloc_tensors
+    from accelplane.runtime.backend import Comm
 
     from . import comm as sycl_comm
 

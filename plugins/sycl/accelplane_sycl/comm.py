@@ -24,7 +24,7 @@ import ctypes
 from typing import Any
 
 import numpy as np
-from accelplane.types import GGMLType
+from accelplane.core.types import GGMLType
 
 BF16_MIN_ELEMENTS = 32768
 

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, Op, UnaryOp, rope_yarn_corr_dims
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 from accelplane.errors import BufferFreedError, ComputeError
-from accelplane.ops import ROPE_TYPE_NEOX, VIEW_OPS, Op, UnaryOp, rope_yarn_corr_dims
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType
 
 from .runtime import DevState, UsmBuffer, usm_view
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
-from accelplane.hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
-from accelplane.plancache import PlanCache
+from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.plancache import PlanCache
 
 from . import tuning
 

@@ -8,7 +8,7 @@ import time
 
 import accelplane.cpu.plugin as cpu_plugin
 import pytest
-from accelplane.registry import Registry
+from accelplane.runtime.registry import Registry
 
 
 @pytest.fixture(scope="session")

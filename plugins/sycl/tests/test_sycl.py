@@ -12,11 +12,11 @@ import accelplane_sycl.plugin as plugin
 import ml_dtypes
 import numpy as np
 import pytest
-from accelplane.alloc import alloc_tensors
-from accelplane.backend import Comm, tensor_copy_async
+from accelplane.core.graph import Context, Graph
+from accelplane.core.types import GGMLType
 from accelplane.errors import AllocationError, ComputeError, ConfigError, DeviceError
-from accelplane.graph import Context, Graph
-from accelplane.types import GGMLType
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Comm, tensor_copy_async
 from accelplane_sycl import runtime
 
 T = GGMLType

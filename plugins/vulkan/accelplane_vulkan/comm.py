@@ -1,7 +1,7 @@
 """All-reduce for Vulkan devices without peer access: partials staged through host memory.
 
 Default ("host"): every rank downloads its partial into a host-visible area of its device,
-a host thread (the first rank's bridge) sums the partials in accelplane.comm's canonical
+a host thread (the first rank's bridge) sums the partials in accelplane.parallel.comm's canonical
 order and writes the sum back into every rank's area, and every rank uploads it. Each rank
 sends and receives the tensor once. The tensor goes in chunks (ACCELPLANE_VK_COMM_CHUNK
 bytes, default 4 MiB) queued as download 0, download 1, upload 0, download 2, upload 1, ...
@@ -28,11 +28,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-from accelplane.comm import AllReduce, canonical_sum, compress_threshold_default
+from accelplane.core.graph import Context, Graph
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType, np_dtype
 from accelplane.errors import ComputeError
-from accelplane.graph import Context, Graph
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType, np_dtype
+from accelplane.parallel.comm import AllReduce
+from accelplane.runtime.collective import canonical_sum, compress_threshold_default
 
 from .runtime import Memory, Stream, cmd_copy, cmd_to_host
 from .tuning import Tuning

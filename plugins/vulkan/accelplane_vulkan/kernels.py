@@ -15,9 +15,9 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from accelplane.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, SortOrder, UnaryOp, rope_yarn_corr_dims
-from accelplane.tensor import Tensor
-from accelplane.types import GGMLType
+from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, GluOp, Op, SortOrder, UnaryOp, rope_yarn_corr_dims
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 from .tuning import Tuning
 
@@ -209,7 +209,7 @@ def _norm(t: Tensor, mul: Tensor | None = None) -> list[Dispatch]:
 
 
 def fused_dispatches(nodes, i: int, fusion) -> tuple[int, list[Dispatch]]:
-    """Nodes ``i ..`` as one dispatch where a fused shader exists and accelplane.fusion allows
+    """Nodes ``i ..`` as one dispatch where a fused shader exists and accelplane.core.fusion allows
     it: (how many nodes it covers, its dispatches); (0, []) where none applies."""
     m = fusion.norm_mul(i)
     if m is not None:

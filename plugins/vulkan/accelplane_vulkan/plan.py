@@ -16,10 +16,10 @@ from __future__ import annotations
 import struct
 import weakref
 
+from accelplane.core.fusion import Fusion
+from accelplane.core.ops import VIEW_OPS
+from accelplane.core.tensor import Tensor
 from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
-from accelplane.fusion import Fusion
-from accelplane.ops import VIEW_OPS
-from accelplane.tensor import Tensor
 
 from . import kernels
 from .runtime import N_BINDINGS, NULL, Memory, Stream, V, _new, check, cmd_barrier, ffi, lib

@@ -1,6 +1,6 @@
 """GLSL compute shaders → SPIR-V with glslc, cached by source hash.
 
-Lookup order for a shader's SPIR-V: the per-user cache (accelplane.plancache.cache_dir), then
+Lookup order for a shader's SPIR-V: the per-user cache (accelplane.runtime.plancache.cache_dir), then
 SPIR-V built into the package (``python -m accelplane_vulkan.shaders --build`` writes it to
 accelplane_vulkan/spirv, for machines without glslc), then glslc. A shader that does not
 compile raises ShaderCompileError with glslc's own message: a half-built backend is never
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from accelplane.errors import KernelCompileError
-from accelplane.plancache import cache_dir
+from accelplane.runtime.plancache import cache_dir
 
 from . import tuning
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import accelplane
 import pytest
-from accelplane.registry import reset_registry
+from accelplane.runtime.registry import reset_registry
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ from pathlib import Path
 import accelplane
 import numpy as np
 import pytest
-from accelplane.alloc import alloc_tensors
-from accelplane.backend import tensor_copy_async
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType, quantize
 from accelplane.errors import AccelplaneError, ConfigError, KernelCompileError
-from accelplane.graph import Context
-from accelplane.registry import reset_registry
-from accelplane.types import GGMLType, quantize
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import tensor_copy_async
+from accelplane.runtime.registry import reset_registry
 from accelplane_vulkan import kernels, shaders, tuning
 
 T = GGMLType
@@ -349,7 +349,7 @@ def test_mul_mat_vec_q_dispatch(monkeypatch):
 def test_mul_mat_vec_q8_quantizes_each_activation_once(vk_devices):
     """Products of one activation share its int8 copy (one quantize_b8 in the plan); a node
     that overwrites the activation in between makes the next product quantize it again."""
-    from accelplane.types import dequantize
+    from accelplane.core.types import dequantize
 
     dev = vk_devices()[0]
     if not (dev.ctx.caps.int_dot and dev.ctx.caps.subgroup):
@@ -385,7 +385,7 @@ def test_mul_mat_vec_q8_quantizes_each_activation_once(vk_devices):
 
 @pytest.mark.parametrize("keep_norm", [False, True])
 def test_norm_mul_fused(vk_devices, keep_norm):
-    """An RMS_NORM read only by the MUL after it is one dispatch (accelplane.fusion), the
+    """An RMS_NORM read only by the MUL after it is one dispatch (accelplane.core.fusion), the
     weights broadcast over rows and batches; asked for as an output too, it is two."""
     from accelplane.testing.fusion import run_norm_mul
 

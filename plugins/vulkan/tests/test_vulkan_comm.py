@@ -8,9 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from accelplane import Context, GGMLType
-from accelplane.alloc import alloc_tensors
-from accelplane.backend import tensor_copy_async
-from accelplane.comm import AllReduce, canonical_sum
+from accelplane.parallel.comm import AllReduce
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import tensor_copy_async
+from accelplane.runtime.collective import canonical_sum
 
 T = GGMLType
 NP = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}

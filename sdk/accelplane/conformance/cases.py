@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..graph import Context
-from ..ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, GluOp, SortOrder, UnaryOp
-from ..tensor import Tensor
-from ..types import GGMLType
+from accelplane.core.graph import Context
+from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, GluOp, SortOrder, UnaryOp
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 T = GGMLType
 Init = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]
@@ -91,7 +91,7 @@ def leaf(ctx: Context, type_: GGMLType, ne, name: str, perm=None, strided: bool 
 
 # --- generators, one per op family ---------------------------------------------------------------
 def _binary() -> Iterator[OpCase]:
-    from ..graph import Context as C
+    from accelplane.core.graph import Context as C
 
     fns = {"ADD": C.add, "SUB": C.sub, "MUL": C.mul, "DIV": C.div}
     shapes = [  # (ne_a, ne_b)
@@ -198,7 +198,7 @@ def _norms() -> Iterator[OpCase]:
 
 def _norm_mul() -> Iterator[OpCase]:
     """A norm read only by a MUL (the norm's own result is not an output): the run plugins
-    fuse into one kernel (accelplane.fusion), with broadcast and permuted operands."""
+    fuse into one kernel (accelplane.core.fusion), with broadcast and permuted operands."""
     for name in ("NORM", "RMS_NORM", "L2_NORM"):
         for ne, ne_w, perm in (
             ((64, 5, 4, 3), (64, 1, 1, 1), None),

@@ -107,8 +107,8 @@ def _from_failure(f) -> Unavailable:
 def find_devices(name: str) -> list | Unavailable:
     """The devices of plugin ``name``, or why it has none."""
     import accelplane
-    from accelplane import registry
     from accelplane.errors import PluginLoadError
+    from accelplane.runtime import registry
 
     try:
         reg = accelplane.get_registry()

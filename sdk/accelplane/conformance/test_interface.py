@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import accelplane
-from accelplane.alloc import alloc_tensors
-from accelplane.backend import Event, MultiBuffer, tensor_copy, tensor_copy_async
+from accelplane.core.graph import Context
+from accelplane.core.types import GGMLType
 from accelplane.errors import AccelplaneError, BufferFreedError, DeviceError, OutOfRangeError
-from accelplane.graph import Context
-from accelplane.types import GGMLType
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Event, MultiBuffer, tensor_copy, tensor_copy_async
 
 T = GGMLType
 pytestmark = pytest.mark.conformance
@@ -35,7 +35,7 @@ def affine(ctx: Context, x, s: float = 2.0, b: float = 1.0):
 
 
 def _alloc(dev, *tensors):
-    buf = alloc_tensors(tensors, dev.buffer_type, accelplane.backend.BufferUsage.ANY)
+    buf = alloc_tensors(tensors, dev.buffer_type, accelplane.runtime.backend.BufferUsage.ANY)
     return buf
 
 
@@ -372,7 +372,7 @@ def test_comm_allreduce(ap_device, ap_devices, ap_rng, n, algorithm):
     """All-reduce over n backends of the plugin equals the oracle sum: through the plugin's
     comm where it has one ("auto"), and through the SDK's butterfly and ring, which are built
     from the plugin's own cpy_tensor_async and ADD graphs (so they test the plugin too)."""
-    from accelplane import comm as sdk_comm
+    from accelplane.parallel import comm as sdk_comm
 
     devs = [ap_devices[i % len(ap_devices)] for i in range(n)]
     backends = [d.new_backend() for d in devs]

@@ -25,9 +25,9 @@ from typing import Final, Literal
 
 import numpy as np
 
-from .. import env
-from ..errors import ComputeError, ConfigError, OutOfRangeError, ShapeError, TypeMismatchError
-from ..types import GGMLType, parse_type
+from accelplane import env
+from accelplane.core.types import GGMLType, parse_type
+from accelplane.errors import ComputeError, ConfigError, OutOfRangeError, ShapeError, TypeMismatchError
 
 # OpenMP threads that spin while waiting starve everything else on a busy or oversubscribed
 # machine (measured: 13x slower decode at load 4.5 on 2 cores); sleep instead, unless the user
@@ -40,8 +40,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 try:
-    from ._kernels import ffi as _ffi
-    from ._kernels import lib as _lib
+    from accelplane.cpu._kernels import ffi as _ffi
+    from accelplane.cpu._kernels import lib as _lib
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "accelplane.cpu._kernels (the CPU plugin's compiled kernels) is not built: install the "

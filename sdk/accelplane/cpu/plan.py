@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import BufferFreedError, ComputeError
-from ..fusion import Fusion
-from ..ops import (
+from accelplane.core.fusion import Fusion
+from accelplane.core.ops import (
     ROPE_TYPE_NEOX,
     VIEW_OPS,
     GluOp,
@@ -24,8 +23,9 @@ from ..ops import (
     UnaryOp,
     rope_yarn_corr_dims,
 )
-from ..tensor import Tensor, strided_view
-from ..types import GGMLType, quantize
+from accelplane.core.tensor import Tensor, strided_view
+from accelplane.core.types import GGMLType, quantize
+from accelplane.errors import BufferFreedError, ComputeError
 
 F32 = np.float32
 Step = Callable[[], None]
@@ -151,7 +151,7 @@ def _glu(t: Tensor, view: View) -> Step:
     else:
         x, g = av, view(b)
     if op is GluOp.SWIGLU and t.type == GGMLType.F32:
-        from . import kernels
+        from accelplane.cpu import kernels
 
         fast = kernels.prepare_swiglu(x, g, dv)
         if fast is not None:
@@ -179,7 +179,7 @@ def _norm(t: Tensor, view: View, mul: Tensor | None = None) -> Step:
     av = view(a)
     dv, wv = (view(t), None) if mul is None else (view(mul), view(mul.src[1]))
     if a.type == GGMLType.F32:
-        from . import kernels
+        from accelplane.cpu import kernels
 
         fast = kernels.prepare_norm({Op.NORM: 0, Op.RMS_NORM: 1, Op.L2_NORM: 2}[op], av, dv, eps, wv)
         if fast is not None:
@@ -203,7 +203,7 @@ def _norm(t: Tensor, view: View, mul: Tensor | None = None) -> Step:
 
 
 def fused_step(nodes: list[Tensor], i: int, fusion, view: View) -> tuple[int, Step | None]:
-    """Nodes ``i ..`` as one step where accelplane.fusion allows it: (nodes covered, step);
+    """Nodes ``i ..`` as one step where accelplane.core.fusion allows it: (nodes covered, step);
     (0, None) where nothing applies. A norm and the MUL scaling it: one pass over the rows
     (numpy's broadcasting, so each of w's dims is 1 or the norm's)."""
     m = fusion.norm_mul(i)
@@ -237,7 +237,7 @@ def _soft_max(t: Tensor, view: View) -> Step:
         slopes = None
     simple_mask = mask is None or (mask.type == GGMLType.F32 and mask.ne[2] == mask.ne[3] == 1)
     if a.type == t.type == GGMLType.F32 and max_bias == 0 and simple_mask:
-        from . import kernels
+        from accelplane.cpu import kernels
 
         m2 = view(mask)[0, 0] if mask is not None else None  # its rows repeat over ne2, ne3
         fast = kernels.prepare_soft_max(av, dv, float(scale), m2, a.ne[1])
@@ -295,7 +295,7 @@ def _rope(t: Tensor, view: View) -> Step:
         return cs
 
     if a.type == t.type == GGMLType.F32 and a.ne[3] == 1:
-        from . import kernels
+        from accelplane.cpu import kernels
 
         fast = kernels.prepare_rope(av[0], dv[0], n_dims, neox)
         if fast is not None:
@@ -329,7 +329,7 @@ def _mul_mat(t: Tensor, view: View) -> Step:
             for i3 in range(b.ne[3]) for i2 in range(b.ne[2])]  # fmt: skip
     if wt == GGMLType.F32 and b.type == GGMLType.F32:
         return lambda: [np.matmul(x, w.T, out=o) for w, x, o in jobs] and None
-    from . import kernels
+    from accelplane.cpu import kernels
 
     calls = [kernels.prepare_mul_mat(wt, w, x, o) for w, x, o in jobs]
     if len(calls) == 1:
@@ -338,7 +338,7 @@ def _mul_mat(t: Tensor, view: View) -> Step:
 
 
 def _mul_mat_id(t: Tensor, view: View) -> Step:
-    from . import kernels
+    from accelplane.cpu import kernels
 
     as_, b, ids = t.src
     av, bv, iv, dv = view(as_), view(b), view(ids), view(t)
@@ -364,14 +364,14 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
 
 
 def _dequant_rows(ty: GGMLType, rows: np.ndarray, ne0: int) -> np.ndarray:
-    from . import kernels
+    from accelplane.cpu import kernels
 
     out = np.empty((rows.shape[0], ne0), F32)
     return kernels.dequantize(ty, rows, out)
 
 
 def _get_rows(t: Tensor, view: View) -> Step:
-    from . import kernels
+    from accelplane.cpu import kernels
 
     a, idx = t.src
     av, iv, dv = view(a), view(idx), view(t)
@@ -540,7 +540,7 @@ BUILDERS: dict[Op, Callable[[Tensor, View], Step]] = {
 
 class Plan:
     """A graph bound to memory: ``steps`` replay it. Valid while the graph's layout version
-    is unchanged (accelplane.plancache.PlanCache rebuilds it otherwise)."""
+    is unchanged (accelplane.runtime.plancache.PlanCache rebuilds it otherwise)."""
 
     __slots__ = ("steps", "buffers", "nodes", "fused")
 

@@ -12,10 +12,10 @@ import os
 
 import numpy as np
 
-from ..errors import AllocationError
-from ..hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
-from ..ops import RULES, Op
-from ..plancache import PlanCache
+from accelplane.core.ops import RULES, Op
+from accelplane.errors import AllocationError
+from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.plancache import PlanCache
 
 ALIGNMENT = 64
 _SUPPORTED = frozenset(RULES) - {Op.NONE}
@@ -63,7 +63,7 @@ def device_memory(device):
 
 
 def _plan(graph):
-    from .plan import Plan
+    from accelplane.cpu.plan import Plan
 
     return Plan(graph)
 

@@ -5,8 +5,16 @@ through :mod:`accelplane.models.runner`."""
 
 from __future__ import annotations
 
-from .gguf import GGUFFile, GGUFTensor, MetaValue, make_model, read_gguf, save_gguf, write_gguf
-from .llama import EvalResult, LlamaConfig, LlamaModel, SplitKind, SplitRole, WeightSpec
+from accelplane.models.gguf import (
+    GGUFFile,
+    GGUFTensor,
+    MetaValue,
+    make_model,
+    read_gguf,
+    save_gguf,
+    write_gguf,
+)
+from accelplane.models.llama import EvalResult, LlamaConfig, LlamaModel, SplitKind, SplitRole, WeightSpec
 
 __all__ = [
     "EvalResult", "GGUFFile", "GGUFTensor", "LlamaConfig", "LlamaModel", "MetaValue", "SplitKind",

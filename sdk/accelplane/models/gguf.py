@@ -19,7 +19,7 @@ Metadata uses llama.cpp's keys (``general.architecture = "llama"``, ``llama.bloc
 
 Synthetic weights (:func:`make_model`): deterministic per (seed, tensor name); matrices are
 N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.01). F32/F16/BF16,
-Q8_0 and Q4_0 quantize those values with :func:`accelplane.types.quantize` (byte-exact with
+Q8_0 and Q4_0 quantize those values with :func:`accelplane.core.types.quantize` (byte-exact with
 ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are written directly as
 random *valid* blocks of the same spread (random quants, positive random sub-block scales,
 a d/dmin pair that centres the values), because their reference quantizers' scale searches
@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import GGUFError, ShapeError
-from ..types import GGMLType, parse_type, quantize, row_size
-from .llama import LlamaConfig, WeightSpec
+from accelplane.core.types import GGMLType, parse_type, quantize, row_size
+from accelplane.errors import GGUFError, ShapeError
+from accelplane.models.llama import LlamaConfig, WeightSpec
 
 T = GGMLType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)

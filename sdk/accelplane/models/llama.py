@@ -27,7 +27,7 @@ consecutive tokens and the backends' plan caches hit), unused slots hidden by th
 Placement (``split``): ``none`` puts every layer on ``devices[0]``; ``layer`` cuts the layers
 into contiguous, even chunks over ``devices`` (llama.cpp ``-sm layer``); the output layer goes
 with the last layer; ``tensor`` runs every layer on all the devices at once through the meta
-device (accelplane.meta: weights split by :meth:`LlamaConfig.split_role`, attention heads and FFN
+device (accelplane.parallel.meta: weights split by :meth:`LlamaConfig.split_role`, attention heads and FFN
 columns per device, row-parallel products all-reduced).
 """
 
@@ -42,19 +42,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import env
-from ..alloc import alloc_tensors
-from ..backend import Backend, Buffer, BufferUsage, Device
-from ..errors import ConfigError, DeviceError, OutOfRangeError, ShapeError
-from ..graph import Context, Graph
-from ..hookspecs import DeviceType
-from ..ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, VIEW_OPS, SortOrder, op_desc
-from ..sched import Scheduler
-from ..tensor import Tensor
-from ..types import GGMLType, parse_type
+from accelplane import env
+from accelplane.core.graph import Context, Graph
+from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, VIEW_OPS, SortOrder, op_desc
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType, parse_type
+from accelplane.errors import ConfigError, DeviceError, OutOfRangeError, ShapeError
+from accelplane.interface import DeviceType
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Device
+from accelplane.sched import Scheduler
 
 if TYPE_CHECKING:
-    from .gguf import GGUFFile
+    from accelplane.models.gguf import GGUFFile
 
 T = GGMLType
 SPLIT_MODES = ("none", "layer", "tensor")
@@ -349,7 +349,7 @@ class LlamaModel:
             if cpus:
                 cpu = cpus[0]
             else:
-                from ..registry import get_registry
+                from accelplane.runtime.registry import get_registry
 
                 cpu = get_registry().device("CPU")
         self.cpu = cpu
@@ -371,7 +371,7 @@ class LlamaModel:
         if policy not in ("strict", "relaxed"):
             raise ConfigError(f"policy must be relaxed or strict, got {policy!r}")
         if split == "tensor":
-            from ..meta import MetaDevice
+            from accelplane.parallel.meta import MetaDevice
 
             # the same device may appear twice (one device as two shards): keep repeats
             tp = [d for d in given if d.type != DeviceType.CPU] or given
@@ -528,7 +528,7 @@ class LlamaModel:
                   progress: Callable[[int], None] | None = None, **kw) -> LlamaModel:  # fmt: skip
         """Load a llama GGUF file (path or an opened :class:`~accelplane.models.gguf.GGUFFile`)
         onto ``devices``; other keyword arguments as the constructor."""
-        from .gguf import GGUFFile, read_gguf
+        from accelplane.models.gguf import GGUFFile, read_gguf
 
         f = source if isinstance(source, GGUFFile) else read_gguf(source)
         cfg = f.llama_config()

@@ -23,14 +23,22 @@ from typing import TextIO
 
 import numpy as np
 
-from ..backend import Device
-from ..bench import copy_bandwidth
-from ..errors import ComputeError, DeviceError, ShapeError
-from ..hookspecs import DeviceType
-from ..plancache import cache_dir
-from .gguf import GGUFFile, parallel_sources, read_gguf, synthetic_sources, total_bytes, write_gguf
-from .llama import LlamaModel, check_split
-from .progress import Bar
+from accelplane.bench import copy_bandwidth
+from accelplane.errors import ComputeError, DeviceError, ShapeError
+from accelplane.interface import DeviceType
+from accelplane.models.gguf import (
+    GGUFFile,
+    parallel_sources,
+    read_gguf,
+    synthetic_sources,
+    total_bytes,
+    write_gguf,
+)
+from accelplane.models.llama import LlamaModel, check_split
+from accelplane.models.progress import Bar
+from accelplane.oracle.compare import nmse
+from accelplane.runtime.backend import Device
+from accelplane.runtime.plancache import cache_dir
 
 # the model `accelplane run` makes when given none: small enough to make in a second and run
 # anywhere, big enough that the matrix products dominate (7.3M parameters, 7.4 MiB in Q8_0)
@@ -138,14 +146,6 @@ def check_finite(logits: np.ndarray, step: str) -> None:
             f"the logits of {step} hold {kinds} ({int(bad.sum())} of {logits.size} values); "
             "run again with ACCELPLANE_CHECK_RESULTS=1 to find the first node that produces it"
         )
-
-
-def nmse(a: np.ndarray, ref: np.ndarray) -> float:
-    """sum((a - ref)^2) / sum(ref^2), in float64 (test-backend-ops' measure)."""
-    a64, r64 = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    den = float(np.sum(r64 * r64))
-    num = float(np.sum((a64 - r64) ** 2))
-    return num / den if den else (0.0 if num == 0 else float("inf"))
 
 
 @dataclass
@@ -431,8 +431,7 @@ def plot_bench(rows: list[dict], path: str) -> bool:
 
 def cmd_bench_model(args, out: TextIO | None = None) -> int:
     import accelplane
-
-    from ..bench import machine
+    from accelplane.bench import machine
 
     path = Path(args.model) if args.model else default_model_path()
     f = read_gguf(path)

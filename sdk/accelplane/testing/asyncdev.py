@@ -11,7 +11,7 @@ Environment:
                               read when a backend is created
   ACCELPLANE_ASYNCDEV_SEED    seed of the delay generator (default: from the clock)
   ACCELPLANE_ASYNCDEV_MAX_SIZE  max bytes of one buffer (default 32 MiB: larger allocations
-                              through accelplane.alloc become multi-buffers)
+                              through accelplane.runtime.alloc become multi-buffers)
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import time
 
 import numpy as np
 
-from .. import env
-from ..env import TEST_DELAY_US
-from ..errors import AllocationError, ComputeError
-from ..hookspecs import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
-from ..ops import RULES, Op
-from ..plancache import PlanCache
+from accelplane import env
+from accelplane.core.ops import RULES, Op
+from accelplane.env import TEST_DELAY_US
+from accelplane.errors import AllocationError, ComputeError
+from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.plancache import PlanCache
 
 POISON = 0xCD
 TOTAL_MEMORY = 4 << 30
@@ -122,7 +122,7 @@ class EventState:
 
 
 def _plan(graph):
-    from ..cpu.plan import Plan
+    from accelplane.cpu.plan import Plan
 
     return Plan(graph, _memory)
 
@@ -364,7 +364,7 @@ def comm_init(backends):
 
 @hookimpl
 def comm_allreduce_tensor(comm, tensors):
-    from ..tensor import strided_view
+    from accelplane.core.tensor import strided_view
 
     n = len(comm.backends)
     parts: list[np.ndarray | None] = [None] * n

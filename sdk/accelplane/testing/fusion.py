@@ -1,4 +1,4 @@
-"""A plugin test helper for fused kernels (accelplane.fusion): run norm → MUL on a device and
+"""A plugin test helper for fused kernels (accelplane.core.fusion): run norm → MUL on a device and
 check it against float64 numpy, returning the plan so the caller can check what it fused."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..alloc import alloc_tensors
-from ..backend import Backend, Device
-from ..graph import Context, Graph
-from ..types import GGMLType
+from accelplane.core.graph import Context, Graph
+from accelplane.core.types import GGMLType
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Backend, Device
 
 
 def norm_oracle(op: str, x: np.ndarray, eps: float) -> np.ndarray:

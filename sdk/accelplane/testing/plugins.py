@@ -12,10 +12,10 @@ import os
 import types
 from collections.abc import Callable
 
-from ..cpu import plugin as cpu_plugin
-from ..hookspecs import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
-from ..registry import Registry
-from . import asyncdev
+from accelplane.cpu import plugin as cpu_plugin
+from accelplane.interface import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.registry import Registry
+from accelplane.testing import asyncdev
 
 
 def host_plugin(device_name: str, **hooks: Callable | None) -> types.ModuleType:

@@ -30,14 +30,14 @@ from operator import attrgetter
 
 import numpy as np
 
-from . import env
-from .alloc import GraphAllocator, memory_owner, owners_to_keep
-from .backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
-from .errors import CheckResultsError, DeviceError, UnsupportedOpError
-from .graph import Graph
-from .hookspecs import DeviceType
-from .ops import VIEW_OPS, Op, op_desc
-from .tensor import Tensor, TensorFlag
+from accelplane import env
+from accelplane.core.graph import Graph
+from accelplane.core.ops import VIEW_OPS, Op, op_desc
+from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
+from accelplane.interface import DeviceType
+from accelplane.runtime.alloc import GraphAllocator, memory_owner, owners_to_keep
+from accelplane.runtime.backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
 
 MAX_COPIES = 4
 EvalCallback = Callable[[Tensor, bool], bool]
@@ -58,7 +58,7 @@ class Split:
     nodes: list[Tensor] = field(default_factory=list)
     inputs: list[SplitInput] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)  # one per copy slot
-    keep: frozenset[int] | None = None  # memory read outside the split (accelplane.fusion)
+    keep: frozenset[int] | None = None  # memory read outside the split (accelplane.core.fusion)
 
 
 @dataclass
@@ -94,7 +94,7 @@ class _Plan:
 
 class GraphRunner(ABC):
     """What a host drives to run graphs over several backends: the :class:`Scheduler` and the
-    tensor-parallel :class:`accelplane.meta.MetaDevice` both are one (``alloc_graph``,
+    tensor-parallel :class:`accelplane.parallel.meta.MetaDevice` both are one (``alloc_graph``,
     ``graph_compute``, ``free`` are theirs; ``backends`` their streams)."""
 
     backends: list[Backend]
@@ -369,7 +369,7 @@ class Scheduler(GraphRunner):
                 if inp not in cur.inputs:
                     cur.inputs.append(inp)
         plan.splits = splits
-        # what each split's plugin must still write if it fuses nodes (accelplane.fusion):
+        # what each split's plugin must still write if it fuses nodes (accelplane.core.fusion):
         # memory read by any other split, and what the caller asked for
         reads = [{id(s.view_src or s) for n in sp.nodes for s in (*n.src, n.view_src) if s is not None}
                  for sp in splits]  # fmt: skip
@@ -762,8 +762,8 @@ class Scheduler(GraphRunner):
         return True
 
     def _compute_checked(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> None:
-        from . import reference
-        from .conformance.runner import compare
+        from accelplane.oracle import reference
+        from accelplane.oracle.compare import compare
 
         for i, n in enumerate(sp.graphs[c].nodes):
             if n.op in VIEW_OPS:

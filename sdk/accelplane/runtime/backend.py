@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import (
+from accelplane.errors import (
     AccelplaneError,
     AllocationError,
     BufferFreedError,
@@ -26,12 +26,13 @@ from .errors import (
     ShapeError,
     UnsupportedOpError,
 )
-from .hookspecs import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType
+from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType
+from accelplane.runtime.data import as_u8, check_range
 
 if TYPE_CHECKING:
-    from .graph import Graph
-    from .registry import Plugin
-    from .tensor import Tensor
+    from accelplane.core.graph import Graph
+    from accelplane.core.tensor import Tensor
+    from accelplane.runtime.registry import Plugin
 
 _ids = itertools.count()
 
@@ -144,7 +145,7 @@ class BufferType:
         if size > self.max_size:
             raise AllocationError(
                 f"{self.name}: {size} bytes exceed the buffer type's max size {self.max_size}; "
-                "allocate through accelplane.alloc to get a multi-buffer"
+                "allocate through accelplane.runtime.alloc to get a multi-buffer"
             )
         b = Buffer.__new__(Buffer)
         b._init(self, size, usage)
@@ -231,7 +232,7 @@ class Buffer:
 
     def memset_tensor(self, t: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
         size = t.nbytes - offset if size is None else size
-        if t._check_range(offset, size) is not self:
+        if check_range(t, offset, size) is not self:
             raise DeviceError(f"tensor {t.name or t.uid!r} is not in buffer {self.name!r}")
         f = self._fn.get("buffer_memset_tensor")
         if f:
@@ -463,11 +464,9 @@ class Backend:
                          size: int | None = None) -> None:  # fmt: skip
         """Queue a host→tensor copy; keep ``data`` alive and unchanged until synchronized."""
         self._check()
-        from .tensor import _as_u8
-
-        data = _as_u8(data)
+        data = as_u8(data)
         size = data.size if size is None else size
-        buf = t._check_range(offset, size)
+        buf = check_range(t, offset, size)
         if self._set_async is None or not self._set_async(self, t, data, offset, size):
             self.synchronize()
             buf.set_tensor(t, data, offset, size)
@@ -477,7 +476,7 @@ class Backend:
         """Queue a tensor→host copy into the uint8 array ``out``; valid after synchronize."""
         self._check()
         size = out.size if size is None else size
-        buf = t._check_range(offset, size)
+        buf = check_range(t, offset, size)
         if out.size < size:
             raise OutOfRangeError(f"get_tensor_async: out has {out.size} bytes, need {size}")
         if self._get_async is None or not self._get_async(self, t, out, offset, size):
@@ -496,7 +495,7 @@ class Backend:
 def _graph_buffers(graph: Graph, backend: Backend, first: bool) -> tuple[Buffer, ...]:
     """The buffers ``graph`` uses, after checking (when ``first``) that ``backend``'s device
     supports every node and (always) that every tensor is allocated."""
-    from .ops import VIEW_OPS, op_desc
+    from accelplane.core.ops import VIEW_OPS, op_desc
 
     dev = backend.device
     bufs: dict[int, Buffer] = {}
@@ -530,8 +529,8 @@ def tensor_copy(src: Tensor, dst: Tensor) -> None:
         )
     if src is dst or src.nbytes == 0:
         return
-    sbuf = src._check_range(0, src.nbytes)
-    dbuf = dst._check_range(0, dst.nbytes)
+    sbuf = check_range(src, 0, src.nbytes)
+    dbuf = check_range(dst, 0, dst.nbytes)
     if sbuf.is_host:
         arr = sbuf.host_array[src.offs : src.offs + src.nbytes]
         dbuf.set_tensor(dst, arr, 0, dst.nbytes)
@@ -571,7 +570,7 @@ def tensor_copy_async(
 
 class Comm:
     """A plugin communicator over backends of that plugin (the comm extension). The SDK's
-    butterfly/ring fallbacks for plugins without one live in accelplane.comm."""
+    butterfly/ring fallbacks for plugins without one live in accelplane.parallel.comm."""
 
     def __init__(self, backends: list[Backend], ctx: Any) -> None:
         self.backends = backends

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph import Context
-from ..tensor import Tensor
-from ..types import GGMLType
+from accelplane.core.graph import Context
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
 
 
 @dataclass
@@ -160,8 +160,8 @@ def qkv_block(ctx: Context, wtype: GGMLType, k: int, hd: int, n_head: int, n_kv_
     SET_ROWS into the K cache at the position, V set into the transposed V cache, either by one
     slot index per value (``v_rows``, the single-device layout) or per channel at the position
     (the split layout)."""
-    from ..models.llama import rope_into_cache
-    from ..ops import ROPE_TYPE_NORMAL
+    from accelplane.core.ops import ROPE_TYPE_NORMAL
+    from accelplane.models.llama import rope_into_cache
 
     nq, nk = hd * n_head, hd * n_kv_head
     w = ctx.new_tensor_ne(wtype, k, nq + 2 * nk, name="w_qkv")

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .backend import Device
-from .graph import Context
-from .ops import VIEW_OPS, op_bytes, op_flops
-from .tensor import Tensor
-from .types import GGMLType
+from accelplane.core.graph import Context
+from accelplane.core.ops import VIEW_OPS, op_bytes, op_flops
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
+from accelplane.runtime.backend import Device
 
 T = GGMLType
 
@@ -105,7 +105,7 @@ def run_case(
     ``repeat`` > 1 the op is built that many times into one graph, as test-backend-ops does, so
     launch costs don't hide a fast kernel; figures are per op. Each copy gets its own first
     source (the weights), so repeats read memory rather than a cache that one copy warmed."""
-    from .alloc import GraphAllocator, alloc_ctx_tensors
+    from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors
 
     ctx = Context(case.name)
     out = case.build(ctx)
@@ -164,9 +164,9 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
     memory-bound results (a decode's weight reads) are held against in the same run. Best of
     five batches of copies, each batch ended by a 4-byte read back (which waits for them).
     None when the device cannot hold the two tensors."""
-    from .alloc import alloc_tensors
-    from .backend import tensor_copy
-    from .errors import AccelplaneError
+    from accelplane.errors import AccelplaneError
+    from accelplane.runtime.alloc import alloc_tensors
+    from accelplane.runtime.backend import tensor_copy
 
     free, _ = device.memory()
     nbytes = min(nbytes, max(free // 4, 0)) // 4 * 4
@@ -200,7 +200,7 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
 def machine() -> dict:
     import os
 
-    from .cpu.plugin import _cpu_name
+    from accelplane.cpu.plugin import _cpu_name
 
     return {"cpu": _cpu_name(), "threads": os.cpu_count(), "python": platform.python_version(),
             "numpy": np.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
@@ -246,8 +246,8 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
     """Cost of one hook call three ways (µs): through pluggy's pm.hook (what the hot path
     avoids), through a handle's dispatch table (what the SDK does), and a direct call. A
     private registry holds only the CPU plugin, so pm.hook calls one implementation."""
-    from .cpu import plugin as cpu_plugin
-    from .registry import Registry
+    from accelplane.cpu import plugin as cpu_plugin
+    from accelplane.runtime.registry import Registry
 
     reg = Registry()
     reg.register(cpu_plugin, "cpu")
@@ -272,8 +272,8 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
 
 def _test_registry():
     """The CPU plugin and the asynchronous test device, without delays unless asked for."""
-    from .env import TEST_DELAY_US
-    from .testing.plugins import cpu_and_async_registry
+    from accelplane.env import TEST_DELAY_US
+    from accelplane.testing.plugins import cpu_and_async_registry
 
     return cpu_and_async_registry(delay_us=int(TEST_DELAY_US.get() or 0))
 
@@ -283,14 +283,14 @@ def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: s
     """Both sync policies on a llama-like layer graph split CPU/device (even layers' weights on
     the device, odd layers' on the CPU; user inputs on the CPU): host syncs per compute and
     wall time."""
-    from .alloc import alloc_tensors
-    from .sched import Scheduler
-    from .testing.graphs import llama_layer
+    from accelplane.models.blocks import llama_layer
+    from accelplane.runtime.alloc import alloc_tensors
+    from accelplane.sched import Scheduler
 
     if device is None:
         reg = _test_registry()
     else:
-        from .registry import get_registry
+        from accelplane.runtime.registry import get_registry
 
         reg = get_registry()
     dev = reg.device(device or "ASYNC0")
@@ -348,9 +348,9 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
     """MoE layers with experts in host memory computed on the asynchronous test device,
     with and without expert prefetch on a second stream: wall time per compute, and from the
     devices' recorded timelines the time copies and compute overlapped."""
-    from .alloc import alloc_tensors
-    from .sched import Scheduler
-    from .testing.graphs import moe_layers
+    from accelplane.models.blocks import moe_layers
+    from accelplane.runtime.alloc import alloc_tensors
+    from accelplane.sched import Scheduler
 
     reg = _test_registry()
     dev, cpu = reg.device("ASYNC0"), reg.device("CPU")
@@ -429,8 +429,8 @@ def _tp_defaults(devices: Sequence[Device] | None) -> tuple[list[Device], list[i
     """(devices, device counts): the devices of the first plugin with two or more non-CPU
     devices (counts 2..n), else the CPU device as 2 and 4 backends (a functional run, not a
     speed-up)."""
-    from .hookspecs import DeviceType
-    from .registry import get_registry
+    from accelplane.interface import DeviceType
+    from accelplane.runtime.registry import get_registry
 
     if devices:
         devs = list(devices)
@@ -453,17 +453,17 @@ def bench_tp(devices: Sequence[Device] | None = None, counts: Sequence[int] | No
              peer: Sequence[dict] | None = None) -> dict[str, list[dict]]:  # fmt: skip
     """``accelplane bench tp``: per device count and all-reduce algorithm, the bus bandwidth
     (nccl-tests' 2(n-1)/n × bytes / time) beside a host memcpy of the same bytes in the same run
-    (:func:`accelplane.comm.bench_allreduce`); and the tokens/s of a llama-like layer stack
-    (:func:`~accelplane.testing.graphs.llama_layer`) on the first device (split none) and
+    (:func:`accelplane.parallel.comm.bench_allreduce`); and the tokens/s of a llama-like layer stack
+    (:func:`~accelplane.models.blocks.llama_layer`) on the first device (split none) and
     tensor-split over the first n devices (``MetaDevice``). Devices and counts: see
-    :func:`_tp_defaults`; ``layer``: a :class:`~accelplane.testing.tp.LayerParams` (default
+    :func:`_tp_defaults`; ``layer``: a :class:`~accelplane.bench.tp.LayerParams` (default
     small on CPU devices, larger on others). ``peer``: another all-reduce's rows (``n``,
     ``bytes``, ``busbw_gbps``, ``dtype``; e.g. torch.distributed's, measured in the same run by
     ``python -m accelplane_cuda.peers --allreduce N``): each row of ours with the same device
     count and bytes gets ``vs_peer``, its bus bandwidth over the peer's (F32 peer rows only)."""
-    from .comm import bench_allreduce
-    from .hookspecs import DeviceType
-    from .testing.tp import LayerParams, layer_values, single, tensor_parallel
+    from accelplane.bench.tp import LayerParams, layer_values, single, tensor_parallel
+    from accelplane.interface import DeviceType
+    from accelplane.parallel.comm import bench_allreduce
 
     devs, default_counts = _tp_defaults(devices)
     counts = list(counts or default_counts)

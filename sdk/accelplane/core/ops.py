@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
-from .errors import ShapeError, TypeMismatchError
-from .types import GGMLType
+from accelplane.core.types import GGMLType
+from accelplane.errors import ShapeError, TypeMismatchError
 
 T = GGMLType
 FLOAT = frozenset({T.F32, T.F16, T.BF16})

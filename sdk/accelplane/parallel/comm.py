@@ -83,19 +83,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import env
-from .alloc import alloc_ctx_tensors
-from .backend import Backend, Buffer, BufferUsage, Comm, Event, tensor_copy_async
-from .errors import DeviceError, ShapeError, TypeMismatchError, UnsupportedOpError
-from .graph import Context, Graph
-from .tensor import Tensor
-from .types import GGMLType, np_dtype
+from accelplane.core.graph import Context, Graph
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType, np_dtype
+from accelplane.errors import DeviceError, ShapeError, TypeMismatchError, UnsupportedOpError
+from accelplane.runtime.alloc import alloc_ctx_tensors
+from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Comm, Event, tensor_copy_async
+from accelplane.runtime.collective import (
+    canonical_sum,
+    compress_threshold_default,
+    merge_order,
+    pow2_floor,
+)
+from accelplane.runtime.data import check_range
 
 T = GGMLType
 ALGORITHMS = ("auto", "plugin", "butterfly", "ring")
 REDUCIBLE = frozenset({T.F32, T.F16, T.BF16})
 WIRE_TYPES = {"f16": T.F16, "bf16": T.BF16}
-DEFAULT_COMPRESS_MIN: int = env.COMM_COMPRESS_MIN.default  # bytes
 CHUNK_ALIGN = 32  # ring chunk boundaries in elements (keeps chunk views 64/128-byte aligned)
 MAX_BINDINGS = 16  # tensor tuples remembered per plan (graphs over the caller's memory)
 
@@ -103,40 +108,6 @@ __all__ = [
     "ALGORITHMS", "AllReduce", "AllReduceBench", "allreduce", "bench_allreduce",
     "canonical_sum", "compress_threshold_default", "free_shared", "merge_order",
 ]  # fmt: skip
-
-
-def compress_threshold_default() -> int:
-    """``ACCELPLANE_COMM_COMPRESS_MIN`` (bytes), else :data:`DEFAULT_COMPRESS_MIN`."""
-    return env.COMM_COMPRESS_MIN.get()
-
-
-# --- the canonical order ---------------------------------------------------------------------------
-def _pow2_floor(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
-def merge_order(n: int) -> list[tuple[int, int]]:
-    """The canonical association for ``n`` ranks as merges ``(a, b)``: "group a += group b",
-    in evaluation order (fold first, then the pairwise levels; see the module docstring).
-    The result ends in group 0. ``merge_order(5) == [(0, 4), (0, 1), (2, 3), (0, 2)]``."""
-    if n < 1:
-        raise ShapeError(f"merge_order: need at least one rank, got {n}")
-    p = _pow2_floor(n)
-    merges = [(i, i + p) for i in range(n - p)]
-    d = 1
-    while d < p:
-        merges += [(a, a + d) for a in range(0, p, 2 * d)]
-        d *= 2
-    return merges
-
-
-def canonical_sum(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """numpy evaluation of the canonical order in the parts' own dtype (one rounding per
-    merge): the bits an uncompressed F32 all-reduce leaves on every rank."""
-    vals = [np.array(p) for p in parts]
-    for a, b in merge_order(len(vals)):
-        vals[a] = (vals[a] + vals[b]).astype(vals[a].dtype)
-    return vals[0]
 
 
 # A ring owner's tree over storages: ("x",) its own chunk of the caller's tensor, ("s", i) the
@@ -249,7 +220,7 @@ class _Plan:
         # compressed partials, one wire image of the whole tensor per rank
         self.comp = [ctxs[r].new_tensor_ne(wire, nel, name=f"ar.c{r}") for r in range(n)] if wire else []
         if algorithm == "butterfly":
-            p = _pow2_floor(n)
+            p = pow2_floor(n)
             self.fold = {i: ctxs[i].new_tensor_ne(xfer, nel, name=f"ar.fold{i}") for i in range(n - p)}
             # one receive tensor per level, so a level's copy never overwrites what the
             # previous level's ADD may still be reading (ggml keeps n_reduce_steps buffers)
@@ -313,7 +284,7 @@ class _Plan:
 
     def _bind_butterfly(self, tensors: list[Tensor]) -> list[_Op]:
         n, nel, ty, wire = self.n, self.nel, self.type, self.wire
-        p = _pow2_floor(n)
+        p = pow2_floor(n)
         ctx = Context("allreduce-butterfly")
         x = [_alias(t, ty, 0, nel, f"ar.x{r}") for r, t in enumerate(tensors)]
         ops: list[_Op] = []
@@ -537,7 +508,7 @@ class AllReduce:
             if not t.is_contiguous():
                 raise ShapeError(f"all-reduce: {label} is not contiguous (nb={list(t.nb)})")
             b._check()
-            buf = t._check_range(0, t.nbytes)  # allocated, not freed
+            buf = check_range(t, 0, t.nbytes)  # allocated, not freed
             if buf.device is not b.device:
                 raise DeviceError(
                     f"all-reduce: {label} is in buffer {buf.name!r} of {buf.device.name}, "
@@ -639,7 +610,7 @@ def bench_allreduce(backends: Sequence[Backend], sizes: Sequence[int],
     """All-reduce bus bandwidth per (size in bytes, algorithm) over ``backends``, beside a
     host memcpy of the same bytes. Each measurement queues k calls and synchronizes once.
     An algorithm the backends cannot run gives a row with ``used == ""`` and a note."""
-    from .types import parse_type
+    from accelplane.core.types import parse_type
 
     ty = parse_type(type_)
     es = np.dtype(np_dtype(ty)).itemsize

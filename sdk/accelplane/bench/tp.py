@@ -1,6 +1,6 @@
 """Tensor-parallel helpers for tests and benchmarks: the Megatron split of
-:func:`~accelplane.testing.graphs.llama_layer`'s weights, and runs of the same layer graph on
-one device and on a :class:`~accelplane.meta.MetaDevice` with the same (seeded) values."""
+:func:`~accelplane.models.blocks.llama_layer`'s weights, and runs of the same layer graph on
+one device and on a :class:`~accelplane.parallel.meta.MetaDevice` with the same (seeded) values."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..alloc import GraphAllocator, alloc_tensors
-from ..backend import Backend, Device
-from ..meta import MetaDevice, SplitFn, SplitState
-from ..tensor import Tensor
-from ..types import GGMLType
-from .graphs import LayerGraph, llama_layer
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType
+from accelplane.models.blocks import LayerGraph, llama_layer
+from accelplane.parallel.meta import MetaDevice, SplitFn, SplitState
+from accelplane.runtime.alloc import GraphAllocator, alloc_tensors
+from accelplane.runtime.backend import Backend, Device
 
 
 @dataclass(frozen=True)

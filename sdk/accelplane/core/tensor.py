@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import BufferFreedError, DataError, DeviceError, OutOfRangeError, ShapeError, TypeMismatchError
-from .types import TRAITS, GGMLType, np_dtype, parse_type, row_size
+from accelplane.core.types import TRAITS, GGMLType, np_dtype, parse_type, row_size
+from accelplane.errors import DeviceError, ShapeError
 
 if TYPE_CHECKING:
-    from .backend import Buffer
-    from .ops import Op
+    from accelplane.core.ops import Op
+    from accelplane.runtime.backend import Buffer
 
 GGML_MAX_DIMS = 4
 _ids = itertools.count()
@@ -36,7 +36,7 @@ class TensorFlag(IntFlag):
     OUTPUT = 2  # graph output: never freed or reused by the allocator
     PARAM = 4  # a weight (model parameter)
     # a scheduler clone of a node that owns its memory: the same node reading copied inputs, a
-    # view of the original writing the original's memory (accelplane.fusion treats it as owning
+    # view of the original writing the original's memory (accelplane.core.fusion treats it as owning
     # that memory; clones of in-place ops such as SET_ROWS stay plain views)
     CLONE = 8
 
@@ -85,7 +85,7 @@ def contiguous_strides(type_: GGMLType, ne: tuple[int, int, int, int]) -> tuple[
 
 
 class Tensor:
-    """A node or leaf of a compute graph. Create them through a :class:`~accelplane.graph.Context`.
+    """A node or leaf of a compute graph. Create them through a :class:`~accelplane.core.graph.Context`.
 
     Attributes are ggml's: ``type``, ``ne``, ``nb``, ``op``, ``op_params``, ``src``,
     ``view_src``, ``view_offs``, ``buffer`` (a Buffer handle or None), ``offs`` (byte offset of
@@ -248,135 +248,39 @@ class Tensor:
         label = self.name or f"#{self.uid}"
         return f"Tensor({label} {self.type.name} ne={list(self.ne)}{op}{where})"
 
-    # --- data movement (ggml_backend_tensor_set/get; fallbacks live in Buffer) -------------
-    def _check_range(self, offset: int, size: int) -> Buffer:
-        buf = self.buffer
-        if buf is None:
-            raise DeviceError(f"tensor {self.name or self.uid!r} is not allocated in any buffer")
-        if buf.freed:
-            raise BufferFreedError(
-                f"tensor {self.name or self.uid!r}: its buffer {buf.name!r} was freed"
-            )
-        if offset < 0 or size < 0 or offset + size > self.nbytes:
-            raise OutOfRangeError(
-                f"tensor {self.name or self.uid!r}: bytes [{offset}, {offset + size}) are outside "
-                f"its {self.nbytes} bytes"
-            )
-        return buf
-
+    # --- data in and out: implemented by the runtime (accelplane.runtime.data) -------------
     def set_bytes(self, data: bytes | bytearray | memoryview | np.ndarray, offset: int = 0) -> None:
         """Write raw bytes at byte ``offset`` of the tensor's data (ggml_backend_tensor_set)."""
-        arr = _as_u8(data)
-        buf = self._check_range(offset, arr.size)
-        if arr.size:
-            buf.set_tensor(self, arr, offset, arr.size)
+        _data().set_bytes(self, data, offset)
 
     def get_bytes(self, offset: int = 0, size: int | None = None) -> np.ndarray:
         """Read raw bytes (ggml_backend_tensor_get) into a new uint8 array."""
-        size = self.nbytes - offset if size is None else size
-        buf = self._check_range(offset, size)
-        out = np.empty(size, np.uint8)
-        if size:
-            buf.get_tensor(self, out, offset, size)
-        return out
+        return _data().get_bytes(self, offset, size)
 
     def set(self, value: Any) -> Tensor:
-        """Write a numpy-compatible array of ``self.shape`` (converted and quantized as needed).
-
-        Float types take any real numbers (F16/BF16 round to nearest; values past their range
-        become infinities, as in numpy and ggml). Block-quantized types reject NaN and
-        infinity with DataError: ggml's quantizers take the block's scale from its largest
-        magnitude, so one such value silently turns its whole block (32 or 256 values) into
-        zeros or NaN. Integer types reject values outside their range and fractions (DataError)
-        rather than wrap or truncate them. Non-numeric arrays raise TypeMismatchError."""
-        from .types import quantize
-
-        arr = _numeric(value, self)
-        if arr.shape != self.shape and arr.size == self.nelements and arr.ndim <= 1:
-            arr = arr.reshape(self.shape)
-        if arr.shape != self.shape:
-            raise ShapeError(
-                f"tensor {self.name or self.uid!r}: cannot set an array of shape {arr.shape} "
-                f"into a tensor of shape {self.shape}"
-            )
-        full = arr.reshape(tuple(reversed(self.ne)))
-        if self.type.is_quantized:
-            x = np.ascontiguousarray(full, np.float32)
-            bad = ~np.isfinite(x)
-            if bad.any():
-                i = tuple(int(j) for j in np.argwhere(bad)[0][::-1])
-                raise DataError(
-                    f"tensor {self.name or self.uid!r} ({self.type.name}): {x[bad][0]} at ggml index "
-                    f"{list(i)} cannot be quantized ({int(bad.sum())} non-finite values); a "
-                    "block-quantized type holds finite values only"
-                )
-            raw = quantize(self.type, x)
-        elif self.type.is_float:
-            with np.errstate(over="ignore"):  # past the type's range: infinity, as documented
-                raw = np.ascontiguousarray(full, dtype=np_dtype(self.type))
-        else:
-            raw = _integers(full, np_dtype(self.type), self)
-        if self.is_contiguous():
-            self.set_bytes(raw.reshape(-1).view(np.uint8))
-            return self
-        # strided: read-modify-write the byte span through a strided numpy view
-        span = self.get_bytes()
-        strided_view(self, span)[...] = raw
-        self.set_bytes(span)
+        """Write a numpy-compatible array of ``self.shape``, converted and quantized to the
+        tensor's type (the rules: :func:`accelplane.runtime.data.set`)."""
+        _data().set(self, value)
         return self
 
     def get(self) -> np.ndarray:
         """A new numpy array of ``self.shape`` with the tensor's values (dequantized to f32)."""
-        from .types import dequantize
-
-        span = self.get_bytes()
-        view = strided_view(self, span)
-        if self.type.is_quantized:
-            out = dequantize(self.type, np.ascontiguousarray(view), self.ne[0])
-        else:
-            out = np.array(view)
-        return out.reshape(self.shape)
+        return _data().get(self)
 
     def __array__(self, dtype=None, copy=None):
         a = self.get()
         return a if dtype is None else a.astype(dtype)
 
 
-def _numeric(value: Any, t: Tensor) -> np.ndarray:
-    """``value`` as a numpy array of real numbers, else TypeMismatchError."""
-    name = t.name or t.uid
-    try:
-        arr = np.asarray(value)
-        if arr.dtype.kind == "O":  # Python ints past 64 bits and the like: as numbers, if they are
-            arr = arr.astype(np.float64)
-    except (ValueError, TypeError, OverflowError) as e:  # ragged sequences, objects
-        raise TypeMismatchError(f"tensor {name!r}: the value is not an array of numbers ({e})") from None
-    if arr.dtype.kind not in "biuf" and arr.dtype != np_dtype(GGMLType.BF16):  # ml_dtypes' bfloat16
-        raise TypeMismatchError(
-            f"tensor {t.name or t.uid!r}: values of dtype {arr.dtype} are not real numbers"
-        )
-    return arr
+# the runtime module that moves tensor data (accelplane.runtime.data registers itself here when
+# imported: the core describes tensors and imports nothing of the runtime)
+DATA: Any = None
 
 
-def _integers(x: np.ndarray, dt: np.dtype, t: Tensor) -> np.ndarray:
-    """``x`` converted to the integer dtype ``dt``, or DataError for values it cannot hold."""
-    info = np.iinfo(dt)
-    if x.dtype.kind == "f" and (not np.isfinite(x).all() or (x != np.trunc(x)).any()):
-        raise DataError(f"tensor {t.name or t.uid!r} ({dt}): values must be whole numbers")
-    if x.size and (x.min() < info.min or x.max() > info.max):
-        raise DataError(
-            f"tensor {t.name or t.uid!r} ({dt}): values outside [{info.min}, {info.max}] "
-            f"(min {x.min()}, max {x.max()})"
-        )
-    return np.ascontiguousarray(x, dtype=dt)
-
-
-def _as_u8(data: Any) -> np.ndarray:
-    if isinstance(data, np.ndarray):
-        if not data.flags.c_contiguous:
-            data = np.ascontiguousarray(data)
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+def _data():
+    if DATA is None:
+        raise DeviceError("tensor data moves through accelplane.runtime (import accelplane first)")
+    return DATA
 
 
 def _row_shape(t: Tensor) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""A float64 numpy oracle for every op of :data:`accelplane.ops.RULES`, independent of backends.
+"""A float64 numpy oracle for every op of :data:`accelplane.core.ops.RULES`, independent of backends.
 
 :func:`evaluate` computes a whole graph; :func:`compute_node` one node from given source values.
 Values are numpy arrays of shape ``tuple(reversed(t.ne))`` (always 4-D): float64, or int64 for
@@ -29,9 +29,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .errors import DeviceError, OutOfRangeError, ShapeError, UnsupportedOpError
-from .graph import Graph
-from .ops import (
+from accelplane.core.graph import Graph
+from accelplane.core.ops import (
     ROPE_TYPE_NEOX,
     VIEW_OPS,
     GluOp,
@@ -40,8 +39,9 @@ from .ops import (
     UnaryOp,
     rope_yarn_corr_dims,
 )
-from .tensor import Tensor
-from .types import TRAITS, GGMLType, dequantize
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import TRAITS, GGMLType, dequantize
+from accelplane.errors import DeviceError, OutOfRangeError, ShapeError, UnsupportedOpError
 
 __all__ = [
     "Evaluator",

@@ -1,7 +1,7 @@
 """Tensor parallelism: the meta device (ggml-backend-meta.cpp, llama.cpp's ``-sm tensor``).
 
 A :class:`MetaDevice` runs one graph over N devices (any plugins, mixed, the same device
-several times, or devices of several processes through :mod:`accelplane.mpi`). Every tensor
+several times, or devices of several processes through :mod:`accelplane.parallel.mpi`). Every tensor
 has a :class:`SplitState`: sliced along one ggml axis (``AXIS_0..3``, possibly segmented),
 ``MIRRORED`` (a full copy on every device) or ``PARTIAL`` (every device holds a term of a sum).
 
@@ -40,7 +40,7 @@ runs through the same comm) and runs mirrored: correct, only slower. Writes (CPY
 into a destination whose split the op cannot follow raise :class:`UnsupportedOpError`.
 
 Execution: each device computes its shard of every node; the per-device graphs are cut at
-every point where a PARTIAL value must become whole, and there :mod:`accelplane.comm` sums
+every point where a PARTIAL value must become whole, and there :mod:`accelplane.parallel.comm` sums
 the devices' tensors in place (the plugin's comm, else butterfly or ring); with an MPI group
 the local sum is then summed across processes through host memory. Because the cut waits for
 the first consumer that needs the sum, ggml's MoE delay (the all-reduce after the weighted sum
@@ -82,19 +82,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import env
-from .alloc import GraphAllocator, alloc_tensors, owners_to_keep
-from .backend import Backend, Buffer, BufferUsage, CompositeBuffer, Device
-from .comm import REDUCIBLE, AllReduce
-from .errors import DeviceError, ShapeError, UnsupportedOpError
-from .graph import Context, Graph
-from .ops import VIEW_OPS, Op, op_desc
-from .sched import GraphRunner
-from .tensor import Tensor, TensorFlag, strided_view
-from .types import TRAITS, GGMLType, np_dtype
+from accelplane import env
+from accelplane.core.graph import Context, Graph
+from accelplane.core.ops import VIEW_OPS, Op, op_desc
+from accelplane.core.tensor import Tensor, TensorFlag, strided_view
+from accelplane.core.types import TRAITS, GGMLType, np_dtype
+from accelplane.errors import DeviceError, ShapeError, UnsupportedOpError
+from accelplane.parallel.comm import REDUCIBLE, AllReduce
+from accelplane.runtime.alloc import GraphAllocator, alloc_tensors, owners_to_keep
+from accelplane.runtime.backend import Backend, Buffer, BufferUsage, CompositeBuffer, Device
+from accelplane.sched import GraphRunner
 
 if TYPE_CHECKING:
-    from .mpi import ProcessGroup
+    from accelplane.parallel.mpi import ProcessGroup
 
 MAX_DEVICES = 64
 
@@ -498,7 +498,7 @@ class MetaBuffer(CompositeBuffer):
         self.usage = BufferUsage.WEIGHTS if kind == "weights" else BufferUsage.COMPUTE
         self.freed = False
         self.ctx = None
-        from .backend import _ids
+        from accelplane.runtime.backend import _ids
 
         self.uid = next(_ids)
         self.name = f"{meta.name}:{kind}#{self.uid}"
@@ -1146,8 +1146,8 @@ class MetaDevice(GraphRunner):
     ``split_state(t)`` gives the split of a statically allocated tensor (weights, caches) and
     of graph inputs; None means MIRRORED. ``tensor_split``: relative share of each device for
     :meth:`split` (default even). ``algorithm``, ``compress``, ``compress_threshold``: the
-    all-reduce (:class:`accelplane.comm.AllReduce`). ``group``: a process group
-    (:class:`accelplane.mpi.MPIGroup`) whose ranks each run a MetaDevice over their local
+    all-reduce (:class:`accelplane.parallel.comm.AllReduce`). ``group``: a process group
+    (:class:`accelplane.parallel.mpi.MPIGroup`) whose ranks each run a MetaDevice over their local
     devices, in rank order; split states then give sizes for all devices of all ranks.
 
     Lifecycle as a scheduler's: :meth:`alloc_graph` (plans once per graph, places inputs and

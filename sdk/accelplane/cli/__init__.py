@@ -149,7 +149,7 @@ def support_matrix() -> tuple[list[str], dict[str, dict[str, tuple[int, int]]]]:
     import accelplane
     from accelplane.conformance.cases import all_cases
     from accelplane.conformance.runner import graph_supported
-    from accelplane.graph import Context
+    from accelplane.core.graph import Context
 
     devs = accelplane.get_registry().devices
     cols = [f"{d.plugin.name}/{d.name}" for d in devs]

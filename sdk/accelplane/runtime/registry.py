@@ -31,10 +31,9 @@ from typing import Any
 
 import pluggy
 
-from . import env
-from .backend import Device
-from .errors import APIVersionError, ConfigError, DeviceError, PluginLoadError
-from .hookspecs import (
+from accelplane import env
+from accelplane.errors import APIVersionError, ConfigError, DeviceError, PluginLoadError
+from accelplane.interface import (
     API_VERSION,
     HOOK_MIN_MINOR,
     HOOK_NAMES,
@@ -43,6 +42,7 @@ from .hookspecs import (
     DeviceType,
     Specs,
 )
+from accelplane.runtime.backend import Device
 
 GROUP = "accelplane.plugins"
 # hooks that come as a group: the first one of each group implies the others
@@ -324,7 +324,7 @@ class Registry:
 
     def info(self) -> dict:
         """Everything `accelplane devices --json` prints."""
-        from . import __version__
+        from accelplane import __version__
 
         return {
             "accelplane": __version__,

@@ -2,7 +2,7 @@
 
 Each builder method's docstring gives the numpy expression it equals, in host (numpy) axis
 order; ``reference.py`` computes exactly that in float64. Shapes and types are checked when
-the node is built (:mod:`accelplane.ops`), so a bad graph fails before any backend sees it.
+the node is built (:mod:`accelplane.core.ops`), so a bad graph fails before any backend sees it.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import functools
 import itertools
 from collections.abc import Iterable, Sequence
 
-from .alloc import owners_to_keep
-from .errors import AccelplaneError, ShapeError
-from .ops import (
+from accelplane.core.ops import (
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORMAL,
     RULES,
@@ -22,8 +20,10 @@ from .ops import (
     SortOrder,
     UnaryOp,
 )
-from .tensor import Tensor, contiguous_strides
-from .types import GGMLType, parse_type
+from accelplane.core.tensor import Tensor, contiguous_strides
+from accelplane.core.types import GGMLType, parse_type
+from accelplane.errors import AccelplaneError, ShapeError
+from accelplane.runtime.alloc import owners_to_keep
 
 _graph_ids = itertools.count(1)
 
@@ -436,7 +436,7 @@ class Graph:
         self.uid = next(_graph_ids)
         self.layout_version = 0
         # memory a plugin's fused kernels must still write although a node of this graph
-        # reads it (accelplane.fusion): the memory owners of the outputs asked for and of every
+        # reads it (accelplane.core.fusion): the memory owners of the outputs asked for and of every
         # tensor flagged OUTPUT (or INPUT, PARAM), however deep its chain of views; None =
         # unknown, fuse nothing
         self.keep: frozenset[int] | None = owners_to_keep(itertools.chain(self.leafs, self.nodes),

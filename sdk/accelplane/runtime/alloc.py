@@ -9,13 +9,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .backend import Buffer, BufferType, BufferUsage, MultiBuffer
-from .errors import AllocationError
-from .ops import INPLACE_OPS, VIEW_OPS
-from .tensor import Tensor, TensorFlag
+from accelplane.core.ops import INPLACE_OPS, VIEW_OPS
+from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.errors import AllocationError
+from accelplane.runtime.backend import Buffer, BufferType, BufferUsage, MultiBuffer
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from accelplane.core.graph import Graph
 
 # flags of tensors whose memory must outlive the graph (or be there before it runs)
 KEEP_FLAGS = TensorFlag.INPUT | TensorFlag.OUTPUT | TensorFlag.PARAM

@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from . import env
-from .graph import Graph
-from .ops import VIEW_OPS, Op
-from .tensor import Tensor, TensorFlag
-from .types import GGMLType
+from accelplane import env
+from accelplane.core.graph import Graph
+from accelplane.core.ops import VIEW_OPS, Op
+from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.core.types import GGMLType
 
 NORMS = frozenset({Op.NORM, Op.RMS_NORM, Op.L2_NORM})
 

@@ -1,10 +1,10 @@
-"""Tensor parallelism across processes: an MPI process group for :class:`accelplane.meta.MetaDevice`.
+"""Tensor parallelism across processes: an MPI process group for :class:`accelplane.parallel.meta.MetaDevice`.
 
 One accelplane process per MPI rank (``mpirun -n R python app.py``), each with its local
 devices. Every rank builds the same graphs and weights (SPMD) and creates
 ``MetaDevice(local_devices, split_state, group=MPIGroup())``; split states then give sizes for
 all devices of all ranks, in rank order, and each rank holds only its devices' shards. Where a
-PARTIAL value must be summed, the meta device sums it over its local devices (accelplane.comm),
+PARTIAL value must be summed, the meta device sums it over its local devices (accelplane.parallel.comm),
 stages the local sum in host memory and sums that across ranks with a non-blocking
 ``MPI_Iallreduce`` (mpi4py, numpy buffers); NCCL across hosts is the CUDA plugin's business.
 
@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import env
-from .errors import CommTimeoutError, DeviceError
+from accelplane import env
+from accelplane.errors import CommTimeoutError, DeviceError
 
 DEFAULT_TIMEOUT_S: float = env.MPI_TIMEOUT.default
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import env
+from accelplane import env
 
 
 class PlanCache:

@@ -20,7 +20,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from .errors import ShapeError, TypeMismatchError
+from accelplane.errors import ShapeError, TypeMismatchError
 
 QK4_0 = 32
 QK8_0 = 32

@@ -9,7 +9,7 @@ dispatch table; the hot path calls those functions directly, never ``pm.hook`` (
 docs/writing-a-plugin.md for the measured cost).
 
 Members marked *required* must be implemented; for every optional member the SDK has a
-fallback, in one place (:mod:`accelplane.backend`), named in each docstring.
+fallback, in one place (:mod:`accelplane.runtime.backend`), named in each docstring.
 Ordering and synchronization contracts are specified in docs/ordering.md.
 
 API versioning: :data:`API_VERSION` is (major, minor). A plugin whose ``api_version()``
@@ -244,7 +244,7 @@ class Specs:
         """*Required.* Queue the computation of every node of ``graph`` (nodes whose op is a
         view op compute nothing). May return before completion if caps.async_. A plugin
         should plan once per (graph.uid, graph.layout_version) and replay. It may run
-        several nodes as one kernel where accelplane.fusion.Fusion(graph).match allows it
+        several nodes as one kernel where accelplane.core.fusion.Fusion(graph).match allows it
         (leaving the skipped nodes' memory unwritten), never otherwise. Raise
         accelplane.errors.ComputeError on failure."""
 
