@@ -697,7 +697,7 @@ def test_corner_installed_plugin(plugin, name):
 
 def test_kept_owners_are_the_ends_of_view_chains():
     """owners_to_keep: a flagged view (of a view) names the tensor whose memory it is."""
-    from accelplane.runtime.alloc import memory_owner, owners_to_keep
+    from accelplane.core.tensor import memory_owner, owners_to_keep
 
     ctx = Context()
     x = ctx.new_tensor(F32, (4, 6), "x")

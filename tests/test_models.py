@@ -625,7 +625,7 @@ def test_accelplane_run_split_tensor_and_bench_model(cli_env, models, tmp_path, 
 
 def test_bench_model_multi_device_rows_get_their_speedup(reg, models):
     """A multi-device config's rows carry tokens/s over its first device alone (split none)."""
-    from accelplane.models.runner import bench_model, format_bench
+    from accelplane.bench.model import bench_model, format_bench
 
     a0, a1 = [d for d in reg.devices if d.type != DeviceType.CPU][:2]
     cpu = next(d for d in reg.devices if d.type == DeviceType.CPU)
@@ -644,7 +644,7 @@ def test_bench_model_multi_device_rows_get_their_speedup(reg, models):
 
 
 def test_bench_configs_pair_splits_with_the_device_sets_they_fit(reg):
-    from accelplane.models.runner import bench_configs
+    from accelplane.bench.model import bench_configs
 
     a0, a1 = [d.name for d in reg.devices if d.type != DeviceType.CPU][:2]
     got = bench_configs(reg, [a0, f"{a0},{a1}"], ["none", "layer", "tensor"])

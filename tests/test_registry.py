@@ -483,3 +483,51 @@ def test_unregister_and_lookup_errors():
     reg.register(host_plugin("X", get_devices=lambda: []), "empty")
     with pytest.raises(AccelplaneError, match="no devices"):
         reg.devices_of("empty")  # names why it is not loaded
+
+
+# --- the interface version a plugin declares -------------------------------------------------------
+@pytest.mark.parametrize(("declared", "why"), [
+    ((API_VERSION[0] + 1, 0), "major versions must match"),
+    ((API_VERSION[0] - 1, API_VERSION[1]), "major versions must match"),
+    ((API_VERSION[0], API_VERSION[1] + 1), "newer than this accelplane's"),
+    ("1.1", "must return (major, minor), two integers"),
+    ((1, 1, 0), "must return (major, minor), two integers"),
+    ((1.0, 1), "must return (major, minor), two integers"),
+    (None, "must return (major, minor), two integers"),
+])  # fmt: skip
+def test_a_plugin_of_another_interface_version_is_rejected(declared, why):
+    seen = []
+    spec = DeviceSpec("V", "", DeviceType.CPU)
+    plugin = host_plugin("VERSIONED", get_devices=lambda: seen.append(1) or [spec])
+    plugin.api_version = hookimpl(lambda: declared)
+    r = Registry()
+    assert r.register(plugin, "versioned") is None
+    (f,) = r.failures
+    assert f.stage == "api_version" and why in f.reason, f.reason
+    assert "APIVersionError" in f.reason and f"{API_VERSION[0]}.{API_VERSION[1]}" in f.reason
+    assert not seen, "no other hook of a rejected plugin runs"
+
+
+def test_an_older_minor_is_accepted_without_the_newer_hooks():
+    plugin = host_plugin("OLDER")
+    plugin.api_version = hookimpl(lambda: (API_VERSION[0], 0))
+    r = Registry()
+    p = r.register(plugin, "older")
+    assert p is not None and p.api_version == (API_VERSION[0], 0)
+    assert "record_begin" not in p.fn  # a 1.1 hook is not called for a 1.0 plugin
+
+
+def test_every_plugin_declares_its_version_as_a_literal():
+    """A plugin's api_version() returns the version it was written for, frozen in its own
+    source, so the check above can fire; returning the running SDK's API_VERSION cannot."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    plugins = [root / "sdk/accelplane/cpu/plugin.py", root / "sdk/accelplane/testing/asyncdev.py",
+               *root.glob("plugins/*/accelplane_*/plugin.py")]  # fmt: skip
+    for p in plugins:
+        fn = next(n for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.FunctionDef)
+                  and n.name == "api_version")  # fmt: skip
+        (ret,) = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
+        elts = ret.value.elts if isinstance(ret.value, ast.Tuple) else [ret.value]
+        assert all(isinstance(e, ast.Constant) for e in elts), p

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from accelplane.errors import AllocationError, CommTimeoutError, ComputeError, DeviceError
-from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.backend import BufferUsage
 from accelplane.runtime.plancache import PlanCache
 
@@ -106,7 +106,7 @@ def _build_plan(graph, sctx: StreamCtx):
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return API_VERSION
+    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl

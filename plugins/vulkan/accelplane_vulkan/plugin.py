@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.plancache import PlanCache
 
 from . import tuning
@@ -79,7 +79,7 @@ def _mem(t):
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return API_VERSION
+    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl

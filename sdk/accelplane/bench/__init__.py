@@ -17,6 +17,7 @@ from accelplane.core.graph import Context
 from accelplane.core.ops import VIEW_OPS, op_bytes, op_flops
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
+from accelplane.errors import DeviceError
 from accelplane.runtime.backend import Device
 
 T = GGMLType
@@ -270,12 +271,25 @@ def bench_dispatch(n: int = 200_000) -> list[tuple[str, float]]:
     ]
 
 
-def _test_registry():
-    """The CPU plugin and the asynchronous test device, without delays unless asked for."""
-    from accelplane.env import TEST_DELAY_US
-    from accelplane.testing.plugins import cpu_and_async_registry
+def device_and_cpu(device: str | None) -> tuple[Device, Device]:
+    """The device named ``device`` (default: the first device that is not a CPU) and the CPU
+    device, from the registry. The asynchronous test device joins the registry with
+    ``ACCELPLANE_EXTRA_PLUGINS=asynctest=accelplane.testing.asyncdev``."""
+    from accelplane.interface import DeviceType
+    from accelplane.runtime.registry import get_registry
 
-    return cpu_and_async_registry(delay_us=int(TEST_DELAY_US.get() or 0))
+    reg = get_registry()
+    cpu = next((d for d in reg.devices if d.type == DeviceType.CPU), None)
+    if cpu is None:
+        raise DeviceError("no CPU device: the scheduler needs the built-in cpu plugin")
+    if device is not None:
+        return reg.device(device), cpu
+    others = [d for d in reg.devices if d.type != DeviceType.CPU]
+    if not others:
+        raise DeviceError("this benchmark needs a device besides the CPU; none is installed (the "
+                          "asynchronous test device: ACCELPLANE_EXTRA_PLUGINS=asynctest="
+                          "accelplane.testing.asyncdev)")  # fmt: skip
+    return others[0], cpu
 
 
 def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: str | None = None,
@@ -287,14 +301,7 @@ def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: s
     from accelplane.runtime.alloc import alloc_tensors
     from accelplane.sched import Scheduler
 
-    if device is None:
-        reg = _test_registry()
-    else:
-        from accelplane.runtime.registry import get_registry
-
-        reg = get_registry()
-    dev = reg.device(device or "ASYNC0")
-    cpu = reg.device("CPU")
+    dev, cpu = device_and_cpu(device)
     out = []
     for policy in ("strict", "relaxed"):
         lg = llama_layer(d_model=256, n_head=8, n_kv_head=4, d_ff=512, n_tokens=n_tokens,
@@ -334,6 +341,14 @@ def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: s
     return out
 
 
+def _timelines(backends) -> list:
+    """The streams of ``backends`` that record a timeline of their work (the asynchronous test
+    device's do: ``stream.timeline`` of (kind, start, end)); [] where the device has none."""
+    streams = [getattr(b.ctx, "stream", None) for b in backends]
+    return [st for st in streams if st is not None and hasattr(st, "timeline")] if all(
+        st is not None and hasattr(st, "timeline") for st in streams) else []
+
+
 def _overlap(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]]) -> float:
     """Seconds during which some interval of ``a`` and some interval of ``b`` both run."""
     tot = 0.0
@@ -344,16 +359,17 @@ def _overlap(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]
 
 
 def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, prefetch: int = 2,
+                       device: str | None = None,
                        progress: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
-    """MoE layers with experts in host memory computed on the asynchronous test device,
-    with and without expert prefetch on a second stream: wall time per compute, and from the
-    devices' recorded timelines the time copies and compute overlapped."""
+    """MoE layers with experts in host memory computed on ``device`` (default: the first that
+    is not a CPU), with and without expert prefetch on a second stream: wall time per compute,
+    and, on a device whose streams record a timeline (the asynchronous test device), the time
+    copies and compute overlapped."""
     from accelplane.models.blocks import moe_layers
     from accelplane.runtime.alloc import alloc_tensors
     from accelplane.sched import Scheduler
 
-    reg = _test_registry()
-    dev, cpu = reg.device("ASYNC0"), reg.device("CPU")
+    dev, cpu = device_and_cpu(device)
     out = []
     for pf in (0, prefetch):
         m = moe_layers(d_model=512, d_ff=1024, n_expert=16, n_used=4, n_tokens=n_tokens,
@@ -375,7 +391,7 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
         for i in range(runs + 1):
             if progress:
                 progress(f"moe prefetch={pf}: run {i + 1}/{runs + 1}")
-            streams = [bd.ctx.stream] + [p.ctx.stream for p in s._pf_backends.values()]
+            streams = _timelines([bd, *s._pf_backends.values()])
             for st in streams:
                 st.timeline.clear()
                 st.record_timeline = True
@@ -388,17 +404,18 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
             if i == 0:
                 continue  # warm-up
             times.append(el)
-            comp = [iv for iv in bd.ctx.stream.timeline if iv[0].startswith("graph")]
-            copies = [iv for iv in bd.ctx.stream.timeline if iv[0] in ("set", "h2d")]
-            for p in s._pf_backends.values():
-                copies += [iv for iv in p.ctx.stream.timeline if iv[0] in ("set", "h2d")]
-            overlap += _overlap(copies, comp)
-            copy_s += sum(e - b for _, b, e in copies)
-        out.append({"prefetch": pf, "ms_per_compute": float(np.median(times) * 1e3),
-                    "copy_ms": copy_s / runs * 1e3, "overlap_ms": overlap / runs * 1e3,
+            if streams:
+                comp = [iv for iv in streams[0].timeline if iv[0].startswith("graph")]
+                copies = [iv for st in streams for iv in st.timeline if iv[0] in ("set", "h2d")]
+                overlap += _overlap(copies, comp)
+                copy_s += sum(e - b for _, b, e in copies)
+        timed = bool(_timelines([bd]))
+        out.append({"prefetch": pf, "device": dev.name, "ms_per_compute": float(np.median(times) * 1e3),
+                    "copy_ms": copy_s / runs * 1e3 if timed else None,
+                    "overlap_ms": overlap / runs * 1e3 if timed else None,
                     "expert_MiB": s.stats.expert_bytes / 2**20,
                     "expert_MiB_all": s.stats.expert_bytes_total / 2**20})  # fmt: skip
-        for st in [bd.ctx.stream] + [p.ctx.stream for p in s._pf_backends.values()]:
+        for st in _timelines([bd, *s._pf_backends.values()]):
             st.record_timeline = False
         s.free()
         bd.free()

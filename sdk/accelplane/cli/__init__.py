@@ -235,7 +235,7 @@ def cmd_bench(args) -> int:
     from accelplane import bench
 
     if args.what == "model":
-        from accelplane.models.runner import cmd_bench_model
+        from accelplane.cli.run import cmd_bench_model
 
         return cmd_bench_model(args)
     reg = accelplane.get_registry()
@@ -260,7 +260,7 @@ def cmd_bench(args) -> int:
     if args.what in ("sched", "moe"):
         dev = args.device[0] if args.device else None
         rows = (bench.bench_sched(device=dev, progress=_progress) if args.what == "sched"
-                else bench.bench_moe_prefetch(progress=_progress))  # fmt: skip
+                else bench.bench_moe_prefetch(device=dev, progress=_progress))  # fmt: skip
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
         keys = list(rows[0])
@@ -418,13 +418,14 @@ def _dispatch(args, extra: list[str]) -> int:
     if args.cmd == "conformance":
         return cmd_conformance(args, extra)
     if args.cmd == "run":
-        from accelplane.models.runner import NMSE_TOL, cmd_run
+        from accelplane.cli.run import cmd_run
+        from accelplane.models.runner import NMSE_TOL
 
         if args.nmse_tol is None:
             args.nmse_tol = NMSE_TOL
         return cmd_run(args)
     if args.cmd == "make-model":
-        from accelplane.models.runner import cmd_make_model
+        from accelplane.cli.run import cmd_make_model
 
         return cmd_make_model(args)
     return cmd_bench(args)

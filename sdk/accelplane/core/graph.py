@@ -20,10 +20,9 @@ from accelplane.core.ops import (
     SortOrder,
     UnaryOp,
 )
-from accelplane.core.tensor import Tensor, contiguous_strides
+from accelplane.core.tensor import Tensor, contiguous_strides, owners_to_keep
 from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import AccelplaneError, ShapeError
-from accelplane.runtime.alloc import owners_to_keep
 
 _graph_ids = itertools.count(1)
 

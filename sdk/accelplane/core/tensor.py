@@ -14,6 +14,7 @@ Invariant (llama.cpp #22197): a view never owns memory: ``t.buffer`` of a view i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from enum import IntFlag
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,25 @@ def _check_extent(v: Tensor, owner: Tensor) -> None:
             f"{owner.name or owner.uid!r}" + (" (the offset is not a whole element)"
                                               if v.view_offs % es else "")
         )  # fmt: skip
+
+
+KEEP_FLAGS = TensorFlag.INPUT | TensorFlag.OUTPUT | TensorFlag.PARAM
+
+
+def memory_owner(t: Tensor) -> Tensor:
+    """The tensor whose memory ``t`` is: its ``view_src`` (a view's is always the memory owner,
+    never another view), else ``t`` itself."""
+    return t.view_src if t.view_src is not None else t
+
+
+def owners_to_keep(tensors: Iterable[Tensor], kept: Iterable[Tensor] = ()) -> frozenset[int]:
+    """ids of the memory owners (:func:`memory_owner`) that an allocation must keep alive to
+    the end of the graph and never hand to another node: the owner of every tensor of
+    ``tensors`` flagged INPUT, OUTPUT or PARAM, and of every tensor of ``kept``. A view that
+    is a graph output thus keeps the tensor it views."""
+    ids = {id(memory_owner(t)) for t in tensors if t.flags & KEEP_FLAGS}
+    ids.update(id(memory_owner(t)) for t in kept)
+    return frozenset(ids)
 
 
 def contiguous_strides(type_: GGMLType, ne: tuple[int, int, int, int]) -> tuple[int, ...]:

@@ -21,9 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:  # the handles hooks receive (accelplane.runtime.backend); no import at run time
+    import numpy as np
+
+    from accelplane.core.graph import Graph
+    from accelplane.core.tensor import Tensor
+    from accelplane.runtime.backend import Backend, Buffer, BufferType, Comm, Device, Event
 
 PROJECT = "accelplane"
 API_VERSION: tuple[int, int] = (1, 1)
@@ -74,13 +81,15 @@ class Specs:
     # --- registration (ggml_backend_reg_i) ----------------------------------------------------
     @hookspec
     def api_version(self) -> tuple[int, int]:
-        """*Required.* The (major, minor) of this interface the plugin implements.
+        """*Required.* The (major, minor) of this interface the plugin was written for, as a
+        literal (never the running SDK's API_VERSION). A different major, or a newer minor than
+        the SDK's, is rejected; hooks added after an older minor are not called.
 
         Called before any other hook; must import nothing heavy. Example::
 
             @hookimpl
             def api_version():
-                return (1, 0)
+                return (1, 1)
         """
 
     @hookspec
@@ -94,102 +103,106 @@ class Specs:
 
     # --- device (ggml_backend_device_i) -------------------------------------------------------
     @hookspec
-    def device_memory(self, device) -> tuple[int, int]:
+    def device_memory(self, device: Device) -> tuple[int, int]:
         """(free, total) bytes. Fallback: (0, 0) = "no memory to report"."""
 
     @hookspec
-    def init_backend(self, device, backend, params: str) -> Any:
+    def init_backend(self, device: Device, backend: Backend, params: str) -> Any:
         """*Required.* Create a stream (an in-order queue of work) on ``device``; return its
         ctx (becomes ``backend.ctx``). Every call makes a new, independent stream."""
 
     @hookspec
-    def get_buffer_type(self, device) -> BufferTypeSpec:
+    def get_buffer_type(self, device: Device) -> BufferTypeSpec:
         """*Required.* The device's preferred buffer type. Called once per device; the SDK
         caches the handle."""
 
     @hookspec
-    def get_host_buffer_type(self, device) -> BufferTypeSpec | None:
+    def get_host_buffer_type(self, device: Device) -> BufferTypeSpec | None:
         """A pinned host buffer type for faster transfers. Fallback: None (none)."""
 
     @hookspec
-    def get_extra_buffer_types(self, device) -> list[BufferTypeSpec]:
+    def get_extra_buffer_types(self, device: Device) -> list[BufferTypeSpec]:
         """Extra buffer types (e.g. a weight repack layout). Fallback: []."""
 
     @hookspec
-    def supports_op(self, device, op) -> bool:
+    def supports_op(self, device: Device, op: Tensor) -> bool:
         """*Required.* Whether ``op`` (a node: type, ne, nb, op_params and sources as built)
         can run on this device with the results the conformance suite demands. False means
         "not supported" and is never a failure; True must be honest (the suite proves it)."""
 
     @hookspec
-    def supports_buft(self, device, buft) -> bool:
+    def supports_buft(self, device: Device, buft: BufferType) -> bool:
         """*Required.* Whether this device's backends can read and write tensors in buffers
         of ``buft`` directly during graph_compute."""
 
     @hookspec
-    def offload_op(self, device, op) -> bool:
+    def offload_op(self, device: Device, op: Tensor) -> bool:
         """Whether the device wants to run ``op`` although its weights live in a host buffer
         (the scheduler then copies them). Fallback: False."""
 
     @hookspec
-    def event_new(self, device) -> Any:
+    def event_new(self, device: Device) -> Any:
         """A new event's ctx. Fallback (no events): the scheduler synchronizes instead."""
 
     @hookspec
-    def event_free(self, device, event) -> None:
+    def event_free(self, device: Device, event: Event) -> None:
         """Release an event. Fallback: nothing."""
 
     @hookspec
-    def event_synchronize(self, device, event) -> None:
+    def event_synchronize(self, device: Device, event: Event) -> None:
         """Block the host until ``event`` has completed (an unrecorded event is complete).
         Required when event_new is implemented (so is event_record); without events the
         fallback is that recording synchronizes, so there is nothing left to wait for."""
 
     # --- buffer type (ggml_backend_buffer_type_i) ---------------------------------------------
     @hookspec
-    def buft_alloc(self, buft, buffer, size: int) -> Any:
+    def buft_alloc(self, buft: BufferType, buffer: Buffer, size: int) -> Any:
         """*Required.* Allocate ``size`` bytes; return the buffer's ctx. Raise
         accelplane.errors.AllocationError when the memory is not there."""
 
     @hookspec
-    def buft_alignment(self, buft) -> int:
+    def buft_alignment(self, buft: BufferType) -> int:
         """Alignment of tensor offsets in bytes. Fallback: 64."""
 
     @hookspec
-    def buft_max_size(self, buft) -> int:
+    def buft_max_size(self, buft: BufferType) -> int:
         """Largest single allocation; bigger ones become a multi-buffer. Fallback: unlimited."""
 
     @hookspec
-    def buft_alloc_size(self, buft, tensor) -> int:
+    def buft_alloc_size(self, buft: BufferType, tensor: Tensor) -> int:
         """Bytes a tensor takes in this buffer type (padding). Fallback: tensor.nbytes."""
 
     @hookspec
-    def buft_is_host(self, buft) -> bool:
+    def buft_is_host(self, buft: BufferType) -> bool:
         """Data lives in host memory in standard ggml layout, readable through
         buffer_host_array. Fallback: False."""
 
     # --- buffer (ggml_backend_buffer_i) ---------------------------------------------------------
     @hookspec
-    def buffer_free(self, buffer) -> None:
+    def buffer_free(self, buffer: Buffer) -> None:
         """Release the buffer's memory. Fallback: nothing (garbage collection)."""
 
     @hookspec
-    def buffer_host_array(self, buffer) -> Any:
+    def buffer_host_array(self, buffer: Buffer) -> Any:
         """For host buffers: a writable numpy uint8 array over the whole buffer (ggml's
         get_base). Required when buft_is_host is True."""
 
     @hookspec
-    def buffer_init_tensor(self, buffer, tensor) -> None:
+    def buffer_init_tensor(self, buffer: Buffer, tensor: Tensor) -> None:
         """Called when a tensor (or view) is placed in the buffer; may set tensor.extra.
         Fallback: nothing."""
 
     @hookspec
-    def buffer_memset_tensor(self, buffer, tensor, value: int, offset: int, size: int) -> None:
+    def buffer_memset_tensor(
+        self, buffer: Buffer, tensor: Tensor, value: int, offset: int, size: int
+    ) -> None:
         """Set ``size`` bytes at ``offset`` of the tensor's data to ``value``.
         Fallback: buffer_set_tensor with a filled array."""
 
     @hookspec
-    def buffer_set_tensor(self, buffer, tensor, data, offset: int, size: int) -> None:
+    def buffer_set_tensor(
+        self, buffer: Buffer, tensor: Tensor, data: np.ndarray, offset: int, size: int
+    ) -> None:
         """*Required.* Copy ``size`` bytes from the uint8 array ``data`` to byte ``offset``
         of the tensor's data, blocking. Ranges are checked by the SDK before the call. The
         bytes are ggml's layout of the tensor's type; a plugin may keep another layout in its
@@ -198,49 +211,55 @@ class Specs:
         and its kernels read and write that layout."""
 
     @hookspec
-    def buffer_get_tensor(self, buffer, tensor, out, offset: int, size: int) -> None:
+    def buffer_get_tensor(
+        self, buffer: Buffer, tensor: Tensor, out: np.ndarray, offset: int, size: int
+    ) -> None:
         """*Required.* Copy ``size`` bytes at ``offset`` of the tensor's data into the uint8
         array ``out``, blocking."""
 
     @hookspec
-    def buffer_cpy_tensor(self, buffer, src, dst) -> bool:
+    def buffer_cpy_tensor(self, buffer: Buffer, src: Tensor, dst: Tensor) -> bool:
         """Copy src (any buffer) into dst (in this buffer), blocking. Return False when it
         cannot; fallback: through host memory."""
 
     @hookspec
-    def buffer_clear(self, buffer, value: int) -> None:
+    def buffer_clear(self, buffer: Buffer, value: int) -> None:
         """Fill the whole buffer with the byte ``value``. Fallback: set_tensor of a filled
         array over the buffer."""
 
     # --- backend / stream (ggml_backend_i) --------------------------------------------------------
     @hookspec
-    def backend_free(self, backend) -> None:
+    def backend_free(self, backend: Backend) -> None:
         """Release the stream after finishing its work. Fallback: nothing."""
 
     @hookspec
-    def set_tensor_async(self, backend, tensor, data, offset: int, size: int) -> bool:
+    def set_tensor_async(
+        self, backend: Backend, tensor: Tensor, data: np.ndarray, offset: int, size: int
+    ) -> bool:
         """Queue a host→tensor copy on the stream; ``data`` must stay alive and unchanged
         until the stream is synchronized (docs/ordering.md). Return False (or leave
         unimplemented) to get the fallback: synchronize + blocking set."""
 
     @hookspec
-    def get_tensor_async(self, backend, tensor, out, offset: int, size: int) -> bool:
+    def get_tensor_async(
+        self, backend: Backend, tensor: Tensor, out: np.ndarray, offset: int, size: int
+    ) -> bool:
         """Queue a tensor→host copy; ``out`` is valid after a synchronize. Fallback as above."""
 
     @hookspec
-    def cpy_tensor_async(self, backend_src, backend_dst, src, dst) -> bool:
+    def cpy_tensor_async(self, backend_src: Backend, backend_dst: Backend, src: Tensor, dst: Tensor) -> bool:
         """Called for the destination's plugin. Copy src into dst ordered after prior work
         on backend_src and before later work on backend_dst, without blocking the host where
         the hardware allows. Return False when it cannot (never silently block or copy
         wrong). Fallback: synchronize both backends, then a blocking copy."""
 
     @hookspec
-    def synchronize(self, backend) -> None:
+    def synchronize(self, backend: Backend) -> None:
         """Block the host until all work queued on the stream has completed. Fallback:
         nothing (a backend without it must be fully synchronous)."""
 
     @hookspec
-    def graph_compute(self, backend, graph) -> None:
+    def graph_compute(self, backend: Backend, graph: Graph) -> None:
         """*Required.* Queue the computation of every node of ``graph`` (nodes whose op is a
         view op compute nothing). May return before completion if caps.async_. A plugin
         should plan once per (graph.uid, graph.layout_version) and replay. It may run
@@ -249,24 +268,24 @@ class Specs:
         accelplane.errors.ComputeError on failure."""
 
     @hookspec
-    def graph_optimize(self, backend, graph) -> None:
+    def graph_optimize(self, backend: Backend, graph: Graph) -> None:
         """Optional reorder/fusion preparation, called once per scheduler split.
         Fallback: nothing (the graph runs as built)."""
 
     @hookspec
-    def event_record(self, backend, event) -> None:
+    def event_record(self, backend: Backend, event: Event) -> None:
         """Record ``event`` at the current end of the stream: it completes when all work
         queued before it has. Required when event_new is implemented. Fallback (no events):
         synchronize."""
 
     @hookspec
-    def event_wait(self, backend, event) -> None:
+    def event_wait(self, backend: Backend, event: Event) -> None:
         """Make later work on the stream wait for ``event``, device-side where possible
         (not by blocking the host). Fallback: event_synchronize."""
 
     # --- recording (1.1): replay a whole sequence of queued work with one call -----------------
     @hookspec
-    def record_begin(self, backend) -> bool:
+    def record_begin(self, backend: Backend) -> bool:
         """Start recording the backend's queue: until record_end, graph_compute and
         comm_allreduce_tensor calls on it are recorded, NOT executed. The caller queues nothing
         else on it meanwhile (no tensor copies, events or synchronize), and keeps every tensor
@@ -275,31 +294,31 @@ class Specs:
         recording is not possible now. Fallback: False (work is queued each time)."""
 
     @hookspec
-    def record_end(self, backend) -> Any:
+    def record_end(self, backend: Backend) -> Any:
         """Stop recording. Return a recording for record_replay, which keeps alive whatever
         the recorded work needs (plans, scratch), or None if recording failed. Either way the
         recorded work has not run. Required when record_begin is implemented."""
 
     @hookspec
-    def record_replay(self, backend, recording) -> None:
+    def record_replay(self, backend: Backend, recording: Any) -> None:
         """Queue the recorded work again, in order, with the inputs' current contents, as
         if each call were made now (docs/ordering.md: same ordering as the calls it stands
         for). Required when record_begin is implemented."""
 
     # --- comm extension (tensor parallelism) ---------------------------------------------------
     @hookspec
-    def comm_init(self, backends) -> Any:
+    def comm_init(self, backends: list[Backend]) -> Any:
         """A communicator over ``backends`` (all of this plugin), or None when the plugin
         cannot serve that set (the SDK then uses its butterfly / ring fallback)."""
 
     @hookspec
-    def comm_allreduce_tensor(self, comm, tensors) -> bool:
+    def comm_allreduce_tensor(self, comm: Comm, tensors: list[Tensor]) -> bool:
         """Sum ``tensors`` (one per backend, same type and shape) in place on every backend,
         asynchronously ordered on each backend's stream. Return False to ask for the SDK
         fallback for this call."""
 
     @hookspec
-    def comm_free(self, comm) -> None:
+    def comm_free(self, comm: Comm) -> None:
         """Release a communicator. Fallback: nothing."""
 
     # --- conformance ------------------------------------------------------------------------------

@@ -85,11 +85,11 @@ import numpy as np
 from accelplane import env
 from accelplane.core.graph import Context, Graph
 from accelplane.core.ops import VIEW_OPS, Op, op_desc
-from accelplane.core.tensor import Tensor, TensorFlag, strided_view
+from accelplane.core.tensor import Tensor, TensorFlag, owners_to_keep, strided_view
 from accelplane.core.types import TRAITS, GGMLType, np_dtype
 from accelplane.errors import DeviceError, ShapeError, UnsupportedOpError
 from accelplane.parallel.comm import REDUCIBLE, AllReduce
-from accelplane.runtime.alloc import GraphAllocator, alloc_tensors, owners_to_keep
+from accelplane.runtime.alloc import GraphAllocator, alloc_tensors
 from accelplane.runtime.backend import Backend, Buffer, BufferUsage, CompositeBuffer, Device
 from accelplane.sched import GraphRunner
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from accelplane.core.ops import INPLACE_OPS, VIEW_OPS
-from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.core.tensor import Tensor, TensorFlag, memory_owner, owners_to_keep
 from accelplane.errors import AllocationError
 from accelplane.runtime.backend import Buffer, BufferType, BufferUsage, MultiBuffer
 
@@ -18,29 +18,10 @@ if TYPE_CHECKING:
     from accelplane.core.graph import Graph
 
 # flags of tensors whose memory must outlive the graph (or be there before it runs)
-KEEP_FLAGS = TensorFlag.INPUT | TensorFlag.OUTPUT | TensorFlag.PARAM
 
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
-
-
-def memory_owner(t: Tensor) -> Tensor:
-    """The tensor whose memory ``t`` is: the end of its ``view_src`` chain (``t`` itself when
-    it is no view)."""
-    while t.view_src is not None:
-        t = t.view_src
-    return t
-
-
-def owners_to_keep(tensors: Iterable[Tensor], kept: Iterable[Tensor] = ()) -> frozenset[int]:
-    """ids of the memory owners (:func:`memory_owner`) that an allocation must keep alive to
-    the end of the graph and never hand to another node: the owner of every tensor of
-    ``tensors`` flagged INPUT, OUTPUT or PARAM, and of every tensor of ``kept``. A view that
-    is a graph output thus keeps the tensor it views, however deep the chain of views."""
-    ids = {id(memory_owner(t)) for t in tensors if t.flags & KEEP_FLAGS}
-    ids.update(id(memory_owner(t)) for t in kept)
-    return frozenset(ids)
 
 
 def alloc_tensors(

@@ -77,6 +77,33 @@ class Failure:
     no_device: bool = False
 
 
+def check_api_version(name: str, declared: Any) -> tuple[int, int]:
+    """A plugin's declared ``(major, minor)``, or APIVersionError naming both versions: the
+    major must be this SDK's, and the minor at most this SDK's (a plugin written for a newer
+    minor relies on hooks or semantics this SDK does not have)."""
+    ours = f"{API_VERSION[0]}.{API_VERSION[1]}"
+    ints = isinstance(declared, tuple | list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in declared
+    )
+    if not ints or len(declared) != 2:
+        raise APIVersionError(
+            f"plugin {name!r}: api_version() must return (major, minor), two integers, as a literal "
+            f"such as (1, 1); it returned {declared!r} (this accelplane implements {ours})"
+        )
+    major, minor = declared
+    if major != API_VERSION[0]:
+        raise APIVersionError(
+            f"plugin {name!r} implements backend API {major}.{minor}, this accelplane implements "
+            f"{ours} (major versions must match)"
+        )
+    if minor > API_VERSION[1]:
+        raise APIVersionError(
+            f"plugin {name!r} implements backend API {major}.{minor}, newer than this accelplane's "
+            f"{ours}: upgrade accelplane"
+        )
+    return major, minor
+
+
 def _dist_version(ep: metadata.EntryPoint) -> str:
     try:
         return ep.dist.version if ep.dist is not None else "?"
@@ -197,13 +224,7 @@ class Registry:
                 av = getattr(module, "api_version", None)
                 if av is None:
                     raise APIVersionError(f"plugin {name!r} has no api_version() hook")
-                got = tuple(av())
-                if len(got) != 2 or got[0] != API_VERSION[0]:
-                    theirs = ".".join(str(x) for x in got)
-                    raise APIVersionError(
-                        f"plugin {name!r} implements backend API {theirs}, this accelplane "
-                        f"implements {API_VERSION[0]}.{API_VERSION[1]} (major versions must match)"
-                    )
+                got = check_api_version(name, av())
             except Exception as e:
                 self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
                 return None

@@ -33,10 +33,10 @@ import numpy as np
 from accelplane import env
 from accelplane.core.graph import Graph
 from accelplane.core.ops import VIEW_OPS, Op, op_desc
-from accelplane.core.tensor import Tensor, TensorFlag
+from accelplane.core.tensor import Tensor, TensorFlag, memory_owner, owners_to_keep
 from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
 from accelplane.interface import DeviceType
-from accelplane.runtime.alloc import GraphAllocator, memory_owner, owners_to_keep
+from accelplane.runtime.alloc import GraphAllocator
 from accelplane.runtime.backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
 
 MAX_COPIES = 4

@@ -27,7 +27,7 @@ from accelplane import env
 from accelplane.core.ops import RULES, Op
 from accelplane.env import TEST_DELAY_US
 from accelplane.errors import AllocationError, ComputeError
-from accelplane.interface import API_VERSION, BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.plancache import PlanCache
 
 POISON = 0xCD
@@ -148,7 +148,7 @@ def _is_ours(buffer) -> bool:
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return API_VERSION
+    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl

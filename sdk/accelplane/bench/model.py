@@ -1,0 +1,183 @@
+"""``accelplane bench model``: llama-bench's tests on a GGUF model, per device set and split
+mode: prompt processing of ``pp`` tokens in one batch and text generation of ``tg`` tokens one
+at a time, both from an empty context, after one warm-up run; for tg also the decode graph's
+rate without the host's work between tokens, and the weights' read rate against the same run's
+device copy bandwidth."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from accelplane.bench import copy_bandwidth
+from accelplane.errors import DeviceError
+from accelplane.interface import DeviceType
+from accelplane.models.gguf import GGUFFile, total_bytes
+from accelplane.models.llama import LlamaModel
+from accelplane.models.runner import context_for, load, meta_summary, pick_devices
+from accelplane.runtime.backend import Device
+
+
+def bench_configs(
+    reg, devices: Sequence[str] | None, splits: Sequence[str] | None
+) -> list[tuple[list[Device], str]]:
+    """(devices, split) pairs: each ``--device`` value (comma list = one multi-device set) ×
+    each ``--split`` that fits it (none for one device; layer and tensor for several, default
+    layer); by default every device alone with split none, plus all non-CPU devices together
+    with split layer when there are two or more."""
+    if devices:
+        sets = [pick_devices(reg, [d]) for d in devices]
+        out = []
+        for s in sets:
+            fits = ["none"] if len(s) == 1 else ["layer", "tensor"]
+            out += [(s, sp) for sp in (splits or fits[:1]) if sp in fits]
+        if not out:
+            raise DeviceError(f"no device set fits --split {' '.join(splits or [])}: split none takes one "
+                             "device, layer and tensor a comma list of several (-d CUDA0,CUDA1)")  # fmt: skip
+        return out
+    sets = [[d] for d in reg.devices]
+    out = [(s, sp) for s in sets for sp in (splits or ["none"]) if not (sp == "layer" and len(s) < 2)]
+    others = pick_devices(reg, None)
+    if len(others) >= 2 and others[0].type != DeviceType.CPU and (not splits or "layer" in splits):
+        out.append((others, "layer"))
+    return out
+
+
+def graph_only_rate(model: LlamaModel, n: int) -> float:
+    """Tokens/s of the last decode step's graph computed ``n`` times back to back, without the
+    host's work between tokens (inputs set, results read, Python): what the devices alone
+    allow. (It rewrites the last position's cache rows: call it after the timed runs.)"""
+    g = model.step(1, model.window(model.n_past)).graph
+    model.sched.alloc_graph(g)
+    model.sched.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        model.sched.graph_compute(g)
+    model.sched.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
+                reps: int = 2, progress: Callable[[str], None] | None = None,
+                profiler=None) -> list[dict]:  # fmt: skip
+    """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
+    cProfile.Profile enabled around the timed tg runs (where the host time of a token goes)."""
+    rows = []
+    n_ctx = context_for(f.llama_config(), max(pp, tg), "--pp/--tg")
+    wbytes = total_bytes(f)
+    params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+    rng = np.random.default_rng(0)
+    cfg = f.llama_config()
+    copy_bw: dict[str, float | None] = {}  # device name → its copy bandwidth, measured once
+    for devs, split in configs:
+        label = ",".join(d.name for d in devs)
+        if len(devs) == 1 and label not in copy_bw and tg > 0:
+            if progress:
+                progress(f"{label}: copy bandwidth")
+            copy_bw[label] = copy_bandwidth(devs[0])
+        model = load(f, devs, cpu, split, n_ctx, show=False)
+        try:
+            for test, n in (("pp", pp), ("tg", tg)):
+                if n <= 0:
+                    continue
+                toks = rng.integers(0, cfg.n_vocab, n).tolist()
+                times = []
+                for rep in range(reps + 1):  # the first run is the warm-up
+                    if progress:
+                        progress(f"{label} split={split} {test}{n}: run {rep + 1}/{reps + 1}")
+                    model.reset()
+                    prof = profiler if rep and test == "tg" else None
+                    if prof is not None:
+                        prof.enable()
+                    t0 = time.perf_counter()
+                    if test == "pp":
+                        model.eval(toks, want_logits=False)
+                    else:
+                        tok = toks[0]
+                        for _ in range(n):
+                            tok = int(model.eval([tok], want_logits=False).ids[-1])
+                    if prof is not None:
+                        prof.disable()
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                tps = [n / t for t in times]
+                row = {"model": f.get("general.name", ""), "size_bytes": wbytes, "params": params,
+                       "devices": label, "split": split, "test": f"{test}{n}", "n_tokens": n,
+                       "reps": reps, "seconds": times, "tokens_per_s": float(np.mean(tps)),
+                       "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
+                if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
+                    row["meta"] = meta_summary(model.meta)
+                else:  # the scheduler's synchronization policy (ACCELPLANE_MODEL_POLICY)
+                    row["policy"] = model.sched.policy
+                if test == "tg":  # every weight is read once per token
+                    row["graph_only_tokens_per_s"] = graph_only_rate(model, n)
+                    row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
+                    bw = copy_bw.get(label)
+                    if bw:  # the same run's device copy (read + written) as the limit
+                        row["copy_gb_per_s"] = bw / 1e9
+                        row["weights_frac_of_copy"] = row["weights_gb_per_s"] * 1e9 / bw
+                rows.append(row)
+        finally:
+            model.free()
+    for r in rows:  # multi-device rows against their first device alone, where that ran too
+        first = r["devices"].split(",")[0]
+        base = [b for b in rows if b["devices"] == first and b["split"] == "none" and b["test"] == r["test"]]
+        if "," in r["devices"] and base:
+            r["vs_first_device"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+    return rows
+
+
+def format_bench(rows: list[dict]) -> str:
+    """llama-bench's markdown table (with the weights' read rate for tg, and that rate as a
+    fraction of the same run's device copy bandwidth, read + written; tg rows also get the
+    decode graph's rate computed back to back, without the host's work between tokens;
+    multi-device rows also get their speed-up over their first device alone, when that config
+    ran too)."""
+    cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
+            ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">"),
+            ("copy GB/s", 10, ">"), ("% of copy", 9, ">"), ("graph only t/s", 14, ">")]  # fmt: skip
+    multi = any("vs_first_device" in r for r in rows)
+    if multi:
+        cols.append(("vs 1 device", 11, ">"))
+    rule = "|".join("-" * (w + 1) + (":" if a == ">" else "-") for _, w, a in cols)
+    lines = ["| " + " | ".join(f"{c:{a}{w}}" for c, w, a in cols) + " |", f"|{rule}|"]
+    for r in rows:
+        vals = [r["model"][:28], f"{r['size_bytes'] / 2**20:.1f} MiB", f"{r['params'] / 1e6:.1f} M",
+                r["devices"], r["split"], r["test"],
+                f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_std']:.2f}",
+                f"{r['weights_gb_per_s']:.2f}" if "weights_gb_per_s" in r else "",
+                f"{r['copy_gb_per_s']:.1f}" if "copy_gb_per_s" in r else "",
+                f"{100 * r['weights_frac_of_copy']:.1f} %" if "weights_frac_of_copy" in r
+                else "",
+                f"{r['graph_only_tokens_per_s']:.2f}" if "graph_only_tokens_per_s" in r else ""]  # fmt: skip
+        if multi:
+            vals.append(f"{r['vs_first_device']:.2f}x" if "vs_first_device" in r else "")
+        lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def plot_bench(rows: list[dict], path: str) -> bool:
+    """A bar chart of tokens/s per (devices, split), one panel per test. False when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tests = list(dict.fromkeys(r["test"] for r in rows))
+    fig, axes = plt.subplots(1, len(tests), figsize=(5 * len(tests), 3.5), squeeze=False)
+    for ax, test in zip(axes[0], tests, strict=True):
+        rs = [r for r in rows if r["test"] == test]
+        labels = [f"{r['devices']}\n{r['split']}" for r in rs]
+        ax.bar(labels, [r["tokens_per_s"] for r in rs], yerr=[r["tokens_per_s_std"] for r in rs])
+        ax.set_title(test)
+        ax.set_ylabel("tokens/s")
+    fig.suptitle(rows[0]["model"] if rows else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
