@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
-pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed (the [test] extra has it)")
+pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed ([test] extra)")
 
 
 def _tree(tmp: Path) -> dict[str, str]:
