@@ -11,7 +11,7 @@ from accelplane.errors import ConfigError
 from accelplane.graph import Context
 from accelplane.types import GGMLType
 
-from accelplane_hexagon.prepare import Options
+from accelplane_hexagon.runtime import Options
 
 T = GGMLType
 
