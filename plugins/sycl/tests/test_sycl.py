@@ -503,7 +503,7 @@ def _tool(name: str):
     if not path.exists():
         pytest.skip(f"tools/{name}.py is part of the source checkout only")
     spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)  # as an import would
     spec.loader.exec_module(mod)
     return mod
 
