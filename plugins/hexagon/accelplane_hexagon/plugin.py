@@ -17,37 +17,17 @@ ACCELPLANE_HEXAGON_ACC (matmul accumulators: fp16, the default, or fp32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from accelplane.errors import AllocationError
 from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
-from accelplane.runtime.plancache import PlanCache
 
 from . import npu, repack, tuning
-from .memory import ALIGNMENT, HtpBuffer
-from .prepare import Options, prepare, reorder
+from .fusion import reorder
+from .runtime import ALIGNMENT, BackendState, BuftState, DevState, HtpBuffer, Options
 from .support import supports_op as _supports_op
 
 DESCRIPTION = ("Hexagon HTP, emulated: NPU kernels in host C with the DSP's data layouts and "
                "arithmetic (no NPU present; timings are not NPU performance)")  # fmt: skip
-
-
-@dataclass
-class DevState:
-    index: int
-
-
-@dataclass
-class BuftState:
-    repack: bool
-
-
-class BackendState:
-    def __init__(self, opts: Options) -> None:
-        self.opts = opts
-        self.plans = PlanCache(lambda graph: prepare(graph, opts))  # builds = graphs prepared
-        self.batches_sent = 0  # NPU calls made
 
 
 # --- registration and device ------------------------------------------------------------------
@@ -94,10 +74,6 @@ def supports_buft(device, buft):
 
 
 # --- buffer types and buffers -----------------------------------------------------------------
-def _tiled(buft, tensor) -> bool:
-    return buft.ctx.repack and tensor.type in repack.FORMATS and tensor.view_src is None
-
-
 @hookimpl
 def buft_alloc(buft, buffer, size):
     try:
@@ -113,7 +89,7 @@ def buft_alignment(buft):
 
 @hookimpl
 def buft_alloc_size(buft, tensor):
-    return repack.alloc_size(tensor) if _tiled(buft, tensor) else tensor.nbytes
+    return repack.alloc_size(tensor) if repack.tiled_in(buft, tensor) else tensor.nbytes
 
 
 @hookimpl
@@ -133,22 +109,13 @@ def buffer_free(buffer):
 
 @hookimpl
 def buffer_init_tensor(buffer, tensor):
-    if _tiled(buffer.buft, tensor):
+    if repack.tiled_in(buffer.buft, tensor):
         tensor.extra = repack.tile_info(tensor)
-
-
-def _tiles(buffer, tensor):
-    """(owner, its tile bytes, byte position of ``tensor`` in the owner's ggml layout) when
-    ``tensor`` is (a view of) a repacked tensor, else None."""
-    o = tensor.data_owner
-    if not buffer.ctx.repack or not isinstance(o.extra, repack.TileInfo) or o.buffer is not buffer:
-        return None
-    return o, buffer.ctx.mem[o.offs : o.offs + o.extra.nbytes], tensor.offs - o.offs
 
 
 @hookimpl
 def buffer_set_tensor(buffer, tensor, data, offset, size):
-    tiled = _tiles(buffer, tensor)
+    tiled = repack.tiles_of(buffer, tensor)
     if tiled is None:
         start = tensor.offs + offset
         buffer.ctx.mem[start : start + size] = data[:size]
@@ -165,7 +132,7 @@ def buffer_set_tensor(buffer, tensor, data, offset, size):
 
 @hookimpl
 def buffer_get_tensor(buffer, tensor, out, offset, size):
-    tiled = _tiles(buffer, tensor)
+    tiled = repack.tiles_of(buffer, tensor)
     if tiled is None:
         start = tensor.offs + offset
         out[:size] = buffer.ctx.mem[start : start + size]
@@ -188,5 +155,4 @@ def graph_optimize(backend, graph):
 
 @hookimpl
 def graph_compute(backend, graph):
-    st: BackendState = backend.ctx
-    st.batches_sent += st.plans.get(graph).run()
+    backend.ctx.compute(graph)

@@ -95,3 +95,19 @@ def unpack(tiles: np.ndarray, info: TileInfo, rows: int) -> np.ndarray:
     blocks[..., :2] = d.reshape(P, n_rt * TILE, n_kt, 2)
     blocks[..., 2:] = q.reshape(P, n_rt * TILE, n_kt, fmt.block_qbytes)
     return np.ascontiguousarray(blocks[:, :rows]).reshape(-1)
+
+
+# --- repacked tensors in the plugin's buffers ------------------------------------------------------
+def tiled_in(buft, tensor: Tensor) -> bool:
+    """``tensor`` is stored as tiles when placed in buffer type ``buft``: a repack buffer type,
+    a tiled format, and not a view."""
+    return buft.ctx.repack and tensor.type in FORMATS and tensor.view_src is None
+
+
+def tiles_of(buffer, tensor: Tensor) -> tuple[Tensor, np.ndarray, int] | None:
+    """(owner, its tile bytes, byte position of ``tensor`` in the owner's ggml layout) when
+    ``tensor`` is (a view of) a repacked tensor of ``buffer``, else None."""
+    o = tensor.data_owner
+    if not buffer.ctx.repack or not isinstance(o.extra, TileInfo) or o.buffer is not buffer:
+        return None
+    return o, buffer.ctx.mem[o.offs : o.offs + o.extra.nbytes], tensor.offs - o.offs

@@ -10,7 +10,7 @@ from accelplane.core.ops import VIEW_OPS, GluOp, Op, UnaryOp
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 
-from .memory import HtpBuffer
+from .runtime import HtpBuffer
 
 T = GGMLType
 F = frozenset({T.F32, T.F16})
@@ -18,7 +18,7 @@ MM_WEIGHTS = frozenset({T.Q4_0, T.Q8_0, T.F32, T.F16})
 TILED_TYPES = frozenset({T.Q4_0, T.Q8_0})
 GET_ROWS_TYPES = frozenset({T.F32, T.F16, T.I32, T.Q4_0, T.Q8_0})
 MAX_MM_ROWS = 32768  # ggml's gate: larger weights are the LM head, left to the CPU
-# fp16 per-tile accumulation error grows with K (accuracy.py; README): at K = 131072, the
+# fp16 per-tile accumulation error grows with K (tools/hexagon_accuracy.py; README): at K = 131072, the
 # largest K measured, NMSE is 1.2e-4 against the suite's 5e-4. Longer rows are not claimed.
 MAX_MM_K_QUANT = 131072
 UNARY = frozenset({UnaryOp.SILU, UnaryOp.GELU, UnaryOp.SIGMOID, UnaryOp.NEG, UnaryOp.EXP, UnaryOp.TANH})

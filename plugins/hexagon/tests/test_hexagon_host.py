@@ -11,7 +11,7 @@ from accelplane.core.types import GGMLType
 from accelplane.errors import ConfigError
 from accelplane.runtime.alloc import GraphAllocator
 
-from accelplane_hexagon.prepare import Options
+from accelplane_hexagon.runtime import Options
 
 T = GGMLType
 

@@ -30,9 +30,9 @@ BF16_MIN_ELEMENTS = 32768
 
 
 def init(backends) -> SyclComm | None:
-    from .plugin import BackendState
+    from .stream import Stream
 
-    if len(backends) != 2 or not all(isinstance(b.ctx, BackendState) for b in backends):
+    if len(backends) != 2 or not all(isinstance(b.ctx, Stream) for b in backends):
         return None
     if backends[0].ctx.dev is backends[1].ctx.dev:
         return None  # one device: nothing to reduce across

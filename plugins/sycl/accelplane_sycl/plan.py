@@ -2,7 +2,7 @@
 
 Building resolves, for every node, the kernel, its arguments and its range, and writes the
 tensor descriptors and op parameters of all nodes into one parameter block that is uploaded to
-the device once (kernels.cl reads it). Replaying submits the prepared steps to the backend's
+the device once (kernels/*.cl read it). Replaying submits the prepared steps to the backend's
 in-order queue, so a graph costs no Python per node beyond one submit call.
 
 Matrix products: F32/F16/BF16 weights, and quantized weights with at least GEMM_MIN_ROWS
@@ -29,11 +29,11 @@ from accelplane.errors import BufferFreedError, ComputeError
 from .runtime import DevState, UsmBuffer, usm_view
 
 if TYPE_CHECKING:
-    from .plugin import BackendState
+    from .stream import Stream
 
 T = GGMLType
 GEMM_MIN_ROWS = 16
-SUM_WG = 64  # kernels.cl's SUM_WG
+SUM_WG = 64  # kernels/reduce.cl's SUM_WG
 
 _UNARY_CODE = {
     Op.SQR: 0, Op.SQRT: 1, Op.LOG: 2, Op.SIN: 3, Op.COS: 4, Op.SCALE: 5, Op.CLAMP: 6,
@@ -60,7 +60,7 @@ Step = Callable[[], Any]
 class Plan:
     """``steps`` replay the graph on ``bs.queue``; valid while the graph's layout is unchanged."""
 
-    def __init__(self, graph, bs: BackendState) -> None:
+    def __init__(self, graph, bs: Stream) -> None:
         self.bs = bs
         self.dev: DevState = bs.dev
         self.q = bs.queue

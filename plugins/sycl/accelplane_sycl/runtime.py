@@ -1,6 +1,7 @@
-"""The SYCL runtime through dpctl: opening it, logical devices, USM memory, the kernel program.
+"""The SYCL runtime through dpctl: opening it, logical devices, their buffer types, USM memory.
 
-Imported on the first get_devices, never at plugin discovery (dpctl loads the SYCL runtime).
+dpctl (which loads the SYCL runtime) is imported on the first get_devices (open_dpctl), never at
+plugin discovery: this module imports nothing heavy.
 
 Settings are in tuning.py (ACCELPLANE_SYCL_DEVICES: which dpctl devices to expose, an index
 may repeat: "0,0" opens one SYCL device as two logical devices, each with its own context and
@@ -10,24 +11,23 @@ unset (the wheel's .icd file names a path that does not exist).
 
 from __future__ import annotations
 
-import ctypes
 import os
-import re
 import sys
 import threading
 import weakref
-from importlib import metadata, resources
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from accelplane.errors import AllocationError, ComputeError, ConfigError, DeviceError
+from accelplane.errors import AllocationError, ConfigError, DeviceError
 
-from . import tuning
+from . import program, tuning
 from .tuning import Tuning
 
 RUNTIME_DIST = "intel-opencl-rt"
 RUNTIME_LIB = "libintelocl.so"
-_KERNEL_SOURCE = "kernels.cl"
+ALIGNMENT = 128  # of every buffer type
 
 
 def _runtime_library() -> str | None:
@@ -83,27 +83,6 @@ def discover() -> list[DevState]:
     return [DevState(i, phys[j], j, idx.count(j) > 1, settings) for i, j in enumerate(idx)]
 
 
-_sources: tuple[str, dict[str, str]] | None = None
-
-
-def kernel_sources() -> tuple[str, dict[str, str]]:
-    """kernels.cl split into (the helpers every kernel shares, {kernel name: its source})."""
-    global _sources
-    if _sources is None:
-        text = resources.files(__package__).joinpath(_KERNEL_SOURCE).read_text()
-        common: list[str] = []
-        kernels: dict[str, str] = {}
-        for i, part in enumerate(re.split(r"(?m)^(?=__kernel void )", text)):
-            if i == 0:
-                common.append(part)
-                continue
-            end = part.index("\n}\n") + 3  # a kernel ends at the first closing brace in column 0
-            kernels[re.match(r"__kernel void (\w+)", part).group(1)] = part[:end]
-            common.append(part[end:])
-        _sources = ("".join(common), kernels)
-    return _sources
-
-
 class DevState:
     """One logical device: a SYCL device with its own context, a queue for blocking buffer
     operations, the kernel program (built on first use) and the streams opened on it."""
@@ -134,32 +113,15 @@ class DevState:
 
     # --- kernels -----------------------------------------------------------------------------------
     def kernel(self, name: str) -> Any:
-        """Kernel ``name`` of kernels.cl, built for this device's context on first use. Each
-        kernel is its own program (the shared helpers plus that kernel): the OpenCL CPU
-        compiler takes about 0.3 s per kernel, 13 s for all of them at once."""
+        """Kernel ``name`` of kernels/*.cl, built for this device's context on first use (each
+        kernel its own program: program.py)."""
         k = self._kernels.get(name)
         if k is None:
             with self.lock:
                 k = self._kernels.get(name)
                 if k is None:
-                    k = self._kernels[name] = self._build(name).get_sycl_kernel(name)
+                    k = self._kernels[name] = program.build(self.queue, self.dev, self.name, name)
         return k
-
-    def _build(self, name: str) -> Any:
-        import dpctl.program as dpp
-
-        common, kernels = kernel_sources()
-        if name not in kernels:
-            raise ComputeError(f"{self.name}: no kernel {name!r} in {_KERNEL_SOURCE}")
-        src = common + kernels[name]
-        try:
-            return dpp.create_program_from_source(self.queue, src)
-        except Exception as e:
-            log = opencl_build_log(self.dev, src) if self.dev.backend.name == "opencl" else ""
-            raise ComputeError(
-                f"{self.name} ({self.dev.name}): building OpenCL C kernel {name} failed: "
-                f"{type(e).__name__}: {e}" + (f"\nbuild log:\n{log}" if log else "")
-            ) from e
 
     def onemkl(self) -> Any:
         """dpnp (oneMKL gemm) when installed and not disabled, else None."""
@@ -205,6 +167,14 @@ class DevState:
             s.queue.wait()
 
 
+@dataclass(frozen=True)
+class BuftInfo:
+    """A buffer type's ctx: USM device memory of ``dev``, or USM host memory (``host``)."""
+
+    dev: DevState
+    host: bool
+
+
 class UsmBuffer:
     """A buffer's ctx: USM memory of one logical device."""
 
@@ -228,6 +198,14 @@ class UsmBuffer:
             self.mem = None
 
 
+def usm_of(buffer, dev: DevState | None = None) -> UsmBuffer | None:
+    """The buffer's UsmBuffer when it is SYCL memory (of ``dev`` when given), else None."""
+    u = buffer.ctx if buffer is not None else None
+    if not isinstance(u, UsmBuffer) or (dev is not None and u.dev is not dev):
+        return None
+    return u
+
+
 class _UsmPointer:
     """A bare __sycl_usm_array_interface__: how dpctl takes a pointer it does not own."""
 
@@ -244,52 +222,3 @@ def usm_view(ptr: int, nbytes: int, queue: Any) -> Any:
     import dpctl.memory as dm
 
     return dm.as_usm_memory(_UsmPointer(ptr, nbytes, queue))
-
-
-# --- the build log dpctl does not give -------------------------------------------------------------
-def opencl_build_log(dev: Any, src: str) -> str:
-    """Build ``src`` again through the OpenCL ICD loader for the device of the same name and
-    return the compiler's log (dpctl's SyclProgramCompilationError carries none)."""
-    try:
-        cl = ctypes.CDLL("libOpenCL.so.1")
-    except OSError:
-        lib = Path(sys.prefix, "lib", "libOpenCL.so.1")
-        try:
-            cl = ctypes.CDLL(str(lib))
-        except OSError:
-            return ""
-    vp, u32, sz = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_size_t
-    all_types = ctypes.c_uint64(0xFFFFFFFF)  # CL_DEVICE_TYPE_ALL
-    n = u32()
-    if cl.clGetPlatformIDs(0, None, ctypes.byref(n)) or not n.value:
-        return ""
-    plats = (vp * n.value)()
-    cl.clGetPlatformIDs(n, plats, None)
-    for plat in plats:
-        nd = u32()
-        if cl.clGetDeviceIDs(vp(plat), all_types, 0, None, ctypes.byref(nd)) or not nd.value:
-            continue
-        devs = (vp * nd.value)()
-        cl.clGetDeviceIDs(vp(plat), all_types, nd, devs, None)
-        for d in devs:
-            name = ctypes.create_string_buffer(256)
-            cl.clGetDeviceInfo(vp(d), u32(0x102B), sz(256), name, None)  # CL_DEVICE_NAME
-            if name.value.decode(errors="replace").strip() != dev.name.strip():
-                continue
-            err = ctypes.c_int()
-            cl.clCreateContext.restype = vp
-            ctx = cl.clCreateContext(None, 1, ctypes.byref(vp(d)), None, None, ctypes.byref(err))
-            if err.value:
-                return ""
-            cl.clCreateProgramWithSource.restype = vp
-            s = ctypes.c_char_p(src.encode())
-            prog = cl.clCreateProgramWithSource(vp(ctx), 1, ctypes.byref(s), None, ctypes.byref(err))
-            cl.clBuildProgram(vp(prog), 1, ctypes.byref(vp(d)), None, None, None)
-            size = sz()
-            cl.clGetProgramBuildInfo(vp(prog), vp(d), u32(0x1183), sz(0), None, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value + 1)
-            cl.clGetProgramBuildInfo(vp(prog), vp(d), u32(0x1183), size, buf, None)  # BUILD_LOG
-            cl.clReleaseProgram(vp(prog))
-            cl.clReleaseContext(vp(ctx))
-            return buf.value.decode(errors="replace").strip()
-    return ""

@@ -4,9 +4,13 @@ overlap, the two-device all-reduce, and errors. The conformance suite covers the
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 import time
+import tomllib
+from pathlib import Path
 
 import accelplane_sycl.plugin as plugin
 import ml_dtypes
@@ -17,7 +21,7 @@ from accelplane.core.types import GGMLType
 from accelplane.errors import AllocationError, ComputeError, ConfigError, DeviceError
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Comm, tensor_copy_async
-from accelplane_sycl import runtime
+from accelplane_sycl import program, runtime
 
 T = GGMLType
 COMPLETE = "complete"
@@ -335,9 +339,26 @@ def test_comm_declines_what_it_does_not_serve(d0, d1):
 
 
 # --- errors -------------------------------------------------------------------------------------------
+def test_every_kernel_source_is_package_data_and_defined_once():
+    """kernels/*.cl ship with the package (pyproject's package-data globs match every file), and
+    every kernel the plugin launches is defined in them (kernel_sources raises on a duplicate)."""
+    pkg = Path(program.__file__).parent
+    setuptools = tomllib.loads((pkg.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["accelplane_sycl"]
+    files = set((pkg / program.KERNEL_DIR).iterdir())
+    shipped = {f for g in globs for f in pkg.glob(g)}  # setuptools globs package-data this way
+    assert files and files <= shipped, (sorted(f.name for f in files - shipped), globs)
+    launched = {k for f in pkg.glob("*.py") for k in re.findall(r'"(k_\w+)"', f.read_text())}
+    assert {"k_mul_mat", "k_spin", "k_add_bf16"} <= launched
+    assert launched <= set(program.kernel_sources()), launched - set(program.kernel_sources())
+    for name, src in program.kernel_sources().items():
+        assert src.startswith((pkg / program.KERNEL_DIR / program.COMMON).read_text())
+        assert src.count("__kernel void ") == 1 and f"__kernel void {name}(" in src
+
+
 def test_kernel_build_failure_names_device_and_has_log(d0, monkeypatch):
     bad = "__kernel void k_broken(__global int* a) { a[0] = no_such_name; }\n"
-    monkeypatch.setattr(runtime, "_sources", ("", {"k_broken": bad}))
+    monkeypatch.setattr(program, "_sources", {"k_broken": bad})
     with pytest.raises(ComputeError) as e:
         d0.ctx.kernel("k_broken")
     msg = str(e.value)
@@ -475,9 +496,20 @@ def test_bad_index_error_is_per_backend_and_names_every_op(d0):
     buf.free()
 
 
-# --- the benchmark module runs (small sizes; the numbers are in docs/benchmarks.md) ---------------------
+# --- the benchmark tool runs (small sizes; the numbers are in docs/benchmarks.md) -----------------------
+def _tool(name: str):
+    """A module of the source checkout's tools/ (not part of the plugin), imported by path."""
+    path = Path(__file__).resolve().parents[3] / "tools" / f"{name}.py"
+    if not path.exists():
+        pytest.skip(f"tools/{name}.py is part of the source checkout only")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)  # as an import would
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_bench_smoke(d0, d1):
-    from accelplane_sycl import bench
+    bench = _tool("sycl_bench")
 
     rows = [bench.bench_overlap(d0, "kernel", "d2d", reps=1, mkn=(64, 256, 4), copy_mb=1)]
     assert rows[0]["two_queues_ms"] > 0 and rows[0]["copy_bytes"] == 1 << 20
@@ -486,3 +518,17 @@ def test_bench_smoke(d0, d1):
         (1000, "F32", 4000), (32768, "BF16", 65536), (32768, "F32", 131072)
     ]  # fmt: skip
     assert "two queues" in bench.format_overlap(rows) and "BF16" in bench.format_allreduce(ar)
+
+
+def test_code_sizes():
+    """No class over 400 lines and no function over 80 in the package (tools/check_sizes.py, in a
+    source checkout); with limits of 1 line it must object, so it did read the package."""
+    tool = Path(__file__).resolve().parents[3] / "tools" / "check_sizes.py"
+    if not tool.exists():
+        pytest.skip("tools/check_sizes.py is part of the source checkout only")
+    pkg = Path(program.__file__).parent
+    ok = subprocess.run([sys.executable, str(tool), str(pkg)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    tight = subprocess.run([sys.executable, str(tool), str(pkg), "--max-class", "1", "--max-function", "1"],
+                           capture_output=True, text=True)  # fmt: skip
+    assert tight.returncode == 1 and "plan.py:Plan" in tight.stdout, tight.stdout + tight.stderr

@@ -1,7 +1,7 @@
 """All-reduce for Vulkan devices without peer access: partials staged through host memory.
 
 Default ("host"): every rank downloads its partial into a host-visible area of its device,
-a host thread (the first rank's bridge) sums the partials in accelplane.parallel.comm's canonical
+a host thread (the first rank's bridge) sums the partials in accelplane.comm's canonical
 order and writes the sum back into every rank's area, and every rank uploads it. Each rank
 sends and receives the tensor once. The tensor goes in chunks (ACCELPLANE_VK_COMM_CHUNK
 bytes, default 4 MiB) queued as download 0, download 1, upload 0, download 2, upload 1, ...
@@ -15,10 +15,9 @@ rounds the sum to F16 once, every rank converts it back into its F32 tensor (so 
 the same bits). ACCELPLANE_VK_COMM_FP32=1 keeps F32 on the wire. Uncompressed F32 results are
 byte-identical to the SDK's butterfly and ring (the same canonical order of additions).
 
-ACCELPLANE_VK_COMM_RING=1 runs the SDK's ring (reduce-scatter + all-gather) over this plugin's
-asynchronous copies instead; ACCELPLANE_VK_COMM_OFF=1 makes comm_init return None, leaving
-the SDK's butterfly. There is no peer-memory path (DMA-BUF import between devices): lavapipe
-and NVIDIA's driver do not advertise it.
+ACCELPLANE_VK_COMM_OFF=1 makes comm_init return None, leaving the SDK's butterfly. There is no
+peer-memory path (DMA-BUF import between devices): lavapipe and NVIDIA's driver do not
+advertise it.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from accelplane.core.graph import Context, Graph
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType, np_dtype
 from accelplane.errors import ComputeError
-from accelplane.parallel.comm import AllReduce
 from accelplane.runtime.collective import canonical_sum, compress_threshold_default
 
 from .runtime import Memory, Stream, cmd_copy, cmd_to_host
@@ -62,7 +60,6 @@ class VkComm:
         self.backends = list(backends)
         self.streams: list[Stream] = [b.ctx for b in self.backends]
         self.layouts: dict[tuple, _Layout] = {}
-        self.ring: AllReduce | None = None
         self.settings = settings
 
     # --- entry --------------------------------------------------------------------------------------
@@ -72,8 +69,6 @@ class VkComm:
             return False
         if ref.nelements == 0:
             return True
-        if self.settings.comm_ring:
-            return self._ring(tensors)
         wire = ref.type
         if (
             ref.type == T.F32
@@ -82,12 +77,6 @@ class VkComm:
         ):
             wire = T.F16
         self._host_reduce(tensors, self._layout(ref, wire))
-        return True
-
-    def _ring(self, tensors: list[Tensor]) -> bool:
-        if self.ring is None:
-            self.ring = AllReduce(self.backends, "ring", None if self.settings.comm_fp32 else "f16")
-        self.ring(tensors)
         return True
 
     # --- scratch ------------------------------------------------------------------------------------
@@ -209,9 +198,6 @@ class VkComm:
             for b in lay.buffers:
                 b.free()
         self.layouts.clear()
-        if self.ring is not None:
-            self.ring.free()
-            self.ring = None
 
 
 def _bind(fn, c: int):

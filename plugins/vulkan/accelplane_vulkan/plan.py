@@ -22,7 +22,7 @@ from accelplane.core.tensor import Tensor
 from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
 
 from . import kernels
-from .runtime import N_BINDINGS, NULL, Memory, Stream, V, _new, check, cmd_barrier, ffi, lib
+from .runtime import N_BINDINGS, NULL, Memory, Stream, V, check, cmd_barrier, ffi, lib, new_struct
 
 _WHOLE = 0xFFFFFFFFFFFFFFFF  # VK_WHOLE_SIZE (the bindings spell it -1)
 _SCRATCH = object()  # stands for the plan's scratch buffer until it is allocated
@@ -62,77 +62,15 @@ class Plan:
         dev = stream.dev
         self.stream = stream
         self.mems: dict[int, Memory] = {}
-        work: list[_Work] = []
-        regions: dict[tuple, tuple[int, tuple]] = {}  # live copies: key -> (offset, source range)
-        size = 0
-        fusion = Fusion(graph)
         self.fused: list[tuple[str, ...]] = []  # the ops of each fused dispatch (tests, debugging)
-        covered = 0  # nodes still to skip: computed by the last fused dispatch
-        for i, node in enumerate(graph.nodes):
-            if covered:
-                covered -= 1
-                continue
-            if node.op in VIEW_OPS:
-                continue
-            mems = [_mem(t, node, dev) for t in (node, *node.src) if t is not None]
-            for m in mems:
-                self.mems[id(m)] = m
-            if not kernels.supports(node, caps):
-                raise UnsupportedOpError(
-                    f"Vulkan {dev.label}: {node.op.name} {node.type.name} ne={list(node.ne)} is not supported"
-                )
-            n_fused, ds = kernels.fused_dispatches(graph.nodes, i, fusion)
-            if n_fused:
-                covered = n_fused - 1
-                self.fused.append(tuple(n.op.name for n in graph.nodes[i : i + n_fused]))
-                for n in graph.nodes[i + 1 : i + n_fused]:
-                    for t in (n, *n.src):
-                        if t is not None:
-                            m = _mem(t, n, dev)
-                            self.mems[id(m)] = m
-            else:
-                ds = kernels.dispatches(node, caps)
-            for d in ds:
-                w = _Work(d, [_mem(t, node, dev) if t is not None else None for t in d.bindings], d.push)
-                w.reads = [
-                    (w.mems[i], t.offs, t.offs + t.nbytes)
-                    for i, t in enumerate(d.bindings[:3])
-                    if t is not None
-                ]
-                t = d.bindings[3]
-                w.write = (w.mems[3], t.offs, t.offs + t.nbytes) if t is not None else None
-                sc = d.scratch
-                if sc is not None:
-                    src = sc.src
-                    sm = _mem(src, node, dev)
-                    key = (id(sm), src.offs, tuple(src.ne), tuple(src.nb), src.type, sc.nbytes)
-                    if sc.write:
-                        if key in regions:
-                            continue  # this copy was made earlier and its source is unchanged
-                        off = -(-size // _REGION_ALIGN) * _REGION_ALIGN
-                        size = off + sc.nbytes
-                        regions[key] = (off, (sm, src.offs, src.offs + src.nbytes))
-                    off = regions[key][0]
-                    w.mems[sc.slot] = _SCRATCH
-                    rng = (_SCRATCH, off, off + sc.nbytes)
-                    if sc.write:
-                        w.write = rng
-                    else:
-                        w.reads.append(rng)
-                    w.push = d.push[: sc.push_at] + struct.pack("<I", off // 4) + d.push[sc.push_at + 4 :]
-                if w.write is not None and w.write[0] is not _SCRATCH:  # copies of what it overwrites
-                    for k in [k for k, (_, r) in regions.items() if _overlap([r], [w.write])]:
-                        del regions[k]
-                work.append(w)
+        regions = _Regions()
+        work = self._build(dev, graph, caps, regions)
         # one buffer for every region; freed once the work queued before the plan's end is done
-        self.scratch = Memory(dev, size, host=False) if size else None
+        self.scratch = Memory(dev, regions.size, host=False) if regions.size else None
         if self.scratch is not None:
             weakref.finalize(self, self.scratch.free)
             for w in work:
-                w.mems = [self.scratch if m is _SCRATCH else m for m in w.mems]
-                w.reads = [(self.scratch if r[0] is _SCRATCH else r[0], r[1], r[2]) for r in w.reads]
-                if w.write is not None and w.write[0] is _SCRATCH:
-                    w.write = (self.scratch, w.write[1], w.write[2])
+                w.resolve(self.scratch)
         self.n_dispatches = len(work)
         self._last = [0]  # value of the last submit (a cell shared with the finalizer)
         self.pool, sets = self._descriptor_sets(dev, work)
@@ -141,6 +79,51 @@ class Plan:
         self._record(dev, work, sets)
         stream.stats["plans_recorded"] += 1
         stream.stats["dispatches_recorded"] += len(work)
+
+    def _build(self, dev, graph, caps: kernels.Caps, regions: _Regions) -> list[_Work]:
+        """The dispatches of the graph's compute nodes, their memory and ranges resolved."""
+        work: list[_Work] = []
+        fusion = Fusion(graph)
+        covered = 0  # nodes still to skip: computed by the last fused dispatch
+        for i, node in enumerate(graph.nodes):
+            if covered:
+                covered -= 1
+                continue
+            if node.op in VIEW_OPS:
+                continue
+            n_nodes, ds = self._node_dispatches(dev, graph.nodes, i, caps, fusion)
+            covered = n_nodes - 1
+            for d in ds:
+                w = _Work.of(d, node, dev)
+                if d.scratch is not None and not regions.bind(w, d, _mem(d.scratch.src, node, dev)):
+                    continue  # this copy was made earlier and its source is unchanged
+                regions.invalidate(w.write)
+                work.append(w)
+        return work
+
+    def _node_dispatches(self, dev, nodes, i: int, caps: kernels.Caps, fusion: Fusion):
+        """(nodes covered, dispatches) of node ``i``: fused with the nodes after it where
+        kernels.fused_dispatches applies, else alone; every tensor read is checked and kept."""
+        node = nodes[i]
+        self._use(node, dev)
+        if not kernels.supports(node, caps):
+            raise UnsupportedOpError(
+                f"Vulkan {dev.label}: {node.op.name} {node.type.name} ne={list(node.ne)} is not supported"
+            )
+        n_fused, ds = kernels.fused_dispatches(nodes, i, fusion)
+        if not n_fused:
+            return 1, kernels.dispatches(node, caps)
+        self.fused.append(tuple(n.op.name for n in nodes[i : i + n_fused]))
+        for n in nodes[i + 1 : i + n_fused]:
+            self._use(n, dev)
+        return n_fused, ds
+
+    def _use(self, node: Tensor, dev) -> None:
+        """Check the memory of ``node`` and its sources; replay checks it again (freed?)."""
+        for t in (node, *node.src):
+            if t is not None:
+                m = _mem(t, node, dev)
+                self.mems[id(m)] = m
 
     def _descriptor_sets(self, dev, work) -> tuple[object, dict]:
         keys = list(dict.fromkeys(self._set_key(w.mems) for w in work))
@@ -151,7 +134,7 @@ class Plan:
             "VkDescriptorPoolSize*",
             {"type": V.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": N_BINDINGS * n},
         )
-        pci = _new(
+        pci = new_struct(
             "VkDescriptorPoolCreateInfo",
             V.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
             maxSets=n,
@@ -162,7 +145,7 @@ class Plan:
         check(lib.vkCreateDescriptorPool(dev.handle, pci, NULL, out), "vkCreateDescriptorPool")
         pool = out[0]
         layouts = ffi.new("VkDescriptorSetLayout[]", [dev.set_layout] * n)
-        ai = _new(
+        ai = new_struct(
             "VkDescriptorSetAllocateInfo",
             V.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
             descriptorPool=pool,
@@ -254,6 +237,61 @@ class _Work:
         self.d, self.mems, self.push = d, mems, push
         self.reads: list[tuple] = []
         self.write: tuple | None = None
+
+    @classmethod
+    def of(cls, d: kernels.Dispatch, node: Tensor, dev) -> _Work:
+        w = cls(d, [_mem(t, node, dev) if t is not None else None for t in d.bindings], d.push)
+        w.reads = [
+            (w.mems[i], t.offs, t.offs + t.nbytes) for i, t in enumerate(d.bindings[:3]) if t is not None
+        ]
+        t = d.bindings[3]
+        w.write = (w.mems[3], t.offs, t.offs + t.nbytes) if t is not None else None
+        return w
+
+    def resolve(self, scratch: Memory) -> None:
+        """Put the plan's scratch buffer where _SCRATCH stands for it."""
+        self.mems = [scratch if m is _SCRATCH else m for m in self.mems]
+        self.reads = [(scratch if r[0] is _SCRATCH else r[0], r[1], r[2]) for r in self.reads]
+        if self.write is not None and self.write[0] is _SCRATCH:
+            self.write = (scratch, self.write[1], self.write[2])
+
+
+class _Regions:
+    """The regions of the plan's scratch buffer: one per derived copy (kernels.Scratch), live
+    and shared by later readers until a dispatch writes the copy's source memory."""
+
+    def __init__(self) -> None:
+        self.live: dict[tuple, tuple[int, tuple]] = {}  # key -> (offset, source range)
+        self.size = 0
+
+    def bind(self, w: _Work, d: kernels.Dispatch, sm: Memory) -> bool:
+        """Bind ``w``'s scratch slot to its region (made for a writer); False for a writer whose
+        copy is live already (the dispatch is left out)."""
+        sc = d.scratch
+        assert sc is not None
+        src = sc.src
+        key = (id(sm), src.offs, tuple(src.ne), tuple(src.nb), src.type, sc.nbytes)
+        if sc.write:
+            if key in self.live:
+                return False
+            off = -(-self.size // _REGION_ALIGN) * _REGION_ALIGN
+            self.size = off + sc.nbytes
+            self.live[key] = (off, (sm, src.offs, src.offs + src.nbytes))
+        off = self.live[key][0]
+        w.mems[sc.slot] = _SCRATCH
+        rng = (_SCRATCH, off, off + sc.nbytes)
+        if sc.write:
+            w.write = rng
+        else:
+            w.reads.append(rng)
+        w.push = d.push[: sc.push_at] + struct.pack("<I", off // 4) + d.push[sc.push_at + 4 :]
+        return True
+
+    def invalidate(self, write: tuple | None) -> None:
+        """Drop the copies whose source ``write`` (a range a dispatch writes) overwrites."""
+        if write is not None and write[0] is not _SCRATCH:
+            for k in [k for k, (_, r) in self.live.items() if _overlap([r], [write])]:
+                del self.live[k]
 
 
 def _overlap(a: list[tuple], b: list[tuple]) -> bool:

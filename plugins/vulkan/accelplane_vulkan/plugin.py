@@ -4,7 +4,7 @@ One accelplane device per Vulkan physical device (GPUs; lavapipe when it is the 
 or ACCELPLANE_VK_DEVICES="0,0" to open one physical device as several logical devices (for
 multi-device tests on one GPU or on lavapipe). Each device has a device-local buffer type
 (memory the SDK reaches only through these hooks) and a host buffer type (host-visible,
-coherent, mapped: is_host). A backend is a Stream (runtime.py): one queue, command buffers, a
+coherent, mapped: is_host). A backend is a Stream (runtime/stream.py): one queue, command buffers, a
 timeline semaphore; graph_compute records a graph once (plan.py) and resubmits it; events are
 timeline values; copies between devices that cannot share semaphores cross a host bridge.
 
@@ -15,9 +15,7 @@ loader or driver is missing; the registry records that and the host carries on.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.plancache import PlanCache
@@ -25,55 +23,13 @@ from accelplane.runtime.plancache import PlanCache
 from . import tuning
 
 if TYPE_CHECKING:
-    from .runtime import LogicalDevice, Stream
+    from .runtime import DeviceCtx
 
 
 def _rt():
     from . import runtime
 
     return runtime
-
-
-@dataclass(eq=False)
-class DeviceCtx:
-    """One accelplane device: a physical device, and its VkDevice once opened."""
-
-    label: str
-    phys: Any  # runtime.PhysInfo
-    caps: Any  # kernels.Caps
-    _dev: LogicalDevice | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def open(self) -> LogicalDevice:
-        """The logical device, created (and every shader built) on first use: a shader that
-        does not compile fails here, loudly, before any backend exists."""
-        if self._dev is None:
-            with self._lock:
-                if self._dev is None:
-                    from . import shaders
-
-                    self._dev = _rt().LogicalDevice(
-                        self.phys, self.label, shaders.compile_all(shaders.shader_dir())
-                    )
-        return self._dev
-
-
-@dataclass(frozen=True, eq=False)
-class BuftCtx:
-    dev: DeviceCtx
-    host: bool
-
-
-def _stream(backend) -> Stream | None:
-    """The backend's Stream, or None for another plugin's backend."""
-    s = getattr(backend, "ctx", None)
-    return s if isinstance(s, _rt().Stream) else None
-
-
-def _mem(t):
-    """The runtime.Memory of a tensor's buffer, or None for another plugin's buffer."""
-    ctx = t.buffer.ctx if t.buffer is not None else None
-    return ctx if isinstance(ctx, _rt().Memory) else None
 
 
 # --- registration ------------------------------------------------------------------------------
@@ -84,44 +40,17 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    settings = tuning.read()
     rt = _rt()  # DeviceError when libvulkan is missing
-    from .kernels import Caps
-
-    inst = rt.instance()
-    sel = rt.select_physical(inst, settings.devices)
-    per_phys: dict[int, int] = {}
-    for i, _ in sel:
-        per_phys[i] = per_phys.get(i, 0) + 1
-    seen: dict[int, int] = {}
-    specs = []
-    for n, (i, p) in enumerate(sel):
-        k = seen[i] = seen.get(i, 0) + 1
-        desc = f"{p.name} ({rt.DEVICE_TYPES.get(p.type, '?')}; {p.driver}; Vulkan {p.api[0]}.{p.api[1]})"
-        if per_phys[i] > 1:
-            desc += f", logical device {k} of {per_phys[i]} on physical device {i}"
-        dtype = DeviceType.IGPU if p.type == 1 else DeviceType.GPU
-        caps = DeviceCaps(async_=True, host_buffer=True, events=True)
-        specs.append(
-            DeviceSpec(
-                f"Vulkan{n}",
-                desc,
-                dtype,
-                caps,
-                DeviceCtx(
-                    f"Vulkan{n}", p,
-                    Caps.of(p.storage16, p.subgroup_size if p.subgroup_arith else 0, p.int_dot, settings),
-                ),
-            )
-        )
-    return specs
+    caps = DeviceCaps(async_=True, host_buffer=True, events=True)
+    return [
+        DeviceSpec(d.label, d.description, DeviceType.IGPU if d.phys.type == 1 else DeviceType.GPU, caps, d)
+        for d in rt.open_devices(tuning.read())
+    ]
 
 
 @hookimpl
 def device_memory(device):
-    ctx: DeviceCtx = device.ctx
-    used = ctx._dev.allocated if ctx._dev is not None else 0
-    return max(0, ctx.phys.heap_size - used), ctx.phys.heap_size
+    return device.ctx.memory()
 
 
 @hookimpl
@@ -143,12 +72,12 @@ def backend_free(backend):
 # --- buffer types -------------------------------------------------------------------------------
 @hookimpl
 def get_buffer_type(device):
-    return BufferTypeSpec(device.name, BuftCtx(device.ctx, host=False))
+    return BufferTypeSpec(device.name, _rt().BuftCtx(device.ctx, host=False))
 
 
 @hookimpl
 def get_host_buffer_type(device):
-    return BufferTypeSpec(f"{device.name}_Host", BuftCtx(device.ctx, host=True))
+    return BufferTypeSpec(f"{device.name}_Host", _rt().BuftCtx(device.ctx, host=True))
 
 
 @hookimpl
@@ -163,7 +92,7 @@ def supports_buft(device, buft):
     # kernels read and write the device's own device-local buffers; the host type is for
     # transfers (over PCIe a kernel would crawl), as ggml's pinned host buffers
     c = buft.ctx
-    return isinstance(c, BuftCtx) and not c.host and c.dev is device.ctx
+    return isinstance(c, _rt().BuftCtx) and not c.host and c.dev is device.ctx
 
 
 @hookimpl
@@ -178,8 +107,7 @@ def buft_alignment(buft):
 
 @hookimpl
 def buft_max_size(buft):
-    lim = buft.ctx.dev.phys.limits
-    return min(lim["maxStorageBufferRange"], lim["maxMemoryAllocationSize"], lim["maxBufferSize"]) & ~255
+    return buft.ctx.dev.phys.max_buffer_size
 
 
 @hookimpl
@@ -244,7 +172,7 @@ def buffer_clear(buffer, value):
 
 @hookimpl
 def buffer_cpy_tensor(buffer, src, dst):
-    smem, dmem = _mem(src), buffer.ctx
+    smem, dmem = _rt().memory_of(src), buffer.ctx
     if smem is None or smem.dev is not dmem.dev:
         return False
     tr = dmem.dev.transfer
@@ -266,7 +194,7 @@ def graph_compute(backend, graph):
 
 @hookimpl
 def set_tensor_async(backend, tensor, data, offset, size):
-    s, mem = backend.ctx, _mem(tensor)
+    s, mem = backend.ctx, _rt().memory_of(tensor)
     if mem is None or mem.dev is not s.dev:
         return False
     s.upload(mem, tensor.offs + offset, data[:size])
@@ -275,7 +203,7 @@ def set_tensor_async(backend, tensor, data, offset, size):
 
 @hookimpl
 def get_tensor_async(backend, tensor, out, offset, size):
-    s, mem = backend.ctx, _mem(tensor)
+    s, mem = backend.ctx, _rt().memory_of(tensor)
     if mem is None or mem.dev is not s.dev:
         return False
     s.download(mem, tensor.offs + offset, out, size)
@@ -284,11 +212,12 @@ def get_tensor_async(backend, tensor, out, offset, size):
 
 @hookimpl
 def cpy_tensor_async(backend_src, backend_dst, src, dst):
-    ds, dmem, smem = _stream(backend_dst), _mem(dst), _mem(src)
+    rt = _rt()
+    ds, dmem, smem = rt.stream_of(backend_dst), rt.memory_of(dst), rt.memory_of(src)
     if ds is None or dmem is None or dmem.dev is not ds.dev:
         return False
     n = src.nbytes
-    ss = _stream(backend_src)
+    ss = rt.stream_of(backend_src)
     if ss is None and backend_src.device.caps.async_:
         return False  # another plugin's asynchronous stream: nothing to order after
     if smem is not None and smem.dev is ds.dev:  # one device-side copy
@@ -302,31 +231,12 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
         ds.copy(smem, src.offs, dmem, dst.offs, n, waits)
         return True
     if smem is not None and ss is not None and smem.dev is ss.dev:
-        _copy_across(ss, ds, smem, src.offs, dmem, dst.offs, n)
+        rt.copy_across(ss, ds, smem, src.offs, dmem, dst.offs, n)
         return True
     if src.buffer.is_host:  # host memory whose producer has finished (a synchronous backend)
         ds.upload(dmem, dst.offs, src.buffer.host_array[src.offs : src.offs + n])
         return True
     return False
-
-
-def _copy_across(ss: Stream, ds: Stream, smem, soffs: int, dmem, doffs: int, n: int) -> None:
-    """Between VkDevices: out to staging on the source stream, a host copy on the bridge into
-    the destination's stream (after the source's value), in from staging. The host returns."""
-    rt = _rt()
-    out = ss.stage(n)
-    cmd = ss.begin()
-    rt.cmd_copy(cmd, smem.buf, soffs, out.mem.buf, 0, n)
-    rt.cmd_to_host(cmd)
-    va = ss.submit((cmd,))
-    inn = ds.stage(n)
-
-    def across() -> None:
-        inn.mem.host[:n] = out.mem.host[:n]
-
-    w = ds.bridge_in(ss, va, across)
-    v = ds.copy(inn.mem, 0, dmem, doffs, n, ((ds.bridge.sem, w),))
-    out.busy = inn.busy = (ds, v)
 
 
 # --- events --------------------------------------------------------------------------------------------
@@ -360,7 +270,8 @@ def event_synchronize(device, event):
 def comm_init(backends):
     from .comm import VkComm
 
-    streams = [_stream(b) for b in backends]
+    rt = _rt()
+    streams = [rt.stream_of(b) for b in backends]
     settings = tuning.read()
     if settings.comm_off or len(backends) < 2 or any(s is None for s in streams):
         return None  # the SDK's butterfly serves
@@ -371,8 +282,9 @@ def comm_init(backends):
 
 @hookimpl
 def comm_allreduce_tensor(comm, tensors):
+    rt = _rt()
     for s, t in zip(comm.ctx.streams, tensors, strict=True):
-        mem = _mem(t)
+        mem = rt.memory_of(t)
         if mem is None or mem.dev is not s.dev:
             return False
     return comm.ctx.allreduce(list(tensors))

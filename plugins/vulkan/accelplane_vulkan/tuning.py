@@ -75,9 +75,6 @@ class Tuning:
     comm_off: bool = env.field(env.flag(
         "ACCELPLANE_VK_COMM_OFF", False, "no plugin communicator: the SDK's butterfly all-reduce",
         OWNER))  # fmt: skip
-    comm_ring: bool = env.field(env.flag(
-        "ACCELPLANE_VK_COMM_RING", False,
-        "the communicator runs the SDK's ring over this plugin's asynchronous copies", OWNER))  # fmt: skip
     comm_fp32: bool = env.field(env.flag(
         "ACCELPLANE_VK_COMM_FP32", False,
         "all-reduces keep F32 on the wire (default: F16 from ACCELPLANE_COMM_COMPRESS_MIN bytes)",

@@ -1,7 +1,8 @@
-"""The SYCL plugin's benchmarks (issue 7): copy/compute overlap with two queues against one shared
-queue, and the two-device all-reduce's bytes and time per call, F32 against BF16 on the wire.
+#!/usr/bin/env python3
+"""The SYCL plugin's benchmarks: copy/compute overlap with two queues against one shared queue,
+and the two-device all-reduce's bytes and time per call, F32 against BF16 on the wire.
 
-    python -m accelplane_sycl.bench [--json FILE] [--reps N] [--quick]
+    python tools/sycl_bench.py [--json FILE] [--reps N] [--quick]
 
 Overlap: backend A computes a MUL_MAT graph (oneMKL through dpnp, or the plugin's own k_mul_mat
 kernel) while a large tensor is copied (USM host → device, or device → device). "two queues":
@@ -26,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,9 +43,8 @@ DEFAULT_SIZES = (32767, 32768, 1 << 20, 1 << 22)
 def open_devices() -> list[Any]:
     """The SYCL plugin's devices in a registry of their own (main() asks for two logical
     devices, ACCELPLANE_SYCL_DEVICES=0,0, unless the variable says otherwise)."""
+    import accelplane_sycl.plugin as plugin
     from accelplane.runtime.registry import Registry
-
-    from . import plugin
 
     reg = Registry()
     reg.register(plugin, "sycl")
@@ -103,29 +104,13 @@ def bench_overlap(
 ) -> dict:  # fmt: skip
     """One row: compute alone, copy alone, and the copy + compute pipeline on one queue and on
     two queues (medians over ``reps``, in ms)."""
-    from accelplane.core.graph import Context
-    from accelplane.core.types import GGMLType as T
-    from accelplane.runtime.alloc import alloc_tensors
     from accelplane.runtime.backend import tensor_copy_async
 
     if gemm == "onemkl" and dev.ctx.onemkl() is None:
         return {"gemm": gemm, "copy": copy, "skipped": "dpnp (oneMKL) is not installed"}
     m, k, n = mkn or DEFAULT_MATMUL[gemm]
     nel = copy_mb * (1 << 20) // 4
-    rng = np.random.default_rng(0)
-    ctx = Context()
-    a = ctx.new_tensor(T.F32, (m, k), "a")
-    b = ctx.new_tensor(T.F32, (n, k), "b")
-    y = ctx.mul_mat(a, b)
-    g = ctx.graph(y)
-    src = ctx.new_tensor(T.F32, (nel,), "src")
-    dst = ctx.new_tensor(T.F32, (nel,), "dst")
-    bufs = [alloc_tensors([a, b, y, dst], dev.buffer_type),
-            alloc_tensors([src], dev.host_buffer_type if copy == "h2d" else dev.buffer_type)]  # fmt: skip
-    a.set(rng.standard_normal((m, k), np.float32))
-    b.set(rng.standard_normal((n, k), np.float32))
-    sv = rng.standard_normal(nel, np.float32)
-    src.set(sv)
+    a, b, y, g, src, dst, sv, bufs = _overlap_tensors(dev, copy, m, k, n, nel)
     ba, bb = dev.new_backend(), dev.new_backend()
     ev = dev.new_event()
 
@@ -169,20 +154,67 @@ def bench_overlap(
     np.testing.assert_allclose(y.get(), want, rtol=2e-3, atol=2e-3)
     copy_alone()  # first touch of the destination pages
     copy_done: list[float] = []
-    runs: dict[str, list[float]] = {"compute": [], "copy": [], "one_queue": [], "two_queues": []}
     fns = {"compute": compute_alone, "copy": copy_alone, "one_queue": one_queue, "two_queues": two_queues}
+
+    def check(name: str) -> None:
+        if name in ("one_queue", "two_queues") and not np.array_equal(dst.get(), sv):
+            raise AssertionError(f"{name}: the copy was not complete when synchronize returned")
+
+    runs = _interleaved(fns, reps, lambda: dst.buffer.memset_tensor(dst, 0), check)
+    row = _overlap_row(gemm, copy, (m, k, n), 4 * nel, reps, runs, copy_done)
+    ev.free()
+    ba.free()
+    bb.free()
+    for buf in bufs:
+        buf.free()
+    return row
+
+
+def _overlap_tensors(dev: Any, copy: str, m: int, k: int, n: int, nel: int) -> tuple:
+    """(a, b, y = mul_mat(a, b), its graph, src, dst, src's values, buffers): the MUL_MAT's
+    operands set, src in host memory (h2d) or device memory (d2d)."""
+    from accelplane.core.graph import Context
+    from accelplane.core.types import GGMLType as T
+    from accelplane.runtime.alloc import alloc_tensors
+
+    rng = np.random.default_rng(0)
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (m, k), "a")
+    b = ctx.new_tensor(T.F32, (n, k), "b")
+    y = ctx.mul_mat(a, b)
+    g = ctx.graph(y)
+    src = ctx.new_tensor(T.F32, (nel,), "src")
+    dst = ctx.new_tensor(T.F32, (nel,), "dst")
+    bufs = [alloc_tensors([a, b, y, dst], dev.buffer_type),
+            alloc_tensors([src], dev.host_buffer_type if copy == "h2d" else dev.buffer_type)]  # fmt: skip
+    a.set(rng.standard_normal((m, k), np.float32))
+    b.set(rng.standard_normal((n, k), np.float32))
+    sv = rng.standard_normal(nel, np.float32)
+    src.set(sv)
+    return a, b, y, g, src, dst, sv, bufs
+
+
+def _interleaved(fns: dict[str, Callable[[], float]], reps: int, before: Callable[[], None],
+                 after: Callable[[str], None]) -> dict[str, list[float]]:  # fmt: skip
+    """``reps`` times of each of ``fns``: all back to back, the order flipped every rep (the load
+    of other jobs drifts slowly, so the ratio of a rep's one-queue and two-queue runs is steadier
+    than either time); ``before`` runs ahead of each, ``after(name)`` checks its result."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(reps):
-        # all four back to back, the order flipped every rep: the load of other jobs drifts slowly,
-        # so the ratio of a rep's one-queue and two-queue runs is steadier than either time
-        order = list(fns) if i % 2 == 0 else list(reversed(fns))
-        for name in order:
-            dst.buffer.memset_tensor(dst, 0)
+        for name in list(fns) if i % 2 == 0 else list(reversed(fns)):
+            before()
             runs[name].append(fns[name]())
-            if name in ("one_queue", "two_queues") and not np.array_equal(dst.get(), sv):
-                raise AssertionError(f"{name}: the copy was not complete when synchronize returned")
+            after(name)
+    return runs
+
+
+def _overlap_row(gemm: str, copy: str, mkn: tuple[int, int, int], copy_bytes: int, reps: int,
+                 runs: dict[str, list[float]], copy_done: list[float]) -> dict:  # fmt: skip
+    """The medians, serial and ideal times and the one/two-queue speedup of ``runs`` (ms)."""
+    m, k, n = mkn
     med = {name: statistics.median(v) for name, v in runs.items()}
     ratios = [o / t for o, t in zip(runs["one_queue"], runs["two_queues"], strict=True)]
-    row = {"gemm": gemm, "copy": copy, "m": m, "k": k, "n": n, "copy_bytes": 4 * nel, "reps": reps,
+    row = {"gemm": gemm, "copy": copy, "m": m, "k": k, "n": n, "copy_bytes": copy_bytes, "reps": reps,
            **{f"{name}_ms": round(v, 2) for name, v in med.items()},
            "copy_done_two_queues_ms": round(statistics.median(copy_done), 2),
            "runs_ms": {name: [round(x, 2) for x in v] for name, v in runs.items()},
@@ -191,11 +223,6 @@ def bench_overlap(
     row["ideal_ms"] = round(max(med["compute"], med["copy"]), 2)
     row["speedup"] = round(statistics.median(ratios), 3)  # median of the per-rep ratios one / two
     row["speedup_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
-    ev.free()
-    ba.free()
-    bb.free()
-    for buf in bufs:
-        buf.free()
     return row
 
 
@@ -208,8 +235,7 @@ def bench_allreduce(d0: Any, d1: Any, sizes: tuple[int, ...] = DEFAULT_SIZES, re
     from accelplane.core.types import GGMLType as T
     from accelplane.runtime.alloc import alloc_tensors
     from accelplane.runtime.backend import Comm
-
-    from . import comm as sycl_comm
+    from accelplane_sycl import comm as sycl_comm
 
     b0, b1 = d0.new_backend(), d1.new_backend()
     comm = Comm.init([b0, b1])
@@ -290,7 +316,7 @@ def format_allreduce(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m accelplane_sycl.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="tools/sycl_bench.py", description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the machine, the rows and every run's time to this file")
     ap.add_argument("--reps", type=int, default=9, help="timed runs per row (default 9; medians)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test, not a measurement)")

@@ -1,9 +1,10 @@
-"""What the HVX kernels' fp16 per-tile accumulators cost: MUL_MAT on repacked Q4_0 / Q8_0
-weights, with fp16 and with fp32 accumulators, against the float64 oracle (NMSE, ggml's
-metric). Both runs share the dynamic Q8_0 quantization of the activations, so the fp32 column
+#!/usr/bin/env python3
+"""What the Hexagon plugin's HVX kernels' fp16 per-tile accumulators cost: MUL_MAT on repacked
+Q4_0 / Q8_0 weights, with fp16 and with fp32 accumulators, against the float64 oracle (NMSE,
+ggml's metric). Both runs share the dynamic Q8_0 quantization of the activations, so the fp32 column
 is that quantization's error alone and the difference is what fp16 accumulation adds.
 
-    python -m accelplane_hexagon.accuracy            # markdown table (README.md has one)
+    python tools/hexagon_accuracy.py            # markdown table (plugins/hexagon/README.md has one)
 
 These are accuracy figures of the emulated arithmetic; nothing here measures speed.
 """

@@ -1,0 +1,327 @@
+"""Logical devices: a VkDevice with its queues, memory types, pipelines and deferred
+destruction (LogicalDevice); the accelplane device and buffer-type contexts over them
+(DeviceCtx opens its LogicalDevice on first use, BuftCtx), and the list of devices to expose."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from accelplane.errors import AllocationError, DeviceError
+
+from ..kernels import Caps
+from ..tuning import Tuning
+from .physical import DEVICE_TYPES, PhysInfo, instance, select_physical
+from .stream import Stream
+from .vk import NULL, V, check, ffi, lib, new_struct
+
+MAX_QUEUES = 4  # queues asked of the compute family; streams share them round-robin
+N_BINDINGS = 5  # storage buffers of every pipeline: A, B, C, D and the stream's error word
+
+
+class Queue:
+    __slots__ = ("handle", "lock")
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.lock = threading.Lock()  # vkQueueSubmit needs external synchronization
+
+
+def _compute_family(phys: PhysInfo, label: str) -> tuple[int, int]:
+    """(queue family, queues to ask of it): a compute-only family if there is one (async
+    compute engines), else the first with compute."""
+    h = phys.handle
+    n = ffi.new("uint32_t*")
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
+    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
+    compute = [i for i in range(n[0]) if fams[i].queueFlags & V.VK_QUEUE_COMPUTE_BIT]
+    if not compute:
+        raise DeviceError(f"{label}: no compute queue family on {phys.name}")
+    only = [i for i in compute if not fams[i].queueFlags & V.VK_QUEUE_GRAPHICS_BIT]
+    family = (only or compute)[0]
+    return family, max(1, min(fams[family].queueCount, MAX_QUEUES))
+
+
+def _create_device(phys: PhysInfo, family: int, nq: int):
+    """vkCreateDevice with ``nq`` queues of ``family`` and the features the kernels use."""
+    prio = ffi.new("float[]", [1.0] * nq)
+    qci = new_struct(
+        "VkDeviceQueueCreateInfo",
+        V.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+        queueFamilyIndex=family,
+        queueCount=nq,
+        pQueuePriorities=prio,
+    )
+    f12 = new_struct(
+        "VkPhysicalDeviceVulkan12Features",
+        V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+        timelineSemaphore=1,
+    )
+    f13 = new_struct(  # kept referenced until vkCreateDevice: pNext does not own it
+        "VkPhysicalDeviceVulkan13Features",
+        V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
+        shaderIntegerDotProduct=1,
+    )
+    if phys.int_dot:  # mul_mat_vec_q8's OpSDotKHR / OpSUDotKHR
+        f12.pNext = f13
+    f11 = new_struct(
+        "VkPhysicalDeviceVulkan11Features",
+        V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
+        pNext=f12,
+        storageBuffer16BitAccess=int(phys.storage16),
+    )
+    f2 = new_struct("VkPhysicalDeviceFeatures2", V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=f11)
+    f2.features.shaderInt16 = int(phys.int16)
+    dci = new_struct(
+        "VkDeviceCreateInfo",
+        V.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
+        pNext=f2,
+        queueCreateInfoCount=1,
+        pQueueCreateInfos=qci,
+    )
+    out = ffi.new("VkDevice*")
+    check(lib.vkCreateDevice(phys.handle, dci, NULL, out), f"vkCreateDevice ({phys.name})")
+    return out[0]
+
+
+class LogicalDevice:
+    """A VkDevice with its queues, memory types, pipeline layout, shader modules, pipelines,
+    an internal stream for blocking transfers, and deferred destruction of freed buffers."""
+
+    def __init__(self, phys: PhysInfo, label: str, spirv: dict[str, bytes]) -> None:
+        self.phys = phys
+        self.label = label
+        self.family, nq = _compute_family(phys, label)
+        self.handle = _create_device(phys, self.family, nq)
+        self.queues = []
+        for i in range(nq):
+            q = ffi.new("VkQueue*")
+            lib.vkGetDeviceQueue(self.handle, self.family, i, q)
+            self.queues.append(Queue(q[0]))
+        self._next_queue = 0
+        self._pick_memory_types()
+        self._make_layouts()
+        self.modules = {name: self._module(code) for name, code in spirv.items()}
+        self.pipelines: dict[tuple, object] = {}
+        self.lock = threading.RLock()
+        self.allocated = 0
+        self.streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self.garbage: list[tuple[list[tuple[Stream, int]], Callable[[], None]]] = []
+        self.transfer = Stream(self, f"{label}/transfer")
+
+    # memory types
+    def _pick_memory_types(self) -> None:
+        mp = ffi.new("VkPhysicalDeviceMemoryProperties*")
+        lib.vkGetPhysicalDeviceMemoryProperties(self.phys.handle, mp)
+        self.mem_flags = [mp.memoryTypes[i].propertyFlags for i in range(mp.memoryTypeCount)]
+        self.mem_heap = [mp.memoryTypes[i].heapIndex for i in range(mp.memoryTypeCount)]
+        self.heap_size = [mp.memoryHeaps[i].size for i in range(mp.memoryHeapCount)]
+
+    def memory_type(self, host: bool, allowed_bits: int) -> int:
+        """Index of the memory type for device-local (``host`` False) or host-visible memory."""
+        DL, HV, HC, CA = (
+            V.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
+            V.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT,
+            V.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+            V.VK_MEMORY_PROPERTY_HOST_CACHED_BIT,
+        )
+        cand = [i for i in range(len(self.mem_flags)) if allowed_bits & (1 << i)]
+        if host:
+            prefs = [lambda f: f & (HV | HC | CA) == HV | HC | CA, lambda f: f & (HV | HC) == HV | HC]
+        else:  # VRAM proper first (not the host-visible BAR window), then any device-local
+            prefs = [lambda f: f & DL and not f & HV, lambda f: f & DL, lambda f: True]
+        for ok in prefs:
+            for i in cand:
+                if ok(self.mem_flags[i]):
+                    return i
+        raise AllocationError(f"{self.label}: no {'host-visible' if host else 'device'} memory type")
+
+    def _make_layouts(self) -> None:
+        binds = ffi.new(f"VkDescriptorSetLayoutBinding[{N_BINDINGS}]")
+        for i in range(N_BINDINGS):
+            binds[i].binding = i
+            binds[i].descriptorType = V.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            binds[i].descriptorCount = 1
+            binds[i].stageFlags = V.VK_SHADER_STAGE_COMPUTE_BIT
+        ci = new_struct(
+            "VkDescriptorSetLayoutCreateInfo",
+            V.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+            bindingCount=N_BINDINGS,
+            pBindings=binds,
+        )
+        out = ffi.new("VkDescriptorSetLayout*")
+        check(lib.vkCreateDescriptorSetLayout(self.handle, ci, NULL, out), "vkCreateDescriptorSetLayout")
+        self.set_layout = out[0]
+        pcr = ffi.new("VkPushConstantRange*", {"stageFlags": V.VK_SHADER_STAGE_COMPUTE_BIT, "size": 128})
+        sl = ffi.new("VkDescriptorSetLayout[1]", [self.set_layout])
+        pci = new_struct(
+            "VkPipelineLayoutCreateInfo",
+            V.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+            setLayoutCount=1,
+            pSetLayouts=sl,
+            pushConstantRangeCount=1,
+            pPushConstantRanges=pcr,
+        )
+        out2 = ffi.new("VkPipelineLayout*")
+        check(lib.vkCreatePipelineLayout(self.handle, pci, NULL, out2), "vkCreatePipelineLayout")
+        self.pipeline_layout = out2[0]
+
+    def _module(self, code: bytes):
+        buf = ffi.new("char[]", code)
+        ci = new_struct(
+            "VkShaderModuleCreateInfo",
+            V.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+            codeSize=len(code),
+            pCode=ffi.cast("uint32_t*", buf),
+        )
+        out = ffi.new("VkShaderModule*")
+        check(lib.vkCreateShaderModule(self.handle, ci, NULL, out), "vkCreateShaderModule")
+        return out[0]
+
+    def pipeline(self, shader: str, spec: tuple[int, ...]):
+        """The compute pipeline of ``shader`` with specialization constants 0..n-1 = ``spec``."""
+        key = (shader, spec)
+        p = self.pipelines.get(key)
+        if p is not None:
+            return p
+        with self.lock:
+            p = self.pipelines.get(key)
+            if p is not None:
+                return p
+            n = len(spec)
+            entries = ffi.new("VkSpecializationMapEntry[]", max(n, 1))
+            for i in range(n):
+                entries[i].constantID, entries[i].offset, entries[i].size = i, 4 * i, 4
+            data = ffi.new("uint32_t[]", [int(x) & 0xFFFFFFFF for x in spec] or [0])
+            si = ffi.new(
+                "VkSpecializationInfo*",
+                {"mapEntryCount": n, "pMapEntries": entries, "dataSize": 4 * n, "pData": data},
+            )
+            main = ffi.new("char[]", b"main")
+            ci = new_struct(
+                "VkComputePipelineCreateInfo",
+                V.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+                layout=self.pipeline_layout,
+                basePipelineIndex=-1,
+            )
+            ci.stage.sType = V.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+            ci.stage.stage = V.VK_SHADER_STAGE_COMPUTE_BIT
+            ci.stage.module = self.modules[shader]
+            ci.stage.pName = main
+            if n:
+                ci.stage.pSpecializationInfo = si
+            out = ffi.new("VkPipeline*")
+            check(
+                lib.vkCreateComputePipelines(self.handle, NULL, 1, ci, NULL, out),
+                f"vkCreateComputePipelines({shader}, spec={spec})",
+            )
+            self.pipelines[key] = out[0]
+            return out[0]
+
+    def next_queue(self) -> Queue:
+        q = self.queues[self._next_queue % len(self.queues)]
+        self._next_queue += 1
+        return q
+
+    def new_timeline(self, initial: int = 0):
+        tci = new_struct(
+            "VkSemaphoreTypeCreateInfo",
+            V.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+            semaphoreType=V.VK_SEMAPHORE_TYPE_TIMELINE,
+            initialValue=initial,
+        )
+        ci = new_struct("VkSemaphoreCreateInfo", V.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, pNext=tci)
+        out = ffi.new("VkSemaphore*")
+        check(lib.vkCreateSemaphore(self.handle, ci, NULL, out), "vkCreateSemaphore")
+        return out[0]
+
+    # deferred destruction: a freed buffer may still be read by queued work (a caller error by
+    # docs/ordering.md rule 8, but it must not fault the device), so it dies when every stream
+    # has finished what was queued when it was freed
+    def defer(self, destroy: Callable[[], None]) -> None:
+        snapshot = [(s, s.submitted) for s in list(self.streams) if not s.closed]
+        with self.lock:
+            self.garbage.append((snapshot, destroy))
+        self.collect()
+
+    def collect(self) -> None:
+        with self.lock:
+            keep = []
+            for snap, destroy in self.garbage:
+                if all(s.closed or s.completed() >= v for s, v in snap):
+                    destroy()
+                else:
+                    keep.append((snap, destroy))
+            self.garbage = keep
+
+    def wait_idle(self) -> None:
+        """vkDeviceWaitIdle (every queue locked, as it requires). Needed before destroying a
+        semaphore: a driver may still touch one after its work completed (Mesa's emulated
+        timelines release their points when the queue thread cleans a submission up)."""
+        for q in self.queues:
+            q.lock.acquire()
+        try:
+            check(lib.vkDeviceWaitIdle(self.handle), f"vkDeviceWaitIdle ({self.label})")
+        finally:
+            for q in self.queues:
+                q.lock.release()
+
+
+# --- the accelplane devices -----------------------------------------------------------------------
+@dataclass(eq=False)
+class DeviceCtx:
+    """One accelplane device: a physical device, and its VkDevice once opened."""
+
+    label: str
+    description: str
+    phys: PhysInfo
+    caps: Caps
+    _dev: LogicalDevice | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def open(self) -> LogicalDevice:
+        """The logical device, created (and every shader built) on first use: a shader that
+        does not compile fails here, loudly, before any backend exists."""
+        if self._dev is None:
+            with self._lock:
+                if self._dev is None:
+                    from .. import shaders
+
+                    self._dev = LogicalDevice(
+                        self.phys, self.label, shaders.compile_all(shaders.shader_dir())
+                    )
+        return self._dev
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device-local heap, less what this device allocated."""
+        used = self._dev.allocated if self._dev is not None else 0
+        return max(0, self.phys.heap_size - used), self.phys.heap_size
+
+
+@dataclass(frozen=True, eq=False)
+class BuftCtx:
+    """A buffer type of a device: device-local, or host-visible (``host``)."""
+
+    dev: DeviceCtx
+    host: bool
+
+
+def open_devices(settings: Tuning) -> list[DeviceCtx]:
+    """The accelplane devices, Vulkan0.., of the physical devices ``settings.devices`` selects
+    (select_physical); a physical device listed twice is described as logical device k of n."""
+    sel = select_physical(instance(), settings.devices)
+    per_phys = collections.Counter(i for i, _ in sel)
+    seen: collections.Counter[int] = collections.Counter()
+    out = []
+    for n, (i, p) in enumerate(sel):
+        seen[i] += 1
+        desc = f"{p.name} ({DEVICE_TYPES.get(p.type, '?')}; {p.driver}; Vulkan {p.api[0]}.{p.api[1]})"
+        if per_phys[i] > 1:
+            desc += f", logical device {seen[i]} of {per_phys[i]} on physical device {i}"
+        caps = Caps.of(p.storage16, p.subgroup_size if p.subgroup_arith else 0, p.int_dot, settings)
+        out.append(DeviceCtx(f"Vulkan{n}", desc, p, caps))
+    return out
