@@ -475,7 +475,7 @@ def test_bad_index_error_is_per_backend_and_names_every_op(d0):
     buf.free()
 
 
-# --- the benchmark module runs (small sizes; the numbers are in docs/benchmarks.md) ---------------------
+# --- the benchmark module runs (small sizes; the numbers are in docs/performance.md) --------------------
 def test_bench_smoke(d0, d1):
     from accelplane_sycl import bench
 
