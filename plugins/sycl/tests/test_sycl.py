@@ -496,7 +496,7 @@ def test_bad_index_error_is_per_backend_and_names_every_op(d0):
     buf.free()
 
 
-# --- the benchmark tool runs (small sizes; the numbers are in docs/benchmarks.md) -----------------------
+# --- the benchmark tool runs (small sizes; the numbers are in docs/performance.md) -----------------------
 def _tool(name: str):
     """A module of the source checkout's tools/ (not part of the plugin), imported by path."""
     path = Path(__file__).resolve().parents[3] / "tools" / f"{name}.py"

@@ -1,6 +1,6 @@
 """Benchmarks (``accelplane bench …``): op perf in the manner of test-backend-ops' perf mode,
 and the per-node host overhead of replaying a plan. Results are tables and JSON; ratios
-against peers are computed by whoever runs both (see docs/benchmarks.md)."""
+against peers are computed by whoever runs both (see docs/performance.md)."""
 
 from __future__ import annotations
 
