@@ -59,3 +59,20 @@ def test_a_plugin_importing_the_scheduler_fails_lint(tmp_path):
     src.write_text(src.read_text() + "\nfrom accelplane.sched import Scheduler  # deliberate\n")
     r = _lint(tmp_path, env)
     assert r.returncode != 0 and "public face" in r.stdout and "BROKEN" in r.stdout, r.stdout
+
+
+PLUGIN_PACKAGES = [ROOT / "sdk" / "accelplane" / "cpu"] + sorted(
+    p.parent for p in ROOT.glob("plugins/*/accelplane_*/__init__.py") if p.parent.name != "accelplane_cuda"
+)
+
+
+@pytest.mark.parametrize("pkg", PLUGIN_PACKAGES, ids=[p.name for p in PLUGIN_PACKAGES])
+def test_plugin_code_sizes(pkg):
+    """No class over 400 lines and no function over 80 in a plugin (tools/check_sizes.py); with
+    limits of 1 line it must object, so it did read the package."""
+    tool = ROOT / "tools" / "check_sizes.py"
+    ok = subprocess.run([sys.executable, str(tool), str(pkg)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    tight = subprocess.run([sys.executable, str(tool), str(pkg), "--max-class", "1", "--max-function", "1"],
+                           capture_output=True, text=True)  # fmt: skip
+    assert tight.returncode == 1 and "lines > 1" in tight.stdout, tight.stdout + tight.stderr

@@ -6,18 +6,21 @@ needs devices), and each plugin imports its runtime only when its devices are op
 
 from __future__ import annotations
 
+from accelplane._version import __version__
 from accelplane.core.graph import Context, Graph
 from accelplane.core.ops import GluOp, Op, SortOrder, UnaryOp
 from accelplane.core.tensor import Tensor, TensorFlag
 from accelplane.core.types import GGMLType
 from accelplane.errors import AccelplaneError
 from accelplane.runtime import data as _data  # noqa: F401 - Tensor.set/get move data through it
-
-__version__ = "0.1.0"
+from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors, alloc_tensors
+from accelplane.runtime.backend import BufferUsage
+from accelplane.sched import Scheduler
 
 __all__ = [
-    "AccelplaneError", "Context", "Graph", "GGMLType", "GluOp", "Op", "SortOrder", "Tensor",
-    "TensorFlag", "UnaryOp", "get_registry", "devices", "device", "__version__",
+    "AccelplaneError", "BufferUsage", "Context", "Graph", "GGMLType", "GluOp", "GraphAllocator", "Op",
+    "Scheduler", "SortOrder", "Tensor", "TensorFlag", "UnaryOp", "alloc_ctx_tensors", "alloc_tensors",
+    "get_registry", "devices", "device", "__version__",
 ]  # fmt: skip
 
 

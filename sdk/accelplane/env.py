@@ -172,6 +172,21 @@ def names(name: str, help: str, owner: str | None = None) -> Var[tuple[str, ...]
     return declare(Var(name, None, help, "NAME[,NAME...]", parse, _owner(name, owner)))
 
 
+def indices(name: str, help: str, owner: str | None = None) -> Var[tuple[int, ...] | None]:
+    """A comma list of indices >= 0 (``0`` or ``0,0``; repeats allowed); None when unset."""
+
+    def parse(s: str) -> tuple[int, ...]:
+        try:
+            out = tuple(int(x, 10) for x in s.split(","))
+        except ValueError:
+            raise ValueError("expected a comma list of device indices, e.g. 0 or 0,0") from None
+        if any(i < 0 for i in out):
+            raise ValueError("device indices are >= 0")
+        return out
+
+    return declare(Var(name, None, help, "I[,I...]", parse, _owner(name, owner)))
+
+
 def text(name: str, default: str | None, help: str, accepts: str = "any text",
          owner: str | None = None) -> Var:  # fmt: skip
     """Free text (a path, a command); no parsing beyond stripping blanks."""

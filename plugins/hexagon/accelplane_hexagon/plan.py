@@ -16,7 +16,7 @@ import numpy as np
 from accelplane.core.ops import VIEW_OPS, Op
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
-from accelplane.errors import BufferFreedError, ComputeError
+from accelplane.errors import ComputeError
 from accelplane.runtime.backend import Buffer
 
 from . import npu
@@ -130,9 +130,6 @@ class Prepared:
 
     def run(self) -> int:
         """Execute every batch in order; returns the number of NPU calls made."""
-        for b in self.buffers:
-            if b.freed:
-                raise BufferFreedError(f"a graph computed on HTP uses freed buffer {b.name!r}")
         _, lib = npu.load()
         for batch in self.batches:
             batch.execute(lib)
@@ -150,8 +147,6 @@ def prepare(graph, opts: Options) -> Prepared:
                 continue
             if t.buffer is None:
                 raise ComputeError(f"HTP: {n.op.name} {label(n)}: tensor {label(t)} is not allocated")
-            if t.buffer.freed:
-                raise BufferFreedError(f"HTP: {n.op.name} {label(n)}: tensor {label(t)}'s buffer was freed")
             if not isinstance(t.buffer.ctx, HtpBuffer):
                 raise ComputeError(f"HTP: {n.op.name} {label(n)}: tensor {label(t)} is in buffer "
                                    f"{t.buffer.name!r}, not in an HTP buffer")  # fmt: skip

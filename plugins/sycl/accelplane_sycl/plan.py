@@ -24,7 +24,7 @@ import numpy as np
 from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, Op, UnaryOp, rope_yarn_corr_dims
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
-from accelplane.errors import BufferFreedError, ComputeError
+from accelplane.errors import ComputeError
 
 from .runtime import DevState, UsmBuffer, usm_view
 
@@ -66,7 +66,6 @@ class Plan:
         self.q = bs.queue
         self.words: list[int] = []
         self.launches: list[tuple[str, list, int, int | None] | Step] = []  # kernel launch or call
-        self.buffers: dict[int, Any] = {}
         self._scratch: UsmBuffer | None = None
         self.uses_index = False  # GET_ROWS, SET_ROWS or MUL_MAT_ID: kernels that report bad indices
         nodes = [n for n in graph.nodes if n.op not in VIEW_OPS]
@@ -101,12 +100,6 @@ class Plan:
                     f"{n.op.name} {_name(n)}: tensor {_name(s)} is in buffer {buf.name!r}, not in "
                     f"memory of {self.dev.name}"
                 )
-            self.buffers[id(buf)] = buf
-
-    def check_buffers(self) -> None:
-        for b in self.buffers.values():
-            if b.freed:
-                raise BufferFreedError(f"a graph computed on {self.dev.name} uses freed buffer {b.name!r}")
 
     def _put(self, *words: int) -> int:
         i = len(self.words)

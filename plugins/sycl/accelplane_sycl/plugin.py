@@ -195,7 +195,6 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
 def graph_compute(backend, graph):
     bs: Stream = backend.ctx
     plan = bs.plans.get(graph)
-    plan.check_buffers()
     bs.check_err = bs.check_err or plan.uses_index
     bs.delay()
     try:

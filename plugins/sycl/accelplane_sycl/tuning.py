@@ -13,22 +13,11 @@ from accelplane import env
 OWNER = "sycl"
 
 
-def _indices(s: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x, 10) for x in s.split(","))
-    except ValueError:
-        raise ValueError("expected a comma list of device indices, e.g. 0 or 0,0") from None
-    if any(i < 0 for i in out):
-        raise ValueError("device indices are >= 0")
-    return out
-
-
 @dataclass(frozen=True)
 class Tuning:
-    devices: tuple[int, ...] | None = env.field(env.custom(
-        "ACCELPLANE_SYCL_DEVICES", None,
-        "device indices to open (repeats open one device as several logical devices)",
-        "I[,I...]", _indices, OWNER))  # fmt: skip
+    devices: tuple[int, ...] | None = env.field(env.indices(
+        "ACCELPLANE_SYCL_DEVICES",
+        "device indices to open (repeats open one device as several logical devices)", OWNER))
     onemkl: bool = env.field(env.flag(
         "ACCELPLANE_SYCL_ONEMKL", True,
         "matrix products through oneMKL (dpnp) where it loads (0: the plugin's own kernels only)",

@@ -19,7 +19,7 @@ import weakref
 from accelplane.core.fusion import Fusion
 from accelplane.core.ops import VIEW_OPS
 from accelplane.core.tensor import Tensor
-from accelplane.errors import BufferFreedError, ComputeError, UnsupportedOpError
+from accelplane.errors import ComputeError, UnsupportedOpError
 
 from . import kernels
 from .runtime import N_BINDINGS, NULL, Memory, Stream, V, check, cmd_barrier, ffi, lib, new_struct
@@ -39,8 +39,6 @@ def _mem(t: Tensor, node: Tensor, dev) -> Memory:
             f"{node.op.name} {node.name or node.uid}: tensor {label} is in buffer "
             f"{t.buffer.name!r}, which {dev.label} cannot compute on"
         )
-    if mem.freed:
-        raise BufferFreedError(f"a graph computed on {dev.label} uses freed buffer {t.buffer.name!r}")
     return mem
 
 
@@ -119,7 +117,7 @@ class Plan:
         return n_fused, ds
 
     def _use(self, node: Tensor, dev) -> None:
-        """Check the memory of ``node`` and its sources; replay checks it again (freed?)."""
+        """The memory of ``node`` and its sources (the SDK checks it for being freed)."""
         for t in (node, *node.src):
             if t is not None:
                 m = _mem(t, node, dev)
@@ -219,9 +217,6 @@ class Plan:
         check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
 
     def replay(self) -> int:
-        for m in self.mems.values():
-            if m.freed:
-                raise BufferFreedError(f"a graph computed on {self.stream.dev.label} uses a freed buffer")
         v = self.stream.submit((self.cmd,), transient=False)
         self._last[0] = v
         return v

@@ -17,16 +17,6 @@ MMV_WG = (32, 64, 128, 256)
 DEFAULT_CHUNK = 4 << 20
 
 
-def _indices(s: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x, 10) for x in s.split(","))
-    except ValueError:
-        raise ValueError("expected a comma list of physical device indices, e.g. 0 or 0,0") from None
-    if any(i < 0 for i in out):
-        raise ValueError("device indices are >= 0")
-    return out
-
-
 def _ints(name: str, default: int, allowed: tuple[int, ...], help: str) -> env.Var:
     def parse(s: str) -> int:
         if not s.isdigit() or int(s) not in allowed:
@@ -36,11 +26,10 @@ def _ints(name: str, default: int, allowed: tuple[int, ...], help: str) -> env.V
     return env.custom(name, default, help, "|".join(map(str, allowed)), parse, OWNER)
 
 
-DEVICES = env.custom(
-    "ACCELPLANE_VK_DEVICES", None,
-    "physical device indices to open (a repeated index opens one device as several logical devices)",
-    "I[,I...]", _indices, OWNER,
-)  # fmt: skip
+DEVICES = env.indices(
+    "ACCELPLANE_VK_DEVICES",
+    "physical device indices to open (a repeated index opens one device as several logical devices)", OWNER,
+)
 LOADER = env.text(
     "ACCELPLANE_VK_LOADER", None, "path of libvulkan.so.1 when it is not on the library path",
     "a file path", OWNER,

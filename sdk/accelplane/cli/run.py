@@ -130,7 +130,9 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
     if tty:
         sys.stderr.write("\r\033[K")
     print(format_bench(rows), file=out)
-    if prof is not None:
+    if prof is not None and not prof.getstats():
+        print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)
+    elif prof is not None:
         import pstats
 
         print(f"host time of the timed tg runs, top {args.profile} functions by own time:", file=out)

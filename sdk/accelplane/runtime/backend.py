@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -386,6 +387,7 @@ class Backend:
         self.n_syncs = 0  # host synchronizations issued through this handle (stats)
         # graph -> (layout version, buffers it uses): what graph_compute checked of it
         self._uses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._recorded: dict[int, Buffer] | None = None  # buffers used while recording
         fn = self._fn
         self._graph_compute = fn["graph_compute"]
         self._sync = fn.get("synchronize")
@@ -418,10 +420,9 @@ class Backend:
         use = self._uses.get(graph)
         if use is None or use[0] != graph.layout_version:
             use = self._uses[graph] = (graph.layout_version, _graph_buffers(graph, self, use is None))
-        for b in use[1]:
-            if b.freed:
-                raise BufferFreedError(f"{self.name}: graph #{graph.uid} uses buffer {b.name!r}, which "
-                                       "was freed")  # fmt: skip
+        _check_not_freed(use[1], f"{self.name}: graph #{graph.uid}")
+        if self._recorded is not None:
+            self._recorded.update((b.uid, b) for b in use[1])
         try:
             self._graph_compute(self, graph)
         except AccelplaneError:
@@ -444,16 +445,22 @@ class Backend:
         this backend cannot record."""
         self._check()
         f = self._fn.get("record_begin")
-        return bool(f is not None and f(self))
+        ok = bool(f is not None and f(self))
+        self._recorded = {} if ok else None
+        return ok
 
-    def record_end(self) -> Any:
+    def record_end(self) -> Recording | None:
         """Stop recording: the recording, or None if it failed (nothing recorded has run)."""
-        return self._fn["record_end"](self)
+        used, self._recorded = self._recorded or {}, None
+        rec = self._fn["record_end"](self)
+        return None if rec is None else Recording(rec, tuple(used.values()))
 
-    def record_replay(self, recording: Any) -> None:
-        """Queue a recording of this backend again."""
+    def record_replay(self, recording: Recording) -> None:
+        """Queue a recording of this backend again (BufferFreedError when a buffer its work
+        uses was freed since)."""
         self._check()
-        self._fn["record_replay"](self, recording)
+        _check_not_freed(recording.buffers, f"{self.name}: a recording")
+        self._fn["record_replay"](self, recording.plugin)
 
     def graph_optimize(self, graph: Graph) -> None:
         f = self._fn.get("graph_optimize")
@@ -490,6 +497,21 @@ class Backend:
         if f:
             f(self)
         self.freed = True
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A backend's recording: the plugin's own object (``plugin``, what record_end returned)
+    and the buffers the recorded work uses, checked for being freed at every replay."""
+
+    plugin: Any
+    buffers: tuple[Buffer, ...]
+
+
+def _check_not_freed(buffers, what: str) -> None:
+    for b in buffers:
+        if b.freed:
+            raise BufferFreedError(f"{what} uses buffer {b.name!r}, which was freed")
 
 
 def _graph_buffers(graph: Graph, backend: Backend, first: bool) -> tuple[Buffer, ...]:
@@ -601,6 +623,10 @@ class Comm:
         for t in tensors[1:]:
             if not same_layout(ref, t):
                 raise ShapeError(f"all-reduce tensors differ in layout: {ref} vs {t}")
+        for b, t in zip(self.backends, tensors, strict=True):
+            buf = check_range(t, 0, t.nbytes)
+            if b._recorded is not None:
+                b._recorded[buf.uid] = buf
         return bool(self._fn["comm_allreduce_tensor"](self, tensors))
 
     def free(self) -> None:

@@ -345,7 +345,7 @@ class Registry:
 
     def info(self) -> dict:
         """Everything `accelplane devices --json` prints."""
-        from accelplane import __version__
+        from accelplane._version import __version__
 
         return {
             "accelplane": __version__,

@@ -295,7 +295,6 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
 @hookimpl
 def graph_compute(backend, graph):
     plan = backend.ctx.plans.get(graph)
-    plan.check_buffers()  # on the host, so the caller gets the error
     backend.ctx.stream.submit(plan.run, f"graph#{graph.uid}", plan)
 
 
@@ -315,9 +314,7 @@ def record_end(backend):
 
 @hookimpl
 def record_replay(backend, recording):
-    for fn, label, plan in recording:
-        if plan is not None:
-            plan.check_buffers()
+    for fn, label, _plan in recording:
         backend.ctx.stream.submit(fn, label)
 
 
