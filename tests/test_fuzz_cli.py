@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from test_fuzz_host import deadline
 
 TINY = dict(n_layers=1, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=256, n_ctx=256, wtype="q8_0")
-JUNK = ["", "-", "--", "x", "-1", "0", "1e309", "nan", "ÿ", "--json", "-d", "\x00", "a" * 300, "/", "(", "*"]
+JUNK = ["", "-", "--", "x", "-1", "0", "1e309", "nan", "ÿ", "--json", "-d", "\x00", "a\x00b", "a" * 300, "/",
+        "(", "*"]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,11 @@ def paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli-fuzz")
     make_model(d / "tiny.gguf", **TINY)
     (d / "not-a-model.gguf").write_bytes(b"GGUF" + b"\0" * 40)
-    return {"dir": d, "model": str(d / "tiny.gguf"), "bad": str(d / "not-a-model.gguf"),
-            "out": str(d / "out.json"), "missing": str(d / "no" / "such.json")}  # fmt: skip
+    cwd = os.getcwd()
+    os.chdir(d)  # relative output paths the fuzz draws land here, not in the checkout
+    yield {"dir": d, "model": str(d / "tiny.gguf"), "bad": str(d / "not-a-model.gguf"),
+           "out": str(d / "out.json"), "missing": str(d / "no" / "such.json")}  # fmt: skip
+    os.chdir(cwd)
 
 
 def _value(draw, kind: str, p: dict) -> str:

@@ -73,6 +73,8 @@ def check_output(path: str | None, what: str) -> None:
     if path is None or path == "-":
         return
     p = Path(path)
+    if "\0" in path:
+        raise UsageError(f"{what} {path!r}: a path cannot hold a NUL byte")
     if p.is_dir():
         raise UsageError(f"{what} {path}: is a directory")
     if not p.parent.is_dir():
@@ -81,8 +83,8 @@ def check_output(path: str | None, what: str) -> None:
     try:
         with open(p, "ab"):
             pass
-    except OSError as e:
-        raise UsageError(f"{what} {path}: cannot be written ({e.strerror or e})") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise UsageError(f"{what} {path!r}: cannot be written ({getattr(e, 'strerror', None) or e})") from None
     if not existed:
         os.unlink(p)
 
@@ -140,7 +142,10 @@ def cmd_devices(args) -> int:
             caps = ",".join(k for k, v in d["caps"].items() if v) or "sync"
             print(f"  {d['name']:<10} {d['type']:<5} {mem:<24} [{caps}] {d['description']}")
     for f in info["failures"]:
-        print(f"broken plugin {f['name']} (at {f['stage']}): {f['reason']}")
+        if f["no_device"]:  # installed, but its hardware or runtime is not here: not broken
+            print(f"plugin {f['name']}: no device ({f['reason']})")
+        else:
+            print(f"broken plugin {f['name']} (at {f['stage']}): {f['reason']}")
     return 0
 
 
@@ -305,7 +310,7 @@ def _sizes(s: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="accelplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("devices", help="plugins, devices, memory, broken plugins and why")
+    d = sub.add_parser("devices", help="plugins, devices, memory; plugins with no device or broken, and why")
     d.add_argument("--json", action="store_true")
     d.add_argument("--env", action="store_true",
                    help="the ACCELPLANE_* variables that are set, with their meaning, and the others known")

@@ -53,7 +53,7 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     for d in reg.devices:
         p(f"  {d.name:<10} {d.type.value:<5} {d.plugin.name:<10} {d.description}")
     for fl in reg.failures:
-        p(f"  (broken plugin {fl.name}: {fl.reason})")
+        p(f"  ({'no device' if fl.no_device else 'broken plugin'} {fl.name}: {fl.reason})")
     devs = pick_devices(reg, args.device)
     cpu = _cpu_of(reg)
     n_prompt, n_dec = int(args.prompt_tokens), int(args.tokens)

@@ -374,7 +374,8 @@ class Registry:
                 for p in self.plugins.values()
             ],
             "failures": [
-                {"name": f.name, "stage": f.stage, "reason": f.reason} for f in self.failures
+                {"name": f.name, "stage": f.stage, "reason": f.reason, "no_device": f.no_device}
+                for f in self.failures
             ],
         }
 
