@@ -62,7 +62,7 @@ def test_a_plugin_importing_the_scheduler_fails_lint(tmp_path):
 
 
 PLUGIN_PACKAGES = [ROOT / "sdk" / "accelplane" / "cpu"] + sorted(
-    p.parent for p in ROOT.glob("plugins/*/accelplane_*/__init__.py") if p.parent.name != "accelplane_cuda"
+    p.parent for p in ROOT.glob("plugins/*/accelplane_*/__init__.py")
 )
 
 

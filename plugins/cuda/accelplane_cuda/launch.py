@@ -3,7 +3,7 @@
 CuPy launches kernels with ``cuLaunchKernel``, which cannot carry launch attributes. On sm_90
 and newer, a launch with the programmatic-stream-serialization attribute lets a kernel start
 while the one before it in the stream drains: its blocks are scheduled as SMs free up and wait
-inside the kernel (kernels.cu: ``pdl_enter``) for the previous kernel's results. Between the
+inside the kernel (kernels/common.cuh: ``pdl_enter``) for the previous kernel's results. Between the
 short kernels of a decode step this hides the launch and ramp-up gap; the register mat-vec
 also streams its first weights during that wait. A stream capture records the attribute as a
 programmatic edge of the CUDA graph, so replays keep the overlap.
@@ -19,8 +19,6 @@ import ctypes
 
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
-
-from . import tuning
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
@@ -59,9 +57,10 @@ def _driver():
     return _LIB
 
 
-def pdl_wanted(compute_capability: int) -> bool:
-    """Launch with programmatic dependent launch: sm_90+ and not ACCELPLANE_CUDA_PDL=0."""
-    return tuning.PDL.get() and compute_capability >= 90
+def pdl_wanted(compute_capability: int, enabled: bool) -> bool:
+    """Launch with programmatic dependent launch: sm_90+ and ``enabled`` (the plan's or comm's
+    reading of ACCELPLANE_CUDA_PDL, tuning.py)."""
+    return enabled and compute_capability >= 90
 
 
 class Launch:

@@ -28,25 +28,31 @@ Where: tensors of a CUDA *weights* buffer (BufferUsage.WEIGHTS at allocation) wh
 Q4_0, Q8_0 or Q4_K, with contiguous rows of a multiple of 256 elements starting 16-byte aligned.
 The buffer hooks convert on the host side of every set/get (so users, other plugins and the SDK's
 copies always see GGUF bytes), and kernels that read or write such tensors use the layout's
-type id (102, 108, 112). ACCELPLANE_CUDA_REPACK=0 turns it off (for new buffers).
+kernel type id (:class:`X8Type`).
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import numpy as np
 from accelplane.core.types import GGMLType as T
 from accelplane.errors import UnsupportedOpError
 
-from . import tuning
 
-X8 = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}  # kernel type ids of the x8 layouts
+class X8Type(IntEnum):
+    """The kernels' type ids of the x8 layouts: past GGUF's ids, which the kernels use for every
+    other type (kernels/common.cuh: namespace ty)."""
+
+    Q4_0X8 = 102
+    Q8_0X8 = 108
+    Q4_KX8 = 112
+
+
+X8 = {T.Q4_0: X8Type.Q4_0X8, T.Q8_0: X8Type.Q8_0X8, T.Q4_K: X8Type.Q4_KX8}  # GGUF type → its x8 layout
+KernelType = T | X8Type  # what a kernel's type-id template parameter takes
 GROUP = 8  # blocks per group
 _BLOCK = {T.Q4_0: 18, T.Q8_0: 34}
-
-
-def enabled() -> bool:
-    """ACCELPLANE_CUDA_REPACK (1, default): new weights buffers take the x8 layouts."""
-    return tuning.REPACK.get()
 
 
 def _nibbles_to_words(sub: np.ndarray) -> np.ndarray:
@@ -152,13 +158,13 @@ def region(t):
     return r if _eligible(r) else None
 
 
-def type_id(t) -> int:
-    """The kernels' type id for reading or writing ``t``: 102/108/112 for x8 tensors, else its
+def type_id(t) -> KernelType:
+    """The kernels' type id for reading or writing ``t``: its X8Type for x8 tensors, else its
     ggml type. A view into x8 memory that does not keep whole rows raises UnsupportedOpError
     (no kernel can address it)."""
     r = region(t)
     if r is None:
-        return int(t.type)
+        return t.type
     rows_kept = (t.type == r.type and t.ne[0] == r.ne[0] and t.nb[0] == r.nb[0]
                  and all(t.nb[i] % r.nb[1] == 0 for i in (1, 2, 3) if t.ne[i] > 1)
                  and (t.offs - r.offs) % r.nb[1] == 0)  # fmt: skip

@@ -9,38 +9,60 @@ in F32 in place; from a size threshold on (32768 elements for 2 devices, 131072 
 for 4 or more; ACCELPLANE_CUDA_NCCL_BF16_MIN overrides, in elements, 0 = never) they travel as
 BF16, are summed in BF16 by NCCL and are widened back to F32: half the bytes for a bounded loss
 of precision.
+
+NCCL stays off NVLink multicast (``NCCL_NVLS_ENABLE=0`` while a communicator is made, unless the
+user set it): on shared hosts multicast can take the GPUs out of service. The process
+environment is restored afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 
-from . import tuning
-from .p2p import PeerAllReduce, max_bytes, peer_access
+from . import compiler, rows, tuning
+from .p2p import PeerAllReduce, peer_access
 
 _DTYPE = {GGMLType.F32: 7, GGMLType.F16: 6, GGMLType.BF16: 9}  # ncclFloat32, ncclFloat16, ncclBfloat16
 _SUM = 0
+_WIRE = (GGMLType.BF16, GGMLType.F32)  # compressed all-reduces: F32 tensors travel as BF16
+_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}  # set while a communicator is made, where the user has not
+
+
+@contextlib.contextmanager
+def _env_defaults(values: dict[str, str]):
+    """``values`` in the process environment where unset, for the block only."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 class NcclComm:
-    def __init__(self, devices: list[int], p2p: PeerAllReduce | None = None, p2p_why: str = "") -> None:
+    """An NCCL communicator over ``devices`` (one rank each); ``bf16_min``: elements from which
+    F32 tensors travel as BF16 (None: the default for the GPU count; 0: never)."""
+
+    def __init__(self, devices: list[int], p2p: PeerAllReduce | None = None, p2p_why: str = "",
+                 bf16_min: int | None = None) -> None:  # fmt: skip
         from cupy.cuda import nccl
 
         self.nccl = nccl
         self.devices = devices
         self.p2p = p2p
         self.p2p_why = p2p_why  # why small tensors go through NCCL too, if they do (diagnostics)
-        # NCCL stays off NVLink multicast (it reads this when a communicator is made): on shared
-        # hosts multicast can take the GPUs out of service; a user's own setting wins
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        self.comms = nccl.NcclCommunicator.initAll(devices)
+        with _env_defaults(_NCCL_ENV):  # NCCL reads it when the communicator is made
+            self.comms = nccl.NcclCommunicator.initAll(devices)
         default = {2: 32768, 3: 131072}.get(len(devices), 262144)
-        wanted = tuning.NCCL_BF16_MIN.get()
-        self.bf16_min = default if wanted is None else wanted
+        self.bf16_min = default if bf16_min is None else bf16_min
+        for d in devices:  # compiled now, not on a first all-reduce inside a stream capture
+            compiler.device(d).prepare(rows.convert_name(*_WIRE), rows.convert_name(*_WIRE[::-1]))
         self._bf16_bufs: dict = {}  # (device, elements) -> (pointer, memory): the wire copy
         self._args: dict = {}  # (device, elements) -> the conversion kernel's arguments
 
@@ -54,15 +76,13 @@ class NcclComm:
         if t0.type not in _DTYPE or not all(t.is_contiguous() for t in tensors):
             return False
         compress = t0.type == GGMLType.F32 and self.bf16_min > 0 and t0.nelements >= self.bf16_min
-        from .plan import kernels
-
         nccl = self.nccl
         count = t0.nelements
         if compress:
             bufs = []
             for b, t in zip(backends, tensors, strict=True):
                 tmp = self._bf16(b.ctx.device, t)
-                self._convert(kernels(b.ctx.device), b, t, tmp, to_bf16=True)
+                self._convert(compiler.device(b.ctx.device), b, t, tmp, to_bf16=True)
                 bufs.append(tmp)
         nccl.groupStart()
         try:
@@ -78,7 +98,7 @@ class NcclComm:
             nccl.groupEnd()
         if compress:
             for b, t, tmp in zip(backends, tensors, bufs, strict=True):
-                self._convert(kernels(b.ctx.device), b, t, tmp, to_bf16=False)
+                self._convert(compiler.device(b.ctx.device), b, t, tmp, to_bf16=False)
         return True
 
     def _bf16(self, device: int, t: Tensor):
@@ -103,7 +123,7 @@ class NcclComm:
                 P = self._args[key] = cp.asarray(np.asarray([n], np.int64))
         tp, bp = t.buffer.ctx.ptr + t.offs, tmp[0]
         sp, dp = (tp, bp) if to_bf16 else (bp, tp)
-        name = "k_convert<__nv_bfloat16,float>" if to_bf16 else "k_convert<float,__nv_bfloat16>"
+        name = rows.convert_name(*(_WIRE if to_bf16 else _WIRE[::-1]))
         with cp.cuda.Device(b.ctx.device), b.ctx.stream:
             fns[name]((max(1, min((n + 255) // 256, 65535)),), (256,),
                       (np.uint64(P.data.ptr), np.uint64(dp), np.uint64(sp)))  # fmt: skip
@@ -120,9 +140,10 @@ class NcclComm:
 
 
 def init(backends) -> NcclComm | None:
-    from .plugin import StreamCtx
+    from .runtime import StreamCtx
 
-    mode = tuning.ALLREDUCE.get()
+    settings = tuning.read()
+    mode = settings.allreduce
     if mode == "none":
         return None
     if len(backends) < 2 or not all(isinstance(b.ctx, StreamCtx) for b in backends):
@@ -130,11 +151,11 @@ def init(backends) -> NcclComm | None:
     devices = [b.ctx.device for b in backends]
     if len(set(devices)) != len(devices):
         return None  # NCCL takes one rank per GPU
-    limit = max_bytes() if mode == "auto" else 0
+    limit = settings.p2p_max if mode == "auto" else 0
     why = peer_access(devices) if limit >= 16 else f"off (ACCELPLANE_CUDA_ALLREDUCE={mode}, P2P_MAX={limit})"
-    p2p = None if why else PeerAllReduce(devices, limit)
+    p2p = None if why else PeerAllReduce(devices, limit, settings.pdl)
     try:
-        return NcclComm(devices, p2p, why)
+        return NcclComm(devices, p2p, why, settings.nccl_bf16_min)
     except Exception as e:  # NCCL missing or failing: the SDK fallback serves, loudly
         import warnings
 

@@ -2,7 +2,7 @@
 
 A tensor-split decode token all-reduces two 16 KiB activations per layer. NCCL takes ~20 µs
 for that on two NVLink-linked H200s, mostly fixed latency; here each GPU runs one kernel
-(kernels.cu: ``k_allreduce_p2p``) that pushes its term into every peer's memory, raises a flag
+(kernels/allreduce.cu: ``k_allreduce_p2p``) that pushes its term into every peer's memory, raises a flag
 there, waits for the peers' flags and sums the terms in rank order, so every GPU ends with the
 same bits. No host work per call, and the kernel records into a CUDA graph like any other.
 
@@ -19,25 +19,23 @@ import numpy as np
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 
-from . import tuning
+from . import compiler
 
-AR_MAXB = 64  # blocks per launch at most (kernels.cu: the flags and counters per block)
+AR_MAXB = 64  # blocks per launch at most (kernels/allreduce.cu: the flags and counters per block)
 THREADS = 256
+MAX_RANKS = 8  # the kernel is compiled for 2 to this many GPUs
 _ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 
-
-def max_bytes() -> int:
-    return tuning.P2P_MAX.get()
+FAMILY = compiler.family("allreduce", {"k_allreduce_p2p": compiler.product(range(2, MAX_RANKS + 1))},
+                         defines={"AR_MAXB": AR_MAXB})  # fmt: skip
 
 
 def peer_access(devices: list[int]) -> str:
     """Enable peer access between every pair of ``devices``; "" when done, else why not."""
     import cupy as cp
 
-    from .plan import P2P_MAX_RANKS
-
-    if not 2 <= len(devices) <= P2P_MAX_RANKS:
-        return f"{len(devices)} GPUs (the kernel serves 2 to {P2P_MAX_RANKS})"
+    if not 2 <= len(devices) <= MAX_RANKS:
+        return f"{len(devices)} GPUs (the kernel serves 2 to {MAX_RANKS})"
     rt = cp.cuda.runtime
     for d in devices:
         for p in devices:
@@ -55,12 +53,14 @@ def peer_access(devices: list[int]) -> str:
 
 
 class PeerAllReduce:
-    """The receive slots, flags and counters of every GPU, and the prepared launches."""
+    """The receive slots, flags and counters of every GPU, and the prepared launches (``pdl``:
+    with programmatic dependent launch where the GPU has it, launch.py)."""
 
-    def __init__(self, devices: list[int], limit: int) -> None:
+    def __init__(self, devices: list[int], limit: int, pdl: bool) -> None:
         import cupy as cp
 
         self.devices = devices
+        self.pdl = pdl
         nr = len(devices)
         self.cap = limit // 16 * 4  # floats per receive slot, a multiple of 4
         size = 2 * nr * self.cap * 4 + AR_MAXB * nr * 4 + AR_MAXB * 4
@@ -72,6 +72,9 @@ class PeerAllReduce:
                 cp.cuda.runtime.deviceSynchronize()
             self.mem.append(m)
         self.bases = [int(m.ptr) for m in self.mem]
+        self.name = compiler.name("k_allreduce_p2p", nr)
+        for d in devices:  # compiled now, not on a first all-reduce inside a stream capture
+            compiler.device(d).prepare(self.name)
         self._launches: dict = {}  # (rank, address, elements) -> (Launch, its parameter array)
 
     def serves(self, tensors: list[Tensor]) -> bool:
@@ -96,16 +99,15 @@ class PeerAllReduce:
             import cupy as cp
 
             from .launch import Launch, pdl_wanted
-            from .plan import kernels
 
-            fns = kernels(b.ctx.device)
+            fns = compiler.device(b.ctx.device)
             n4 = t.nelements // 4
             P = cp.asarray(np.asarray([n4, rank, self.cap, *self.bases], np.int64))
             grid = max(1, min(AR_MAXB, -(-n4 // THREADS)))
-            name = f"k_allreduce_p2p<{len(self.devices)}>"
+            name = self.name
             args = (np.uint64(P.data.ptr), np.uint64(ptr), b.ctx.err.ptr)
             launch = Launch(name, fns[name], (grid,), (THREADS,), 0, b.ctx.stream.ptr, args,
-                            pdl_wanted(fns["cc"]))  # fmt: skip
+                            pdl_wanted(fns.cc, self.pdl))  # fmt: skip
             cp.cuda.runtime.deviceSynchronize()  # the parameter upload, before any launch reads it
             got = self._launches[key] = (launch, P)
         return got[0]

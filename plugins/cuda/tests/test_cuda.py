@@ -13,6 +13,7 @@ from accelplane.core.types import GGMLType, quantize
 from accelplane.errors import AccelplaneError
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Comm
+from accelplane_cuda import compiler
 
 T = GGMLType
 
@@ -186,28 +187,27 @@ def test_tensor_split_records_each_gpu_into_one_graph(tmp_path):
     assert (out["tensor"].argmax(-1) == out["none"].argmax(-1))[clear].all()
 
 
-def test_kernels_compile_with_nvrtc():
-    """kernels.cu compiles for sm_90 with NVRTC (no GPU needed: only the NVRTC library)."""
-    from pathlib import Path
-
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
-    from accelplane_cuda.plan import _names
-
-    src = (Path(__import__("accelplane_cuda").__file__).parent / "kernels.cu").read_text()
-    try:
-        prog = nvrtc.createProgram(src, "kernels.cu", [], [])
-    except Exception as e:  # CuPy without the NVRTC library
-        pytest.skip(f"NVRTC library not available: {e}")
-    for n in _names():
-        nvrtc.addNameExpression(prog, n)
+@pytest.mark.parametrize("family", [f.file for f in compiler.families()])
+def test_kernels_compile_with_nvrtc(family):
+    """kernels/<family>.cu compiles for sm_90 with NVRTC, with every instantiation the plugin
+    asks for (compiler.Family: the same source, options and name expressions as on a GPU; no
+    GPU needed, only the NVRTC library)."""
     import os
 
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
+    fam = next(f for f in compiler.families() if f.file == family)
+    try:
+        prog = nvrtc.createProgram(fam.source(), f"{family}.cu", [], [])
+    except Exception as e:  # CuPy without the NVRTC library
+        pytest.skip(f"NVRTC library not available: {e}")
+    for n in fam.names():
+        nvrtc.addNameExpression(prog, n)
     inc = [f"-I{d}" for d in ("/usr/local/cuda/include",) if os.path.isdir(d)]
     try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90", "--std=c++17", *inc])
+        nvrtc.compileProgram(prog, ["-arch=compute_90", *fam.options(), *inc])
     except Exception as e:
         pytest.fail(f"NVRTC: {e}\n{nvrtc.getProgramLog(prog)}")
-    for n in _names():  # every kernel the plugin looks up has a symbol
+    for n in fam.names():  # every kernel the plugin looks up has a symbol
         assert nvrtc.getLoweredName(prog, n), n
 
 
@@ -237,24 +237,18 @@ def test_replays_with_library_calls():
     buf.free()
 
 
-@pytest.mark.parametrize("mode", ["row", "noring", "pipe", "pipe4"])
 @pytest.mark.parametrize("wtype", ["F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_matvec_kernels(monkeypatch, wtype, mode):
+def test_matvec_kernels(monkeypatch, wtype):
     """The mat-vec kernels against float64 numpy: the register ones (k_quant_x + k_mmv_row or
-    k_mmv_row1, for Q4_0x8, Q8_0x8 and Q4_K; ACCELPLANE_CUDA_MMV=row, the default), the ring
-    (k_mmv_ring: one row of x8 weights, K = 14336, and K = 4096 for Q4_K; =noring:
-    ACCELPLANE_CUDA_RING=0 leaves those to k_mmv_row1) and the pipelined one (k_mmv_pipe; =pipe,
-    with the most warps that fit or 4): rows over several stages or passes, several rows per
+    k_mmv_row1, for Q4_0x8, Q8_0x8 and Q4_K), the ring (k_mmv_ring: one row of x8 weights,
+    K = 14336, and K = 4096 for Q4_K) and the pipelined one (k_mmv_pipe, the other types; Q6_K
+    rows of 840 bytes take k_mul_mat_vec): rows over several stages or passes, several rows per
     warp or block, 1..8 activation rows, broadcast batches, and M not a multiple of the block's
     rows."""
-    from accelplane_cuda import plan
+    from accelplane_cuda import matvec
 
     dev = _cuda()
-    monkeypatch.setattr(plan, "MMV_SMALL", 0)  # float weights of any size take the kernel too
-    monkeypatch.setenv("ACCELPLANE_CUDA_MMV", "row" if mode == "noring" else mode[:4])
-    monkeypatch.setenv("ACCELPLANE_CUDA_RING", "0" if mode == "noring" else "1")
-    if mode == "pipe4":
-        monkeypatch.setenv("ACCELPLANE_CUDA_MMV_WARPS", "4")
+    monkeypatch.setattr(matvec, "SMALL", 0)  # float weights of any size take the kernel too
     wt = T[wtype]
     rng = np.random.default_rng(7)
     # (K, M, N, weight batches, broadcast); K = 16640 takes two passes of the register kernel;
@@ -277,9 +271,8 @@ def test_matvec_kernels(monkeypatch, wtype, mode):
         want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
         # Q4_0/Q8_0/Q4_K weights in a weights buffer (alloc_tensors' default) take the x8 layouts
         want_id = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}.get(wt, int(wt))
-        if mode in ("row", "noring") and want_id in plan._ROW_U:
-            ring = mode == "row" and n * ne2 * r2 == 1 and want_id in plan._RING and k % 2048 == 0
-            ring = ring and (k >= 8192 or want_id == 112)
+        if want_id in (102, 108, 112):  # the register kernels; the ring for one long row
+            ring = n * ne2 * r2 == 1 and k % 2048 == 0 and (k >= 8192 or want_id == 112)
             row = (f"k_mmv_ring<{want_id},",) if ring else (f"k_mmv_row<{want_id},", f"k_mmv_row1<{want_id},")
             assert "k_quant_x" in names and any(s.startswith(row) for s in names), names
             assert ring or not any(s.startswith("k_mmv_ring<") for s in names), names
@@ -437,7 +430,7 @@ def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
     (both layouts the model writes) runs as one k_mmv_row1 launch with the QKV epilogue; Q and
     the caches match float64 (accelplane.oracle.reference on the gguf package's dequantization), slots
     not written are untouched, a position past the cache is a ComputeError; with
-    ACCELPLANE_CUDA_QKV=0 separate kernels compute the same."""
+    ACCELPLANE_FUSION=0 separate kernels compute the same."""
     from accelplane.errors import ComputeError
     from accelplane.models.blocks import qkv_block
     from accelplane.oracle import reference
@@ -463,7 +456,7 @@ def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
     want = [ref[t].reshape(-1) for t in (q_out, b.k_set, b.v_set)]  # the caches after the writes
     scale = np.abs(want[0]).max()
     for fused in (True, False):
-        monkeypatch.setenv("ACCELPLANE_CUDA_QKV", "1" if fused else "0")
+        monkeypatch.setenv("ACCELPLANE_FUSION", "1" if fused else "0")
         for t, v in ins.items():
             if t is not b.w:
                 t.set(v)
@@ -489,8 +482,9 @@ def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
                 with pytest.raises(ComputeError, match="out of range"):
                     be.compute(g)
             else:
-                assert plan.fused == [("ROPE", "SET_ROWS")], plan.fused
+                assert plan.fused == [], plan.fused
                 assert "k_rope<float,float>" in names, names
+                assert any(n.startswith("k_set_rows<") for n in names), names
         finally:
             be.free()
     buf.free()
@@ -871,7 +865,7 @@ def test_programmatic_launch_chain(monkeypatch, pdl):
         plan = be.ctx.plans.get(g)
         assert plan.cuda_graph is not None, plan.graph_error
         flags = [s.config.n_attrs for s in plan.steps]
-        want_pdl = pdl == "1" and plan.fns["cc"] >= 90
+        want_pdl = pdl == "1" and plan.fns.cc >= 90
         assert flags == [0] + [int(want_pdl)] * (len(flags) - 1), flags
         # the CPY into wq writes its weights buffer (wo's products wait), ws's is read early
         assert id(wq.buffer) in plan.written and id(ws[0].buffer) not in plan.written

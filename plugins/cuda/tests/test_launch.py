@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from accelplane.errors import ConfigError
-from accelplane_cuda import launch
+from accelplane_cuda import launch, tuning
 
 
 def _kernels() -> dict[str, str]:
-    """name → body of every __global__ function of kernels.cu."""
-    src = (Path(launch.__file__).parent / "kernels.cu").read_text()
+    """name → body of every __global__ function of kernels/*.cu."""
+    src = "\n".join(p.read_text() for p in sorted((Path(launch.__file__).parent / "kernels").glob("*.cu")))
     out = {}
     for m in re.finditer(r"__global__[^{;]*?\b(k_\w+)\s*\(", src):
         start = src.index("{", m.end())
@@ -28,7 +28,7 @@ def _kernels() -> dict[str, str]:
 
 
 def test_every_kernel_waits_for_its_predecessor():
-    """The contract that makes programmatic launches safe (kernels.cu: pdl_enter): every
+    """The contract that makes programmatic launches safe (kernels/common.cuh: pdl_enter): every
     kernel calls pdl_enter first, or pdl_enter_params (its parameters, written at plan time,
     copied to shared memory before the wait), except the mat-vecs (k_mmv_row, k_mmv_row1,
     k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15])."""
@@ -69,12 +69,13 @@ def test_launch_takes_numpy_scalars_only():
 
 
 def test_pdl_switch(monkeypatch):
+    """Programmatic launches on sm_90+ unless ACCELPLANE_CUDA_PDL=0 (as a plan reads it)."""
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "1")
-    assert launch.pdl_wanted(90) and not launch.pdl_wanted(80)
+    assert launch.pdl_wanted(90, tuning.read().pdl) and not launch.pdl_wanted(80, tuning.read().pdl)
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "0")
-    assert not launch.pdl_wanted(90)
+    assert not launch.pdl_wanted(90, tuning.read().pdl)
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "yes")
-    assert launch.pdl_wanted(90)
+    assert launch.pdl_wanted(90, tuning.read().pdl)
     monkeypatch.setenv("ACCELPLANE_CUDA_PDL", "2")
     with pytest.raises(ConfigError, match="ACCELPLANE_CUDA_PDL"):
-        launch.pdl_wanted(90)
+        tuning.read()

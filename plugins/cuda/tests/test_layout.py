@@ -130,7 +130,7 @@ def test_write_read_whole_and_partial_rows(ty):
         layout.type_id(half)
     assert layout.same_layout(w, w) and not layout.same_layout(w, half)
     # supports_op is exact: no CUDA kernel is offered a view it cannot address
-    from accelplane_cuda.plan import supports
+    from accelplane_cuda.support import supports
 
     x = ctx.new_tensor_ne(T.F32, k // 2, 1, name="x")
     assert not supports(ctx.mul_mat(half, x))

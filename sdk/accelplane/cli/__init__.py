@@ -83,8 +83,8 @@ def check_output(path: str | None, what: str) -> None:
     try:
         with open(p, "ab"):
             pass
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        raise UsageError(f"{what} {path!r}: cannot be written ({getattr(e, 'strerror', None) or e})") from None
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot be written ({e.strerror or e})") from None
     if not existed:
         os.unlink(p)
 

@@ -4,8 +4,10 @@ device-to-device copy bandwidth, the time to merely read a mat-vec's weights, cu
 installed), torch.distributed's NCCL all-reduce over N GPUs, one process per GPU, for
 ``accelplane bench tp --peer-json``.
 
-    python -m accelplane_cuda.peers [--json FILE]
-    python -m accelplane_cuda.peers --allreduce N [--sizes 4K,1M,1G] [--dtype float32] [--json FILE]
+    python tools/cuda_peers.py [--json FILE]
+    python tools/cuda_peers.py --allreduce N [--sizes 4K,1M,1G] [--dtype float32] [--json FILE]
+
+Benchmark tooling for GPU machines (scripts/gpu-run runs it); not part of any package.
 """
 
 from __future__ import annotations

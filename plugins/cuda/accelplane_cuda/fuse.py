@@ -1,0 +1,65 @@
+"""Runs of nodes launched as one kernel, where accelplane.core.fusion allows it and a fused kernel
+takes the shapes: ROPE → view → SET_ROWS, ADD + norm (+ MUL), norm + MUL, the Q/K/V projection
+with its ropes and cache writes, the decode attention."""
+
+from __future__ import annotations
+
+from accelplane.core.fusion import NORMS, Fusion, scales_rows
+from accelplane.core.ops import Op
+from accelplane.core.types import GGMLType as T
+
+from . import attention, norm, qkv, softmax_rope
+
+_ATTENTION = (Op.MUL_MAT, Op.SOFT_MAX, Op.MUL_MAT)
+
+
+def fuse(plan, fusion: Fusion, i: int, nodes) -> int:
+    """Launch nodes ``i ..`` as one kernel where one applies; how many nodes that covered (0:
+    none, the caller launches node ``i`` alone)."""
+    n = nodes[i]
+    if n.op is Op.ROPE:
+        sr = fusion.rope_set_rows(i)
+        if sr is not None and softmax_rope.rope_rows_fit(n, nodes[i + 1], sr):
+            softmax_rope.rope(plan, n, sr)
+            plan.fused.append(("ROPE", "SET_ROWS"))
+            return 3
+        return 0
+    if n.op is Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op in NORMS:
+        covered = _add_norm(plan, fusion, i, nodes)
+        if covered:
+            return covered
+    m = fusion.norm_mul(i)
+    if m is not None:
+        norm.norm(plan, n, m)
+        plan.fused.append((n.op.name, "MUL"))
+        return 2
+    if n.op is Op.MUL_MAT:
+        f = fusion.product_rope_cache(i)
+        if f is not None and qkv.fits(plan, f):
+            qkv.run(plan, f)
+            plan.fused.append(("MUL_MAT", "ROPE", "ROPE", "SET_ROWS", "SET_ROWS"))
+            return f.covered
+        run = nodes[i : i + 3]
+        if fusion.match(i, _ATTENTION) and attention.fits(*run):
+            attention.attention(plan, *run)
+            plan.fused.append(tuple(o.name for o in _ATTENTION))
+            return 3
+    return 0
+
+
+def _add_norm(plan, fusion: Fusion, i: int, nodes) -> int:
+    """A residual ADD of same-shape F32 tensors, the norm of its sum and the MUL scaling that:
+    one k_norm launch that also writes the sum (3 nodes; 2 without the MUL)."""
+    n, nrm = nodes[i], nodes[i + 1]
+    a, b = n.src
+    if not (tuple(a.ne) == tuple(b.ne) == tuple(n.ne) and T.F32 == a.type == b.type == n.type):
+        return 0
+    if fusion.match(i, (Op.ADD, nrm.op, Op.MUL), written=(0,)) and scales_rows(nrm, nodes[i + 2]):
+        norm.norm(plan, nrm, nodes[i + 2], add=n)
+        plan.fused.append(("ADD", nrm.op.name, "MUL"))
+        return 3
+    if fusion.match(i, (Op.ADD, nrm.op), written=(0,)):
+        norm.norm(plan, nrm, add=n)
+        plan.fused.append(("ADD", nrm.op.name))
+        return 2
+    return 0

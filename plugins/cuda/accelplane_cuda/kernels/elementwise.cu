@@ -1,0 +1,105 @@
+// accelplane CUDA plugin: element-wise kernels: unary and scalar ops, binary ops with
+// broadcasting, gated linear units (elementwise.py).
+#include "common.cuh"
+
+// ---- unary / scalar ops ---------------------------------------------------------------------------
+// P: [n, ne0..3, nbd0..3, nbs0..3, op, p0, p1]
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu_(float x) {
+    const float c = 0.7978845608028654f;
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+__device__ __forceinline__ float unary_op(int op, float x, float p0, float p1) {
+    switch (op) {
+        case 0: return fabsf(x);
+        case 2: return -x;
+        case 4: return tanhf(x);
+        case 6: return fmaxf(x, 0.0f);
+        case 7: return sigmoidf_(x);
+        case 8: return gelu_(x);
+        case 9: return x * sigmoidf_(1.702f * x);
+        case 10: return x * sigmoidf_(x);
+        case 13: return expf(x);
+        case 100: return x * x;
+        case 101: return sqrtf(x);
+        case 102: return logf(x);
+        case 103: return sinf(x);
+        case 104: return cosf(x);
+        case 105: return x * p0 + p1;
+        case 106: return fmaxf(fminf(x, p1), p0);
+        case 107: return x > 0.0f ? x : x * p0;
+    }
+    return x;
+}
+template <typename T>
+__global__ void k_unary(const i64* __restrict__ P, char* dst, const char* src) {
+    pdl_enter();
+    const i64 n = P[0];
+    const int op = (int)P[13];
+    const float p0 = (float)pf(P, 14), p1 = (float)pf(P, 15);
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float x = ld<T>(src + offs4(i, P + 1, P + 9));
+        st<T>(dst + offs4(i, P + 1, P + 5), unary_op(op, x, p0, p1));
+    }
+}
+
+// ---- binary ops with b repeated to a's shape ---------------------------------------------------------
+// P: [n, ne0..3, nbd0..3, nba0..3, neb0..3, nbb0..3, op]
+template <typename Ta, typename Tb>
+__global__ void k_binary(const i64* __restrict__ P, char* dst, const char* a, const char* b) {
+    pdl_enter();
+    const i64 n = P[0];
+    const int op = (int)P[21];
+    const i64* ne = P + 1;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        unsigned int r = (unsigned int)i;
+        const unsigned int i0 = r % (unsigned int)ne[0]; r /= (unsigned int)ne[0];
+        const unsigned int i1 = r % (unsigned int)ne[1]; r /= (unsigned int)ne[1];
+        const unsigned int i2 = r % (unsigned int)ne[2]; const unsigned int i3 = r / (unsigned int)ne[2];
+        const float x = ld<Ta>(a + i0 * P[9] + i1 * P[10] + i2 * P[11] + i3 * P[12]);
+        const float y = ld<Tb>(b + (i0 % (unsigned int)P[13]) * P[17] + (i1 % (unsigned int)P[14]) * P[18] +
+                               (i2 % (unsigned int)P[15]) * P[19] + (i3 % (unsigned int)P[16]) * P[20]);
+        float z;
+        switch (op) { case 0: z = x + y; break; case 1: z = x - y; break; case 2: z = x * y; break;
+                      default: z = x / y; }
+        st<Ta>(dst + i0 * P[5] + i1 * P[6] + i2 * P[7] + i3 * P[8], z);
+    }
+}
+
+// ---- gated linear units: dst = act(x) * g --------------------------------------------------------------
+// P: [n, ne0..3, nbd0..3, nbx0..3, nbg0..3, op(1 geglu, 2 swiglu)]
+__device__ __forceinline__ float glu1(float x, float g, int op) {
+    return (op == 2 ? x * sigmoidf_(x) : gelu_(x)) * g;
+}
+template <typename T>
+__global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const char* g) {
+    pdl_enter();
+    const i64 n = P[0];
+    const int op = (int)P[17];
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float xv = ld<T>(x + offs4(i, P + 1, P + 9));
+        const float gv = ld<T>(g + offs4(i, P + 1, P + 13));
+        st<T>(dst + offs4(i, P + 1, P + 5), glu1(xv, gv, op));
+    }
+}
+
+// k_glu for contiguous F32 rows of ne0 % 32 == 0 elements, 16-byte aligned, ne2 = ne3 = 1 (elementwise.py
+// picks it): a warp per 128 elements, float4 accesses. Same P as k_glu, plus xq: when not null
+// the result is also written quantized as k_quant_x writes it, for the register mat-vec that
+// reads it (the FFN's down projection), saving that launch. Grid: warps of 128 elements / 8.
+__global__ void k_glu_vec(const i64* __restrict__ P, char* dst, const char* x, const char* g, char* xq) {
+    __shared__ i64 Ps[18];
+    pdl_enter_params<18>(P, Ps);
+    const int total = (int)Ps[0], K = (int)Ps[1], op = (int)Ps[17];
+    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w * 128 >= total) return;  // whole warps: the shuffles in quantize4 need all 32 lanes
+    const int e = w * 128 + 4 * (threadIdx.x & 31), j = e / K, c = e - j * K;
+    float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < total) {
+        const float4 a = *(const float4*)(x + j * Ps[10] + 4 * (i64)c);
+        const float4 b = *(const float4*)(g + j * Ps[14] + 4 * (i64)c);
+        y = make_float4(glu1(a.x, b.x, op), glu1(a.y, b.y, op), glu1(a.z, b.z, op), glu1(a.w, b.w, op));
+        *(float4*)(dst + j * Ps[6] + 4 * (i64)c) = y;
+    }
+    if (xq) quantize4(xq, y, e, total);
+}

@@ -1,0 +1,79 @@
+"""SOFT_MAX and ROPE (kernels/softmax_rope.cu); ROPE → view → SET_ROWS as one launch (fuse.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from accelplane.core.ops import ROPE_TYPE_NEOX, Op, rope_yarn_corr_dims
+from accelplane.core.types import GGMLType as T
+
+from . import compiler
+from .args import CTYPE, HALF_TYPES, f64
+
+FAMILY = compiler.family("softmax_rope", {
+    "k_soft_max": compiler.product(HALF_TYPES),
+    "k_rope": compiler.product(HALF_TYPES, HALF_TYPES),
+})  # fmt: skip
+
+
+def rotation(rope) -> list[int]:
+    """kernels/common.cuh rope_cs's parameters for ROPE node ``rope``: freq_scale, ext_factor,
+    attn_factor, YaRN's two correction dims and theta_scale, as double bits."""
+    (_, n_dims, _, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = rope.op_params  # fmt: skip
+    c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    c1 = c1 if math.isfinite(c1) else -1e30
+    return [f64(x) for x in (freq_scale, ext_factor, attn_factor, c0, c1, freq_base ** (-2.0 / n_dims))]
+
+
+def soft_max(plan, n) -> None:
+    a, mask = n.src
+    scale, max_bias = n.op_params
+    nh = a.ne[2]
+    nhl = 1 << int(math.floor(math.log2(nh))) if nh > 0 else 1
+    m0 = 2.0 ** (-max_bias / nhl)
+    m1 = 2.0 ** (-max_bias / 2.0 / nhl)
+    mne = mask.ne if mask is not None else (1, 1, 1, 1)
+    mnb = mask.nb if mask is not None else (0, 0, 0, 0)
+    P = plan.params([*a.ne, *a.nb, *n.nb, mne[1], mne[2], mne[3], *mnb, int(mask is not None), f64(scale),
+                     f64(max_bias), nhl, f64(m0), f64(m1)])  # fmt: skip
+    mt = "__half" if mask is not None and mask.type == T.F16 else "float"
+    mp = plan.ptr(mask) if mask is not None else np.uint64(0)
+    plan.launch(compiler.name("k_soft_max", mt), 0, (P, plan.ptr(n), plan.ptr(a), mp), block=256,
+                grid=(a.nrows,))  # fmt: skip
+
+
+def rope(plan, n, sr=None) -> None:
+    """ROPE node ``n``; with ``sr`` (a SET_ROWS of its result, fusion.rope_set_rows and
+    rope_rows_fit said yes), each token's rotated values go straight into the cache row that
+    SET_ROWS names, converted to the cache's type, and the rope's memory stays unwritten."""
+    a, pos = n.src
+    n_dims, mode = n.op_params[1:3]
+    out, dnb, rows, extra = n, list(n.nb), np.uint64(0), [0, 0]
+    if sr is not None:
+        out, idx = sr.src[0], sr.src[2]
+        es = out.nb[0]
+        dnb = [es, es * n.ne[0], out.nb[1], 0]  # head i1 within the row, token i2 → row idx[i2]
+        rows, extra = plan.ptr(idx), [out.ne[1], idx.nb[0]]
+        plan.uses_index = True
+    P = plan.params([*a.ne, *a.nb, *dnb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, *rotation(n), *extra])
+    cnt = a.ne[0] // 2 * a.nrows
+    args = (P, plan.ptr(out), plan.ptr(a), plan.ptr(pos), rows, plan.err)
+    plan.launch(compiler.name("k_rope", CTYPE[a.type], CTYPE[out.type]), cnt, args)
+
+
+def rope_rows_fit(rope, view, sr) -> bool:
+    """ROPE → view → SET_ROWS in the shape k_rope's rows mode writes: a contiguous rope
+    result of one batch whose view is its tokens as rows (ne0 · ne1 values each), set into
+    a 2-D F16/F32 cache of rows that long by a contiguous I32 index per token."""
+    cache, src, idx = sr.src
+    return (rope.type in (T.F32, T.F16) and rope.is_contiguous() and rope.ne[3] == 1
+            and cache.type in (T.F32, T.F16) and cache.nb[0] == cache.type.type_size
+            and cache.ne[2] == cache.ne[3] == 1 and src is view and view.view_offs == 0
+            and tuple(view.ne) == (rope.ne[0] * rope.ne[1], rope.ne[2], 1, 1)
+            and view.is_contiguous() and cache.ne[0] == view.ne[0]
+            and idx.type == T.I32 and tuple(idx.ne) == (rope.ne[2], 1, 1, 1))  # fmt: skip
+
+
+OPS = {Op.SOFT_MAX: soft_max, Op.ROPE: rope}
