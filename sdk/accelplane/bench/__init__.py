@@ -476,7 +476,7 @@ def bench_tp(devices: Sequence[Device] | None = None, counts: Sequence[int] | No
     :func:`_tp_defaults`; ``layer``: a :class:`~accelplane.bench.tp.LayerParams` (default
     small on CPU devices, larger on others). ``peer``: another all-reduce's rows (``n``,
     ``bytes``, ``busbw_gbps``, ``dtype``; e.g. torch.distributed's, measured in the same run by
-    ``python -m accelplane_cuda.peers --allreduce N``): each row of ours with the same device
+    ``python tools/cuda_peers.py --allreduce N``): each row of ours with the same device
     count and bytes gets ``vs_peer``, its bus bandwidth over the peer's (F32 peer rows only)."""
     from accelplane.bench.tp import LayerParams, layer_values, single, tensor_parallel
     from accelplane.interface import DeviceType

@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", type=_sizes,
                    help="tp: all-reduce sizes in bytes, e.g. 4K,1M,64M,1G (default 64K,1M,16M)")
     b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "
-                   "e.g. from python -m accelplane_cuda.peers --allreduce N --json FILE)")  # fmt: skip
+                   "e.g. from python tools/cuda_peers.py --allreduce N --json FILE)")  # fmt: skip
     _model_args(sub, b)
     return p
 
