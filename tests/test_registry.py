@@ -473,6 +473,40 @@ def test_devices_failure_records_whether_the_device_is_absent(get_devices, no_de
     assert (f.name, f.stage, f.no_device) == ("x", "devices", no_device)
 
 
+def test_default_order_puts_emulated_devices_after_the_cpu():
+    """Accelerators first (GPU, integrated GPU, other accelerator, as ggml_backend_init_best),
+    then the CPU, then devices emulated on the host's cores; `run` takes the real accelerators
+    and falls back to the CPU, never to an emulated device."""
+    from accelplane.interface import DeviceCaps
+    from accelplane.models.runner import pick_devices
+
+    def registry(*specs):
+        reg = Registry()
+        for i, spec in enumerate(specs):
+            plugin = host_plugin(spec[0], get_devices=lambda spec=spec: [DeviceSpec(*spec)])
+            assert reg.register(plugin, f"p{i}")
+        return reg
+
+    emu = DeviceCaps(emulated=True)
+    reg = registry(("EMUGPU", "", DeviceType.GPU, emu), ("HOST", "", DeviceType.CPU),
+                   ("NPU", "", DeviceType.ACCEL), ("IG", "", DeviceType.IGPU), ("G", "", DeviceType.GPU),
+                   ("EMUNPU", "", DeviceType.ACCEL, emu))  # fmt: skip
+    order = [(d.name, why) for d, why in reg.ranked()]
+    assert order == [("G", "a GPU"), ("IG", "an integrated GPU"), ("NPU", "an accelerator"),
+                     ("HOST", "the host's CPU"), ("EMUGPU", "a GPU, emulated on the host's CPU cores"),
+                     ("EMUNPU", "an accelerator, emulated on the host's CPU cores")]  # fmt: skip
+    assert reg.best_device().name == "G"
+    assert [d.name for d in pick_devices(reg, None)] == ["G", "IG", "NPU"]
+    assert [r["device"] for r in reg.info()["default_order"]] == [f"{d.plugin.name}/{n}" for (n, _), (d, _) in
+                                                                   zip(order, reg.ranked(), strict=True)]
+    only_emulated = registry(("HOST", "", DeviceType.CPU), ("EMUGPU", "", DeviceType.GPU, emu))
+    assert only_emulated.best_device().name == "HOST"
+    assert [d.name for d in pick_devices(only_emulated, None)] == ["HOST"]
+    assert [d.name for d in pick_devices(only_emulated, ["EMUGPU"])] == ["EMUGPU"], "a named device is taken"
+    with pytest.raises(DeviceError, match="no devices"):
+        Registry().best_device()
+
+
 def test_unregister_and_lookup_errors():
     reg = Registry()
     reg.register(host_plugin("GONE"), "gone")

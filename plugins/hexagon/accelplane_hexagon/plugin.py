@@ -39,7 +39,7 @@ def api_version():
 @hookimpl
 def get_devices():
     npu.load()  # a missing build is a broken runtime, reported by the registry
-    return [DeviceSpec(f"HTP{i}", DESCRIPTION, DeviceType.ACCEL, DeviceCaps(), DevState(i))
+    return [DeviceSpec(f"HTP{i}", DESCRIPTION, DeviceType.ACCEL, DeviceCaps(emulated=True), DevState(i))
             for i in range(tuning.read().ndev)]  # fmt: skip
 
 

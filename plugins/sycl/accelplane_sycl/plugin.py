@@ -31,9 +31,11 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    caps = DeviceCaps(async_=True, host_buffer=True, events=True)
-    # like ggml-sycl, every SYCL device is a GPU-type device (its own memory space, USM device)
-    return [DeviceSpec(d.name, d.description, DeviceType.GPU, caps, d) for d in discover()]
+    # like ggml-sycl, every SYCL device is a GPU-type device (its own memory space, USM device);
+    # one on an OpenCL CPU runtime runs on the host's cores
+    return [DeviceSpec(d.name, d.description, DeviceType.GPU,
+                       DeviceCaps(async_=True, host_buffer=True, events=True, emulated=d.dev.is_cpu), d)
+            for d in discover()]  # fmt: skip
 
 
 @hookimpl

@@ -41,11 +41,11 @@ def api_version():
 @hookimpl
 def get_devices():
     rt = _rt()  # DeviceError when libvulkan is missing
-    caps = DeviceCaps(async_=True, host_buffer=True, events=True)
     return [
-        DeviceSpec(d.label, d.description, DeviceType.IGPU if d.phys.type == 1 else DeviceType.GPU, caps, d)
+        DeviceSpec(d.label, d.description, DeviceType.IGPU if d.phys.type == 1 else DeviceType.GPU,
+                   DeviceCaps(async_=True, host_buffer=True, events=True, emulated=d.phys.type == 4), d)
         for d in rt.open_devices(tuning.read())
-    ]
+    ]  # (physical type 4: a CPU, i.e. lavapipe)
 
 
 @hookimpl

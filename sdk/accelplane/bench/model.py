@@ -26,7 +26,8 @@ def bench_configs(
     """(devices, split) pairs: each ``--device`` value (comma list = one multi-device set) ×
     each ``--split`` that fits it (none for one device; layer and tensor for several, default
     layer); by default every device alone with split none, plus all non-CPU devices together
-    with split layer when there are two or more."""
+    with split layer when there are two or more (the accelerators that
+    ``pick_devices`` takes by default: emulated ones are left out)."""
     if devices:
         sets = [pick_devices(reg, [d]) for d in devices]
         out = []

@@ -146,6 +146,10 @@ def cmd_devices(args) -> int:
             print(f"plugin {f['name']}: no device ({f['reason']})")
         else:
             print(f"broken plugin {f['name']} (at {f['stage']}): {f['reason']}")
+    if info["default_order"]:
+        # the order `run` and best_device() place work in when no device is named
+        print("default order: " + ", ".join(f"{r['device']} ({r['why']})"
+                                            for r in info["default_order"]))  # fmt: skip
     return 0
 
 

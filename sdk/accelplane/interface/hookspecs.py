@@ -54,6 +54,9 @@ class DeviceCaps:
     host_buffer: bool = False  # get_host_buffer_type gives a pinned host buffer type
     events: bool = False  # event_new/record/wait/synchronize are implemented
     relaxed_sync: bool = True  # the scheduler's relaxed policy may be used (docs/ordering.md)
+    # the device's work runs on the host's CPU cores (an OpenCL CPU runtime, a software Vulkan
+    # driver, an emulated NPU): correct, but never placed above the CPU plugin by default
+    emulated: bool = False
 
 
 @dataclass

@@ -46,7 +46,6 @@ PRESETS = {
 # logits vs the CPU plugin over every compared step; measured on this machine's plugins
 # (Q8_0 model, F16 cache): 1.6e-4 SYCL (CPU OpenCL), ~2e-4 Vulkan (lavapipe), 3e-4 Hexagon (emulated)
 NMSE_TOL = 1e-3
-_TYPE_RANK = {DeviceType.GPU: 0, DeviceType.IGPU: 1, DeviceType.ACCEL: 2}
 
 
 def default_model_path(out: TextIO | None = None) -> Path:
@@ -81,19 +80,17 @@ def describe_model(f: GGUFFile) -> str:
 
 
 def pick_devices(reg, names: Sequence[str] | None) -> list[Device]:
-    """Devices by name (comma lists allowed), else every non-CPU device (GPUs, then integrated
-    GPUs, then accelerators, as ggml_backend_init_best ranks them), else the CPU. The
-    model's scheduler adds a CPU backend last in any case."""
+    """Devices by name (comma lists allowed), else every accelerator that is not emulated on
+    the host's CPU, in the registry's ranking (GPUs, then integrated GPUs, then accelerators),
+    else the best-ranked CPU device. The model's scheduler adds a CPU backend last in any case."""
     if names:
         out = []
         for n in names:
             out += [reg.device(x.strip()) for x in n.split(",") if x.strip()]
         return list(dict.fromkeys(out))
-    others = sorted((d for d in reg.devices if d.type != DeviceType.CPU),
-                    key=lambda d: _TYPE_RANK.get(d.type, len(_TYPE_RANK)))  # fmt: skip
-    if others:
-        return others
-    return [d for d in reg.devices if d.type == DeviceType.CPU][:1]
+    ranked = [d for d, _ in reg.ranked()]
+    accel = [d for d in ranked if d.type != DeviceType.CPU and not d.caps.emulated]
+    return accel or [d for d in ranked if d.type == DeviceType.CPU][:1] or ranked[:1]
 
 
 def _cpu_of(reg) -> Device:

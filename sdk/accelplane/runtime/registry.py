@@ -335,13 +335,32 @@ class Registry:
             )
         return self.plugins[plugin].devices
 
+    def ranked(self) -> list[tuple[Device, str]]:
+        """Every device, best first for default placement, each with why it stands there:
+        accelerators (GPU, then integrated GPU, then other accelerators, as ggml_backend_init_best
+        ranks them), then CPU devices, then devices whose work runs on the host's CPU cores anyway
+        (``DeviceCaps.emulated``: an OpenCL CPU runtime, a software Vulkan driver, an emulated
+        NPU), which are correct but never faster than the CPU plugin."""
+        order = {DeviceType.GPU: 0, DeviceType.IGPU: 1, DeviceType.ACCEL: 2, DeviceType.CPU: 3}
+        why = {DeviceType.GPU: "a GPU", DeviceType.IGPU: "an integrated GPU",
+               DeviceType.ACCEL: "an accelerator", DeviceType.CPU: "the host's CPU"}  # fmt: skip
+
+        def emulated(d: Device) -> bool:
+            return d.caps.emulated and d.type != DeviceType.CPU
+
+        def reason(d: Device) -> str:
+            r = why.get(d.type, d.type.value)
+            return f"{r}, emulated on the host's CPU cores" if emulated(d) else r
+
+        ranked = sorted(self.devices, key=lambda d: (emulated(d), order.get(d.type, 2)))
+        return [(d, reason(d)) for d in ranked]
+
     def best_device(self) -> Device:
-        """GPU, else IGPU, else ACCEL, else CPU (ggml_backend_init_best)."""
-        for t in (DeviceType.GPU, DeviceType.IGPU, DeviceType.ACCEL, DeviceType.CPU):
-            for d in self.devices:
-                if d.type == t:
-                    return d
-        raise DeviceError("no devices registered")
+        """The first device of :meth:`ranked`."""
+        ranked = self.ranked()
+        if not ranked:
+            raise DeviceError("no devices registered")
+        return ranked[0][0]
 
     def info(self) -> dict:
         """Everything `accelplane devices --json` prints."""
@@ -366,12 +385,16 @@ class Registry:
                                 "async": d.caps.async_,
                                 "host_buffer": d.caps.host_buffer,
                                 "events": d.caps.events,
+                                "emulated": d.caps.emulated,
                             },
                         }
                         for d in p.devices
                     ],
                 }
                 for p in self.plugins.values()
+            ],
+            "default_order": [
+                {"device": f"{d.plugin.name}/{d.name}", "why": why} for d, why in self.ranked()
             ],
             "failures": [
                 {"name": f.name, "stage": f.stage, "reason": f.reason, "no_device": f.no_device}
