@@ -1,7 +1,8 @@
 """Tensor parallelism (accelplane.parallel.meta): split states, scatter/gather, the llama layer split over
 2, 3 and 4 devices (CPU backends, the asynchronous test device, a mix) against the same graph
 on one device, butterfly and ring byte for byte, compressed all-reduce, uneven and empty
-slices, fused QKV, quantized weights, a KV-cache attention, MoE's delayed all-reduce, typed
+slices, fused QKV, quantized weights, a KV-cache attention, MoE's delayed all-reduce, PARTIAL
+inputs set from the host and read by linear and non-linear ops (a property test), typed
 errors, and the same layer over 2 and 4 MPI ranks (mpirun), including a rank that hangs or dies.
 """
 
@@ -28,6 +29,9 @@ from accelplane.runtime.alloc import GraphAllocator, alloc_tensors
 from accelplane.runtime.backend import Device
 from accelplane.runtime.registry import Registry
 from accelplane.testing import asyncdev
+from fuzzing import examples
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 T = GGMLType
 U32 = 2.0**-24
@@ -552,10 +556,113 @@ def test_op_rules(cpu, adevs, case):
             _close(o.get(), want.astype(np.float32), f"{case}: {o.name}", rel=1e-5)
     lines = {ln.split()[1]: ln.split()[-1] if "->" not in ln else ln.split()[-3]
              for ln in meta.describe(g)[1:]}  # fmt: skip
-    for name, st in want_states.items():
-        assert lines[name] == st, (name, lines[name])
+    for name, state in want_states.items():
+        assert lines[name] == state, (name, lines[name])
     assert meta.stats.gathers == gathers, meta.stats
     meta.free()
+
+
+# --- PARTIAL inputs ------------------------------------------------------------------------------------
+# readers of a PARTIAL x (y: another PARTIAL tensor, w: a mirrored weight): linear ones keep the
+# state PARTIAL (the flag), the others read the all-reduced sum
+PARTIAL_READERS = {
+    "silu": (False, lambda ctx, x, y, w: ctx.silu(x)),
+    "rms_norm": (False, lambda ctx, x, y, w: ctx.rms_norm(x)),
+    "soft_max": (False, lambda ctx, x, y, w: ctx.soft_max(x)),
+    "mul_partial": (False, lambda ctx, x, y, w: ctx.mul(x, y)),
+    "sqr_of_transpose": (False, lambda ctx, x, y, w: ctx.sqr(ctx.transpose(x))),
+    "transposed_twice": (False, lambda ctx, x, y, w: _transposed_twice(ctx, x, w)),
+    "scale": (True, lambda ctx, x, y, w: ctx.scale(x, 0.5)),
+    "add_partial": (True, lambda ctx, x, y, w: ctx.add(x, y)),
+    "mul_mat": (True, lambda ctx, x, y, w: ctx.mul_mat(w, x)),
+}
+
+
+def _transposed_twice(ctx: Context, x, w):
+    """x transposed, squared (the sum of the strided view is a packed copy), and transposed back
+    for a product (the view must be laid out as x again: a product's weight is never transposed)."""
+    t = ctx.transpose(x)
+    return ctx.add(ctx.sqr(t), ctx.mul_mat(ctx.transpose(t), w))
+
+
+def _partial_graph(meta: MetaDevice, readers: list[str], x_out: bool, where: str):
+    """x and y PARTIAL (graph inputs, or weights), read by ``readers`` in that order."""
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (3, 8), "x")
+    y = ctx.new_tensor(T.F32, (3, 8), "y")
+    w = ctx.new_tensor(T.F32, (8, 8), "w")
+    meta.split_state = lambda t: SplitState.partial() if t.name in ("x", "y") else None
+    meta.alloc_weights([w, x, y] if where == "weight" else [w])
+    outs = [PARTIAL_READERS[r][1](ctx, x, y, w).set_name(r) for r in readers]
+    return x, y, w, outs, ctx.graph(*outs, *([x] if x_out else []))
+
+
+def _check_partial(g, outs, vals: dict, what: str) -> None:
+    oracle = reference.evaluate(g, vals)
+    for o in outs:
+        _close(o.get(), oracle[o].reshape(o.shape).astype(np.float32), f"{what}: {o.name}", rel=1e-5)
+
+
+@settings(max_examples=examples(30, 500), deadline=None)
+@given(kind=st.sampled_from(["cpu", "async", "mixed"]), n=st.sampled_from([2, 3]),
+       readers=st.lists(st.sampled_from(sorted(PARTIAL_READERS)), min_size=1, max_size=4, unique=True),
+       x_out=st.booleans(), where=st.sampled_from(["input", "input", "weight"]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_partial_inputs_set_from_the_host(cpu, adevs, kind, n, readers, x_out, where, seed):
+    """A PARTIAL x set from the host holds the value set (device 0 the value, the others
+    zeros), whatever reads it: the graph computes from it after every set (after alloc_graph,
+    between computes, before alloc_graph), get() reads it back, and setting the shards one by one
+    gives each device a term of the sum."""
+    assume(any(not PARTIAL_READERS[r][0] for r in readers))  # at least one reader needs the sum
+    meta = MetaDevice(_devices(kind, n, cpu, adevs))
+    try:
+        x, y, w, outs, g = _partial_graph(meta, readers, x_out, where)
+        rng = np.random.default_rng(seed)
+        w.set(wv := rng.standard_normal(w.shape).astype(np.float32))
+        inputs = [t for t in (x, y) if t in g.leafs]  # y only where a reader takes it
+        for step in ("after alloc", "between computes", "before alloc"):
+            vals = {t: rng.standard_normal(t.shape).astype(np.float32) for t in inputs}
+            if step == "after alloc":
+                meta.alloc_graph(g)
+            for t, v in vals.items():
+                t.set(v)
+            if step == "before alloc":
+                meta.alloc_graph(g)
+            meta.compute(g)
+            _check_partial(g, outs, {**vals, w: wv}, f"{readers} {step}")
+            for t, v in vals.items():  # the shards still sum to the value set, exactly
+                assert np.array_equal(t.get(), v), (step, t.name)
+        assert meta.state_of(x) == SplitState.partial()
+        shards = meta.shards(x)
+        assert len(shards) == n and all(s.shape == x.shape for s in shards)
+        terms = [rng.standard_normal(x.shape).astype(np.float32) for _ in range(n)]
+        for s, v in zip(shards, terms, strict=True):
+            s.set(v)
+        meta.compute(g)
+        xv = np.sum(terms, axis=0, dtype=np.float64).astype(np.float32)
+        _close(x.get(), xv, "x from terms")
+        _check_partial(g, outs, {**{t: t.get() for t in inputs}, w: wv}, f"{readers} terms")
+    finally:
+        meta.free()
+
+
+@pytest.mark.parametrize("where", ["input", "weight"])
+def test_write_into_a_summed_partial_raises(cpu, where):
+    """A CPY into a PARTIAL tensor, before or after a reader needed its sum, raises: the write
+    would land in the all-reduce's copy (or terms), not in the tensor the host reads."""
+    for order in ("read first", "write first"):
+        meta = MetaDevice([cpu, cpu], lambda t: SplitState.partial() if t.name == "c" else None)
+        ctx = Context()
+        c = ctx.new_tensor(T.F32, (4,), "c")
+        src = ctx.new_tensor(T.F32, (4,), "src")
+        if where == "weight":
+            meta.alloc_weights([c])
+        y = ctx.silu(c) if order == "read first" else None
+        out = ctx.cpy(src, c)
+        g = ctx.graph(*([y] if y is not None else []), out)
+        with pytest.raises(UnsupportedOpError, match="writes into .*c"):
+            meta.alloc_graph(g)
+        meta.free()
 
 
 # --- errors ------------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ Host API
     meta = MetaDevice([dev0, dev1], split_state=fn)    # fn(tensor) -> SplitState | None
     wbuf = meta.alloc_weights(weight_ctx)              # one shard per device (fn decides)
     w.set(array)                                       # scatter; w.get() gathers
-    meta.alloc_graph(graph); x.set(inputs)             # inputs are mirrored
+    meta.alloc_graph(graph); x.set(inputs)             # inputs: mirrored unless fn says
     meta.compute(graph); out.get()                     # gather (or device 0's copy)
 
-``fn`` is the model's callback for statically allocated tensors (weights, KV cache), like
-``ggml_backend_meta_get_split_state_t``; ``None`` means MIRRORED. :meth:`MetaDevice.split`
+``fn`` is the model's callback for statically allocated tensors (weights, KV cache) and graph
+inputs, like ``ggml_backend_meta_get_split_state_t``; ``None`` means MIRRORED. :meth:`MetaDevice.split`
 builds states (even or ``tensor_split``-weighted, with a granularity such as a whole head, and
 segments for fused tensors: QKV = ``segments=[(n_q, 1), (n_kv, 2)]``). The states of computed
 tensors are derived per op (:meth:`MetaDevice.describe` lists them):
@@ -38,6 +38,16 @@ a mirrored value, SCALE, views, SUM…)        first consumer that needs the sum
 Anything else gets its split operands gathered (an all-reduce of zero-padded copies, so it
 runs through the same comm) and runs mirrored: correct, only slower. Writes (CPY/SET_ROWS)
 into a destination whose split the op cannot follow raise :class:`UnsupportedOpError`.
+
+Host data: ``set`` and ``get`` of a logical tensor always address the shards the graph reads
+it from. A split tensor scatters into and gathers from its slices; a MIRRORED one writes every
+copy and reads device 0's. ``set`` of a PARTIAL tensor takes the full value and stores it on
+device 0 with zeros on the others, so the shards sum to it exactly; ``get`` returns the sum of
+the shards, and ``meta.shards(t)[j].set(...)`` gives device j its own term. Where a consumer of
+a PARTIAL input needs its sum, the plan all-reduces a copy of the shards at every compute: the
+copy is the plan's, derived from the shards, never what the host reads or writes, and an op
+that writes into the input (CPY, SET_ROWS) raises :class:`UnsupportedOpError`, as any write
+into a PARTIAL tensor does. Outputs that end PARTIAL are summed before they leave.
 
 Execution: each device computes its shard of every node; the per-device graphs are cut at
 every point where a PARTIAL value must become whole, and there :mod:`accelplane.parallel.comm` sums
@@ -64,7 +74,7 @@ unchanged, the graph allocator reuses memory per device as usual, and plugins ne
 tensor. The logical tensors the host built are bound to a :class:`MetaBuffer` whose set/get
 scatter and gather. The cost: a meta device is not one backend among others in a
 :class:`~accelplane.sched.Scheduler` (no CPU + meta hybrid): every op of the graph runs on the
-meta device's devices, inputs are mirrored to each.
+meta device's devices, and every input lives on all of them (in its split state).
 
 Zero-sized slices (more devices than heads) work: the device's attention shards are empty, its
 contribution to a row-parallel product is zeros. ``ACCELPLANE_META_DEBUG=1`` prints each
@@ -578,7 +588,8 @@ class _Plan:
         self.graph = graph
         nl = meta.n_local
         self.ctxs = [Context(f"{meta.name}[{meta.first + j}]") for j in range(nl)]
-        self.vals: dict[int, _Val] = {}
+        self.vals: dict[int, _Val] = {}  # each tensor's value as its consumers read it
+        self.leaf_vals: dict[int, _Val] = {}  # each leaf's own shards, where the host sets it
         self.derived: dict[int, SplitState] = {}  # each tensor's state as computed (before any sum)
         self.steps: list[_Compute | _Reduce] = []
         self.cur: list[list[Tensor]] = [[] for _ in range(nl)]
@@ -605,15 +616,22 @@ class _Plan:
         shards of every logical memory owner the host reads or writes (of every input and
         output; a logical view reads its owner's value, so a view output keeps the tensor it
         views). The allocator keeps flagged shards by itself, but a value the plan replaced
-        (the all-reduce's copy of a PARTIAL leaf) is not flagged as its logical tensor is."""
+        (the all-reduce's copy of a PARTIAL output) is not flagged as its logical tensor is."""
         graph_tensors = list(self.graph.leafs) + list(self.graph.nodes)
         logical = owners_to_keep(graph_tensors)
         shards: list[list[Tensor]] = [[] for _ in range(self.meta.n_local)]
         for t in graph_tensors:
             if id(t) in logical:
-                for j, x in enumerate(self.vals[id(t)].t):
+                for j, x in enumerate(self.bound(t).t):
                     shards[j].append(x)
         return [owners_to_keep((), xs) for xs in shards]
+
+    def bound(self, t: Tensor) -> _Val:
+        """The value the host's set/get of logical ``t`` address: a leaf's own shards (what
+        the graph reads it from, whatever the plan derives from them: the all-reduced copy of a
+        PARTIAL input is the plan's, computed from the shards at every compute), a node's value
+        at the end of the plan (a PARTIAL output's sum)."""
+        return self.leaf_vals.get(id(t)) or self.vals[id(t)]
 
     # --- helpers
     def _v(self, t: Tensor | None) -> _Val | None:
@@ -729,6 +747,8 @@ class _Plan:
             for w in self.vals.values():
                 if w.state.axis is P_ and w is not v and len(w.t) == len(targets) and on(w):
                     w.state = MIRRORED
+        else:
+            v.writable = False  # a later write would land in the copies, not in v's memory
         v.state, v.t = MIRRORED, views
         return v
 
@@ -797,8 +817,11 @@ class _Plan:
         meta = self.meta
         weights = []
         for t in self.graph.leafs:
-            self.vals[id(t)] = self._leaf(t)
-            self.derived[id(t)] = self.vals[id(t)].state
+            v = self._leaf(t)
+            self.vals[id(t)] = v
+            # a separate record: summing a PARTIAL leaf rebinds vals[id(t)] to the sum's copies
+            self.leaf_vals[id(t)] = _Val(v.state, list(v.t))
+            self.derived[id(t)] = v.state
             if isinstance(t.buffer, MetaBuffer) and t.buffer.kind == "weights":
                 weights.append(id(t.extra))
         self.weights = tuple(weights)
@@ -1018,8 +1041,9 @@ class _Plan:
         d = self._v(t)
         assert d is not None
         if not d.writable:
-            raise UnsupportedOpError(f"meta: {op_desc(n)} {_label(n)} writes into {_label(t)}, a gathered "
-                                     "or sliced copy on the devices; the write would be lost")  # fmt: skip
+            raise UnsupportedOpError(f"meta: {op_desc(n)} {_label(n)} writes into {_label(t)}, a gathered, "
+                                     "sliced or summed copy on the devices; the write would be "
+                                     "lost")  # fmt: skip
         if d.state.axis is P_:
             raise UnsupportedOpError(f"meta: {op_desc(n)} {_label(n)} writes into PARTIAL {_label(t)}")
         return d
@@ -1101,10 +1125,11 @@ class _Plan:
                                    [s], s.writable)  # fmt: skip
         if st.is_split:
             s = self.mirror(s, s_log)
-        if op is Op.VIEW and s.state.axis is M_ and any(x.nelements and x.nb != s_log.nb for x in s.t):
+        if s.state.axis is M_ and any(x.nelements and x.nb != s_log.nb for x in s.t):
             # the whole copies of s_log are packed, not laid out as s_log (a gathered or summed
             # copy of a strided view), and n's strides and offset are bytes of s_log's memory
-            # owner: view the owner's whole value instead
+            # owner (a transpose of a transposed view is contiguous again, as its consumers
+            # may need): view the owner's whole value instead
             o_log = n.view_src
             ov = self.mirror(self._v(o_log), o_log)
             return self._clone(n, MIRRORED, lambda j, ctx: ctx.view(ov.t[j], n.ne, n.nb, n.view_offs),
@@ -1267,7 +1292,7 @@ class MetaDevice(GraphRunner):
         if self._is_weight(owner):
             return owner.extra.state
         if self._allocated is not None and id(t) in self._allocated.vals:
-            return self._allocated.vals[id(t)].state
+            return self._allocated.bound(t).state
         raise DeviceError(f"{_label(t)} is not a tensor of {self.name}")
 
     def shards(self, t: Tensor) -> list[Tensor]:
@@ -1275,7 +1300,7 @@ class MetaDevice(GraphRunner):
         if self._is_weight(t):
             return list(t.extra.t)
         if self._allocated is not None and id(t) in self._allocated.vals:
-            return list(self._allocated.vals[id(t)].t)
+            return list(self._allocated.bound(t).t)
         raise DeviceError(f"{_label(t)} is not a tensor of {self.name}")
 
     # --- weights
@@ -1465,7 +1490,7 @@ class MetaDevice(GraphRunner):
             if isinstance(t.buffer, MetaBuffer) and t.buffer.kind == "weights":
                 continue
             if t.view_src is None:
-                t.buffer, t.offs, t.extra = mb, 0, plan.vals[id(t)]
+                t.buffer, t.offs, t.extra = mb, 0, plan.bound(t)
         for t in graph.nodes:
             if t.view_src is not None and t.view_src.buffer is not None:
                 t.buffer, t.offs = t.view_src.buffer, t.view_src.offs + t.view_offs
