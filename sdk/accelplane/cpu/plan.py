@@ -142,7 +142,7 @@ _UNARY = {
     UnaryOp.NEG: np.negative,
     UnaryOp.STEP: lambda x: (x > 0).astype(F32),
     UnaryOp.TANH: np.tanh,
-    UnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(x)),
+    UnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, F32(0)))),  # no overflow unused
     UnaryOp.RELU: lambda x: np.maximum(x, F32(0)),
     UnaryOp.SIGMOID: _sigmoid,
     UnaryOp.GELU: _gelu,
