@@ -142,6 +142,66 @@ def test_activation_values():
     np.testing.assert_allclose(r[outs[3]], [v / (1 + math.exp(-1.702 * v)) for v in x], rtol=1e-7)
 
 
+# ggml's definitions (ggml-cpu/unary-ops.cpp, vec.h), one scalar at a time with the standard library
+_GGML_SCALAR = {
+    "gelu_erf": lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2))),
+    "elu": lambda v: v if v > 0 else math.expm1(v),
+    "hardswish": lambda v: v * min(1.0, max(0.0, (v + 3) / 6)),
+    "hardsigmoid": lambda v: min(1.0, max(0.0, (v + 3) / 6)),
+    "expm1": math.expm1,
+    "softplus": lambda v: v if v > 20 else math.log(1 + math.exp(v)),
+    "step": lambda v: 1.0 if v > 0 else 0.0,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "round": lambda v: math.copysign(math.floor(abs(v) + 0.5), v),  # C's roundf
+    "trunc": math.trunc,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_GGML_SCALAR))
+def test_new_unary_ops_match_ggml_scalar(name):
+    x = np.array([-40, -6.5, -3, -2.5, -1.5, -0.5, -1e-6, 0, 1e-6, 0.25, 0.5, 1.5, 2.5, 3, 19.5, 25])
+    ctx = Context()
+    a = ctx.new_tensor("f32", (x.size,))
+    out = getattr(ctx, name)(a)
+    got = one(ctx, out, {a: x})
+    want = np.array([_GGML_SCALAR[name](v) for v in x], np.float64).astype(np.float32)
+    # atol: the literal formulas cancel to 0 in float64 where the oracle keeps e.g. exp(-40)
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-15)
+
+
+def _unaries(names: tuple[str, ...], x) -> list[np.ndarray]:
+    ctx = Context()
+    a = ctx.new_tensor("f32", (len(x),))
+    outs = [getattr(ctx, n)(a) for n in names]
+    r = run(ctx, outs, {a: np.asarray(x, np.float64)})
+    return [r[t] for t in outs]
+
+
+def test_rounding_ops_hand():
+    x = [-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 0.49999997, -0.49999997]
+    rnd, flo, cei, tru = _unaries(("round", "floor", "ceil", "trunc"), x)
+    np.testing.assert_array_equal(rnd, [-3, -2, -1, 1, 2, 3, 0, 0])  # halves away from zero, not to even
+    assert np.signbit(rnd[7]) and np.signbit(tru[2])  # roundf(-0.49...) = truncf(-0.5) = -0
+    np.testing.assert_array_equal(flo, [-3, -2, -1, 0, 1, 2, 0, -1])
+    np.testing.assert_array_equal(cei, [-2, -1, 0, 1, 2, 3, 1, 0])
+
+
+def test_new_activations_hand():
+    x = [-50, 0, 20, 20.5, 1]
+    sp, st, hs, ge, el = _unaries(("softplus", "step", "hardsigmoid", "gelu_erf", "elu"), x)
+    want = [math.exp(-50), math.log(2), math.log1p(math.exp(20)), 20.5, math.log1p(math.e)]
+    np.testing.assert_allclose(sp, want, rtol=1e-7)  # x itself above 20
+    np.testing.assert_array_equal(st, [0, 0, 1, 1, 1])  # 0 at 0
+    np.testing.assert_array_equal(hs, np.float32([0, 0.5, 1, 1, 2 / 3]))
+    # the exact GELU, not the tanh one: gelu_erf(1) = 0.8413447460685429, gelu(1) = 0.8411919906082768
+    assert ge[0] == 0 and abs(ge[4] - 0.8413447460685429) < 1e-7
+    assert el[0] == np.float32(math.expm1(-50)) and el[4] == 1
+    # ggml's fminf/fmaxf: a NaN input gives hardsigmoid 0 (fmaxf(0, NaN) = 0), hardswish NaN * 0
+    hs, hw, st = _unaries(("hardsigmoid", "hardswish", "step"), [np.nan])
+    assert hs[0] == 0 and np.isnan(hw[0]) and st[0] == 0
+
+
 def test_glu_forms():
     ctx = Context()
     a = ctx.new_tensor("f32", (2, 6))

@@ -154,6 +154,17 @@ def test_faulty_oob_fails_exactly_the_mul_cases(tmp):
     assert "bytes written outside every tensor" in run.output
 
 
+def test_faulty_round_even_fails_exactly_the_rounds_with_halves(tmp):
+    """ROUND with halves to even: caught by every ROUND case whose inputs hold a half (the
+    quarter grid and the halves of the suite's init, in cases of 21 elements and more), and
+    by nothing else; the magnitudes past int32 hold no half."""
+    run = run_suite("faulty_round_even", "faulty_round_even=faulty.round_even", tmp, k="test_op and ROUND")
+    rounds = op_ids(lambda c, ne: c.op == "ROUND")
+    with_halves = op_ids(lambda c, ne: c.op == "ROUND" and c.params.get("x") != "big" and ne[0] * ne[1] >= 21)
+    assert with_halves <= run.failed <= rounds, _show(rounds - run.failed)
+    assert run.with_status("passed") == rounds - run.failed and run.rc == 1
+
+
 def _wrong_desc(c, ne) -> bool:
     return c.op == "ARGSORT" and c.params["order"] == "DESC" and ne[0] > 1
 

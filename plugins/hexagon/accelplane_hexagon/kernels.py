@@ -22,7 +22,8 @@ T = GGMLType
 
 _BINARY = {Op.ADD: "HTP_OP_ADD", Op.SUB: "HTP_OP_SUB", Op.MUL: "HTP_OP_MUL", Op.DIV: "HTP_OP_DIV"}
 _ACT = {UnaryOp.SILU: "HTP_ACT_SILU", UnaryOp.GELU: "HTP_ACT_GELU", UnaryOp.SIGMOID: "HTP_ACT_SIGMOID",
-        UnaryOp.NEG: "HTP_ACT_NEG", UnaryOp.EXP: "HTP_ACT_EXP", UnaryOp.TANH: "HTP_ACT_TANH"}  # fmt: skip
+        UnaryOp.NEG: "HTP_ACT_NEG", UnaryOp.EXP: "HTP_ACT_EXP", UnaryOp.TANH: "HTP_ACT_TANH",
+        UnaryOp.SOFTPLUS: "HTP_ACT_SOFTPLUS"}  # fmt: skip
 _GLU_ACT = {GluOp.SWIGLU: "HTP_ACT_SILU", GluOp.GEGLU: "HTP_ACT_GELU"}
 
 

@@ -21,7 +21,9 @@ MAX_MM_ROWS = 32768  # ggml's gate: larger weights are the LM head, left to the 
 # fp16 per-tile accumulation error grows with K (tools/hexagon_accuracy.py; README): at K = 131072, the
 # largest K measured, NMSE is 1.2e-4 against the suite's 5e-4. Longer rows are not claimed.
 MAX_MM_K_QUANT = 131072
-UNARY = frozenset({UnaryOp.SILU, UnaryOp.GELU, UnaryOp.SIGMOID, UnaryOp.NEG, UnaryOp.EXP, UnaryOp.TANH})
+# ggml's HTP activations (htp_op_code's UNARY_*); the other unary ops run elsewhere
+UNARY = frozenset({UnaryOp.SILU, UnaryOp.GELU, UnaryOp.SIGMOID, UnaryOp.NEG, UnaryOp.EXP, UnaryOp.TANH,
+                   UnaryOp.SOFTPLUS})  # fmt: skip
 GLU = frozenset({GluOp.SWIGLU, GluOp.GEGLU})
 
 

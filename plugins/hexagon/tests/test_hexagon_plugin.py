@@ -100,7 +100,7 @@ def _other(name):
 
 def test_supports_exactly_the_listed_ops(htp):
     for u in UnaryOp:
-        want = u.name in ("SILU", "GELU", "SIGMOID", "NEG", "EXP", "TANH")
+        want = u.name in ("SILU", "GELU", "SIGMOID", "NEG", "EXP", "TANH", "SOFTPLUS")
         assert htp.supports_op(_unary(u)) is want, u.name
         assert htp.supports_op(_unary(u, T.BF16)) is False
     for g in GluOp:

@@ -41,7 +41,10 @@ _UNARY_CODE = {
 }  # fmt: skip
 _UNARY_OP_CODE = {
     UnaryOp.ABS: 8, UnaryOp.NEG: 9, UnaryOp.TANH: 10, UnaryOp.RELU: 11, UnaryOp.SIGMOID: 12,
-    UnaryOp.GELU: 13, UnaryOp.GELU_QUICK: 14, UnaryOp.SILU: 15, UnaryOp.EXP: 16,
+    UnaryOp.GELU: 13, UnaryOp.GELU_QUICK: 14, UnaryOp.SILU: 15, UnaryOp.EXP: 16, UnaryOp.STEP: 17,
+    UnaryOp.ELU: 18, UnaryOp.HARDSWISH: 19, UnaryOp.HARDSIGMOID: 20, UnaryOp.EXPM1: 21,
+    UnaryOp.SOFTPLUS: 22, UnaryOp.GELU_ERF: 23, UnaryOp.FLOOR: 24, UnaryOp.CEIL: 25, UnaryOp.ROUND: 26,
+    UnaryOp.TRUNC: 27,
 }  # fmt: skip
 _BINARY_CODE = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
 
@@ -307,3 +310,10 @@ _BUILDERS: dict[Op, Callable[[Plan, Tensor], None]] = {
 }  # fmt: skip
 # view ops compute nothing; Op.NONE is left out (without a view source it would be a copy)
 SUPPORTED_OPS = frozenset(_BUILDERS) | (VIEW_OPS - {Op.NONE})
+
+
+def supports(t: Tensor) -> bool:
+    """The op has a kernel here (for UNARY: the ggml unary op has a code in elementwise.cl)."""
+    if t.op is Op.UNARY:
+        return t.op_params[0] in _UNARY_OP_CODE
+    return t.op in SUPPORTED_OPS

@@ -67,9 +67,9 @@ def get_host_buffer_type(device):
 
 @hookimpl
 def supports_op(device, op):
-    from .plan import SUPPORTED_OPS
+    from .plan import supports
 
-    return op.op in SUPPORTED_OPS
+    return supports(op)
 
 
 @hookimpl

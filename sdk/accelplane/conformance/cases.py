@@ -136,14 +136,55 @@ _UNARIES = {
     "CLAMP": (lambda c, a: c.clamp(a, -0.5, 0.5), None),
     "LEAKY_RELU": (lambda c, a: c.leaky_relu(a, 0.1), None),
 }
+
+
+def halves(lo: int, hi: int) -> Init:
+    """The kinks of the rounding ops, STEP and the hard activations, mixed with uniform values in
+    [lo, hi]: multiples of 0.25 (0, the halves, ±3), the halves, and a float32 neighbour of a
+    half on either side (F16/BF16 leaves round those back to the half)."""
+
+    def init(rng, shape):
+        n = int(np.prod(shape))
+        half = (rng.integers(lo, hi, n) + 0.5).astype(np.float32)
+        near = np.nextafter(half, np.where(rng.random(n) < 0.5, -np.inf, np.inf).astype(np.float32))
+        grid = rng.integers(4 * lo, 4 * hi + 1, n) / 4.0
+        pick = rng.integers(0, 4, n)
+        return np.choose(pick, [grid, half, near, rng.uniform(lo, hi, n)]).astype(np.float64).reshape(shape)
+
+    return init
+
+
+U = UnaryOp
+_ROUNDING = (U.STEP, U.FLOOR, U.CEIL, U.ROUND, U.TRUNC)  # integer results: compared exactly
+_UNARY_INIT = {u: halves(-4, 4) for u in (*_ROUNDING, U.HARDSWISH, U.HARDSIGMOID)}
+# more inputs per op, as (name, init, types), in cases of their own: where a formula changes
+# branch or loses precision (SOFTPLUS: x itself above 20, exp overflowing past 88; expm1 near
+# 0, where exp(x) - 1 cancels), the saturated tails, the negative side of GELU_ERF (where the
+# tanh GELU is 1e-3 to 10 % off: over [-4, 4] the two are within NMSE 3e-8), and magnitudes
+# past int32 for the rounding ops
+_FLOAT = (T.F32, T.F16, T.BF16)
+_TINY = ("tiny", uniform(-1e-4, 1e-4), _FLOAT)
+_UNARY_MORE: dict[UnaryOp, tuple[tuple[str, Init, tuple[GGMLType, ...]], ...]] = {
+    U.ELU: (("wide", uniform(-30, 30), _FLOAT), _TINY),
+    U.EXPM1: (("wide", uniform(-30, 30), _FLOAT), _TINY),
+    U.SOFTPLUS: (("wide", uniform(-100, 100), _FLOAT),),
+    U.GELU_ERF: (("neg", uniform(-5, -1), _FLOAT),),
+    **{u: (("big", uniform(-3e9, 3e9), (T.F32,)),) for u in (U.FLOOR, U.CEIL, U.ROUND, U.TRUNC)},
+}
 for _u in UnaryOp:
-    _UNARIES[_u.name] = (lambda c, a, u=_u: c.unary(a, u), uniform(-4, 4))
+    _UNARIES[_u.name] = (lambda c, a, u=_u: c.unary(a, u), _UNARY_INIT.get(_u, uniform(-4, 4)))
+
+
+def _unary_thr(name: str, ta: GGMLType) -> float:
+    # exp's results span orders of magnitude: the largest, one BF16 step off, dominate the NMSE
+    return 1e-4 if name in ("EXP", "EXPM1") and ta == T.BF16 else _float_thr(ta)
 
 
 def _unary() -> Iterator[OpCase]:
     shapes = [(16, 5, 2, 1), (7, 3, 1, 1), (1, 1, 1, 1), (1031, 3, 1, 1)]
+    exact = {u.name for u in _ROUNDING}
     for name, (fn, init) in _UNARIES.items():
-        for ta in (T.F32, T.F16, T.BF16):
+        for ta in _FLOAT:
             for ne in shapes:
                 for perm in (None, (1, 0, 2, 3)):
                     if perm and ne[0] == 1:
@@ -152,11 +193,18 @@ def _unary() -> Iterator[OpCase]:
                     def build(ctx, fn=fn, ta=ta, ne=ne, perm=perm):
                         return fn(ctx, leaf(ctx, ta, ne, "a", perm))
 
-                    thr = _float_thr(ta)
-                    if name in ("EXP",) and ta == T.BF16:
-                        thr = 1e-4
-                    yield OpCase(name, {"type": ta, "ne": ne, "perm": perm}, build, thr,
-                                 {"a": init} if init else {})  # fmt: skip
+                    yield OpCase(name, {"type": ta, "ne": ne, "perm": perm}, build, _unary_thr(name, ta),
+                                 {"a": init} if init else {}, exact=name in exact)  # fmt: skip
+    for u, more in _UNARY_MORE.items():
+        for xname, init, types in more:
+            for ta in types:
+                for ne in ((16, 5, 2, 1), (1031, 3, 1, 1)):
+
+                    def build(ctx, u=u, ta=ta, ne=ne):
+                        return ctx.unary(leaf(ctx, ta, ne, "a"), u)
+
+                    yield OpCase(u.name, {"type": ta, "ne": ne, "x": xname}, build, _unary_thr(u.name, ta),
+                                 {"a": init}, exact=u in _ROUNDING)  # fmt: skip
 
 
 def _glu() -> Iterator[OpCase]:

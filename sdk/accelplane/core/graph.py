@@ -175,6 +175,51 @@ class Context:
         """``np.exp(a)``."""
         return self.unary(a, UnaryOp.EXP)
 
+    def gelu_erf(self, a: Tensor) -> Tensor:
+        """Exact GELU (BERT's): ``0.5*a*(1 + erf(a/sqrt(2)))``."""
+        return self.unary(a, UnaryOp.GELU_ERF)
+
+    def elu(self, a: Tensor) -> Tensor:
+        """``np.where(a > 0, a, np.expm1(a))``."""
+        return self.unary(a, UnaryOp.ELU)
+
+    def hardswish(self, a: Tensor) -> Tensor:
+        """``a * np.fmin(1, np.fmax(0, (a + 3) / 6))``."""
+        return self.unary(a, UnaryOp.HARDSWISH)
+
+    def hardsigmoid(self, a: Tensor) -> Tensor:
+        """``np.fmin(1, np.fmax(0, (a + 3) / 6))``."""
+        return self.unary(a, UnaryOp.HARDSIGMOID)
+
+    def expm1(self, a: Tensor) -> Tensor:
+        """``np.expm1(a)``."""
+        return self.unary(a, UnaryOp.EXPM1)
+
+    def softplus(self, a: Tensor) -> Tensor:
+        """``np.where(a > 20, a, np.log1p(np.exp(a)))`` (ggml's threshold: a itself above 20)."""
+        return self.unary(a, UnaryOp.SOFTPLUS)
+
+    def step(self, a: Tensor) -> Tensor:
+        """``np.where(a > 0, 1, 0)`` (0 at 0 and for NaN)."""
+        return self.unary(a, UnaryOp.STEP)
+
+    def floor(self, a: Tensor) -> Tensor:
+        """``np.floor(a)``."""
+        return self.unary(a, UnaryOp.FLOOR)
+
+    def ceil(self, a: Tensor) -> Tensor:
+        """``np.ceil(a)``."""
+        return self.unary(a, UnaryOp.CEIL)
+
+    def round(self, a: Tensor) -> Tensor:
+        """Halves away from zero, as C's roundf: ``np.copysign(np.floor(np.abs(a) + 0.5), a)``
+        (not numpy's ``np.round``, which rounds halves to even)."""
+        return self.unary(a, UnaryOp.ROUND)
+
+    def trunc(self, a: Tensor) -> Tensor:
+        """``np.trunc(a)``."""
+        return self.unary(a, UnaryOp.TRUNC)
+
     # gated linear units
     def glu(self, a: Tensor, b: Tensor | None, op: GluOp, swapped: bool = False) -> Tensor:
         """With b: ``act(a) * b``. Without b, a's rows are split in halves x|g of ne0/2:

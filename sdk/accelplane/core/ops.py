@@ -64,17 +64,29 @@ class Op(Enum):
 
 
 class UnaryOp(IntEnum):
-    """ggml_unary_op ids (op_params[0] of a UNARY node)."""
+    """ggml_unary_op ids (op_params[0] of a UNARY node); the gaps are ggml's ops not in the
+    catalog (SGN = 1, XIELU = 17)."""
 
     ABS = 0
     NEG = 2
+    STEP = 3
     TANH = 4
+    ELU = 5
     RELU = 6
     SIGMOID = 7
     GELU = 8
     GELU_QUICK = 9
     SILU = 10
+    HARDSWISH = 11
+    HARDSIGMOID = 12
     EXP = 13
+    EXPM1 = 14
+    SOFTPLUS = 15
+    GELU_ERF = 16
+    FLOOR = 18
+    CEIL = 19
+    ROUND = 20
+    TRUNC = 21
 
 
 class GluOp(IntEnum):

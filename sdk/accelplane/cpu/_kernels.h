@@ -66,4 +66,9 @@ int ap_rope_rows(int64_t ntok, int64_t nhead, int64_t hd, int64_t n_dims, int ne
                  int64_t xs_tok, int64_t xs_head, int64_t x_size, float *y, int64_t ys_tok,
                  int64_t ys_head, int64_t y_size, const float *cs, const float *sn, int64_t cs_size);
 
+/* Exact GELU of n contiguous floats: y[i] = 0.5 * x[i] * erfc(-x[i] / sqrt(2)), which is ggml's
+ * 0.5*x*(1 + erf(x/sqrt(2))) without the cancellation of 1 + erf for negative x. x_size, y_size:
+ * the buffers' extents in elements (AP_ERANGE when smaller than n). */
+int ap_gelu_erf(int64_t n, const float *x, int64_t x_size, float *y, int64_t y_size);
+
 #endif

@@ -52,6 +52,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "default_threads",
     "dequantize",
+    "gelu_erf",
     "get_isa",
     "has_avx2",
     "mul_mat",
@@ -496,6 +497,22 @@ def prepare_rope(
             _raise(rc, "rope rows")
 
     return call
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """The exact GELU ``0.5*x*(1 + erf(x/sqrt(2)))`` of a float32 array (any layout), as a new
+    C-contiguous float32 array of x's shape."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise TypeMismatchError(f"gelu_erf takes a float32 numpy array, got {getattr(x, 'dtype', type(x))}")
+    xc = np.ascontiguousarray(x)
+    y = np.empty(xc.shape, np.float32)
+    if y.size:
+        xf, yf = xc.reshape(-1), y.reshape(-1)
+        rc = _lib.ap_gelu_erf(y.size, _ffi.from_buffer("float[]", xf), xf.size,
+                              _ffi.from_buffer("float[]", yf, require_writable=True), yf.size)  # fmt: skip
+        if rc:
+            _raise(rc, "gelu_erf")
+    return y
 
 
 def _checked(fn, args: tuple, what: str) -> Callable[[], None]:

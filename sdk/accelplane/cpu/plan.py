@@ -114,16 +114,50 @@ def _gelu(x):
     return F32(0.5) * x * (F32(1.0) + np.tanh(c * x * (F32(1.0) + F32(0.044715) * x * x)))
 
 
+def _gelu_erf(x):
+    from accelplane.cpu import kernels
+
+    return kernels.gelu_erf(x)
+
+
+def _hardsigmoid(x):
+    # fmin/fmax are C's fminf/fmaxf (ggml's): a NaN gives the other operand, unlike minimum/maximum
+    return np.fmin(F32(1), np.fmax(F32(0), (x + F32(3)) / F32(6)))
+
+
+def _softplus(x):
+    with np.errstate(over="ignore"):  # exp(x) = inf where x > 88: those take the x branch
+        return np.where(x > F32(20), x, np.log1p(np.exp(x)))
+
+
+def _round(x):
+    # C's roundf, halves away from zero; x - trunc(x) is exact in float32 (np.round: half to even)
+    t = np.trunc(x)
+    with np.errstate(invalid="ignore"):  # inf - inf: the infinity is kept by the t branch
+        return np.where(np.abs(x - t) >= F32(0.5), t + np.sign(x), t)
+
+
 _UNARY = {
     UnaryOp.ABS: np.abs,
     UnaryOp.NEG: np.negative,
+    UnaryOp.STEP: lambda x: (x > 0).astype(F32),
     UnaryOp.TANH: np.tanh,
+    UnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, F32(0)))),  # no overflow unused
     UnaryOp.RELU: lambda x: np.maximum(x, F32(0)),
     UnaryOp.SIGMOID: _sigmoid,
     UnaryOp.GELU: _gelu,
     UnaryOp.GELU_QUICK: lambda x: x * _sigmoid(F32(1.702) * x),
     UnaryOp.SILU: lambda x: x * _sigmoid(x),
+    UnaryOp.HARDSWISH: lambda x: x * _hardsigmoid(x),
+    UnaryOp.HARDSIGMOID: _hardsigmoid,
     UnaryOp.EXP: np.exp,
+    UnaryOp.EXPM1: np.expm1,
+    UnaryOp.SOFTPLUS: _softplus,
+    UnaryOp.GELU_ERF: _gelu_erf,
+    UnaryOp.FLOOR: np.floor,
+    UnaryOp.CEIL: np.ceil,
+    UnaryOp.ROUND: _round,
+    UnaryOp.TRUNC: np.trunc,
 }
 
 
@@ -135,7 +169,12 @@ def _unary(t: Tensor, view: View) -> Step:
         av, dv = av.reshape(-1), dv.reshape(-1)
     if a.type == t.type == GGMLType.F32:
         return lambda: dv.__setitem__(Ellipsis, f(av))
-    return lambda: dv.__setitem__(Ellipsis, f(_f32(av)))
+
+    def widened() -> None:
+        with np.errstate(over="ignore"):  # a result past F16's range is stored as inf, as ggml's
+            dv[...] = f(_f32(av))
+
+    return widened
 
 
 def _glu(t: Tensor, view: View) -> Step:

@@ -16,8 +16,9 @@ and read their owner's memory when their turn comes; CPY (into ``src[1]``) and S
 view of it, sees the write.
 
 Semantics follow ggml's CPU backend (ggml-cpu/ops.cpp), computed exactly rather than in float32:
-ROPE's YaRN correction with ``theta = pos * freq_base**(-2i/n_dims)``, the tanh GELU,
-SOFT_MAX's ALiBi slopes, IM2COL's ``[N, OH, OW, IC*KH*KW]`` layout. Where ggml is
+ROPE's YaRN correction with ``theta = pos * freq_base**(-2i/n_dims)``, the tanh GELU (the
+exact erf GELU is its own op), SOFTPLUS's threshold (x itself above 20), ROUND's halves away
+from zero, SOFT_MAX's ALiBi slopes, IM2COL's ``[N, OH, OW, IC*KH*KW]`` layout. Where ggml is
 unspecified (ARGSORT ties: std::sort is not stable) the oracle sorts stably, ties in index
 order for both ASC and DESC.
 """
@@ -56,6 +57,7 @@ T = GGMLType
 _GELU_COEF_A = 0.044715
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_QUICK_COEF = 1.702
+_SOFTPLUS_LINEAR = 20.0  # ggml's softplus is x itself above this
 
 
 def _name(t: Tensor) -> str:
@@ -298,16 +300,41 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_COEF_A * x * x)))
 
 
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    # 1 + erf(z) as erfc(-z): no cancellation for negative x
+    return 0.5 * x * _erfc(-x / math.sqrt(2.0))
+
+
+def _hardsigmoid(x: np.ndarray) -> np.ndarray:
+    # fmin/fmax as ggml's fminf/fmaxf: a NaN argument gives the other one
+    return np.fmin(1.0, np.fmax(0.0, (x + 3.0) / 6.0))
+
+
 _UNARY: dict[UnaryOp, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.ABS: np.abs,
     UnaryOp.NEG: np.negative,
+    UnaryOp.STEP: lambda x: np.where(x > 0, 1.0, 0.0),
     UnaryOp.TANH: np.tanh,
+    UnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(x)),
     UnaryOp.RELU: lambda x: np.where(x > 0, x, 0.0),
     UnaryOp.SIGMOID: _sigmoid,
     UnaryOp.GELU: _gelu,
     UnaryOp.GELU_QUICK: lambda x: x * _sigmoid(_GELU_QUICK_COEF * x),
     UnaryOp.SILU: lambda x: x * _sigmoid(x),
+    UnaryOp.HARDSWISH: lambda x: x * _hardsigmoid(x),
+    UnaryOp.HARDSIGMOID: _hardsigmoid,
     UnaryOp.EXP: np.exp,
+    UnaryOp.EXPM1: np.expm1,
+    UnaryOp.SOFTPLUS: lambda x: np.where(x > _SOFTPLUS_LINEAR, x, np.log1p(np.exp(x))),
+    UnaryOp.GELU_ERF: _gelu_erf,
+    UnaryOp.FLOOR: np.floor,
+    UnaryOp.CEIL: np.ceil,
+    # C's roundf (halves away from zero); exact in float64 for every float32 input
+    UnaryOp.ROUND: lambda x: np.copysign(np.floor(np.abs(x) + 0.5), x),
+    UnaryOp.TRUNC: np.trunc,
 }
 
 _GLU_ACT = {GluOp.SWIGLU: _UNARY[UnaryOp.SILU], GluOp.GEGLU: _gelu}

@@ -65,7 +65,8 @@ enum htp_act {
     HTP_ACT_SIGMOID = 2,
     HTP_ACT_NEG = 3,
     HTP_ACT_EXP = 4,
-    HTP_ACT_TANH = 5
+    HTP_ACT_TANH = 5,
+    HTP_ACT_SOFTPLUS = 6
 };
 
 typedef struct {

@@ -26,6 +26,8 @@ static float act(uint32_t a, float x) {
         return expf(x);
     case HTP_ACT_TANH:
         return tanhf(x);
+    case HTP_ACT_SOFTPLUS: /* ggml's: x itself above 20 */
+        return x > 20.0f ? x : log1pf(expf(x));
     default:
         return NAN;
     }

@@ -18,6 +18,17 @@
 #define U_GELU_QUICK 14
 #define U_SILU 15
 #define U_EXP 16
+#define U_STEP 17
+#define U_ELU 18
+#define U_HARDSWISH 19
+#define U_HARDSIGMOID 20
+#define U_EXPM1 21
+#define U_SOFTPLUS 22
+#define U_GELU_ERF 23
+#define U_FLOOR 24
+#define U_CEIL 25
+#define U_ROUND 26
+#define U_TRUNC 27
 
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + exp(-x)); }
 
@@ -25,6 +36,12 @@ inline float gelu_f(float x) {
     const float c = 0.7978845608028654f;  // sqrt(2/pi)
     return 0.5f * x * (1.0f + tanh(c * x * (1.0f + 0.044715f * x * x)));
 }
+
+// exact GELU 0.5*x*(1 + erf(x/sqrt 2)) as 0.5*x*erfc(-x/sqrt 2): no cancellation for x < 0
+inline float gelu_erf_f(float x) { return 0.5f * x * erfc(-x * 0.70710678118654752f); }
+
+// ggml's: fminf(1, fmaxf(0, (x + 3) / 6)); OpenCL's fmin/fmax are C's (a NaN gives the other)
+inline float hardsigmoid_f(float x) { return fmin(1.0f, fmax(0.0f, (x + 3.0f) / 6.0f)); }
 
 inline float unary_f(int op, float x, float f0, float f1) {
     switch (op) {
@@ -44,7 +61,18 @@ inline float unary_f(int op, float x, float f0, float f1) {
     case U_GELU: return gelu_f(x);
     case U_GELU_QUICK: return x * sigmoid_f(1.702f * x);
     case U_SILU: return x * sigmoid_f(x);
-    default: return exp(x);
+    case U_EXP: return exp(x);
+    case U_STEP: return x > 0.0f ? 1.0f : 0.0f;
+    case U_ELU: return x > 0.0f ? x : expm1(x);
+    case U_HARDSWISH: return x * hardsigmoid_f(x);
+    case U_HARDSIGMOID: return hardsigmoid_f(x);
+    case U_EXPM1: return expm1(x);
+    case U_SOFTPLUS: return x > 20.0f ? x : log1p(exp(x));  // ggml's: x itself above 20
+    case U_GELU_ERF: return gelu_erf_f(x);
+    case U_FLOOR: return floor(x);
+    case U_CEIL: return ceil(x);
+    case U_ROUND: return round(x);  // OpenCL's round is C's: halves away from zero
+    default: return trunc(x);       // U_TRUNC
     }
 }
 

@@ -72,6 +72,8 @@ def supports(t: Tensor, caps: Caps) -> bool:
         return False
     if not all(addressable(x) for x in tensors):
         return False
+    if t.op is Op.UNARY and t.op_params[0] not in elementwise.UNARY_CODES:
+        return False  # a ggml unary op unary.comp does not implement
     if t.op in (Op.CONT, Op.DUP) and t.type in QUANT:
         return False  # copy.comp writes element types only
     if t.op in (Op.MUL_MAT, Op.MUL_MAT_ID):

@@ -26,6 +26,17 @@ UNARY_CODES = {
     UnaryOp.GELU_QUICK: 14,
     UnaryOp.SILU: 15,
     UnaryOp.EXP: 16,
+    UnaryOp.STEP: 17,
+    UnaryOp.ELU: 18,
+    UnaryOp.HARDSWISH: 19,
+    UnaryOp.HARDSIGMOID: 20,
+    UnaryOp.EXPM1: 21,
+    UnaryOp.SOFTPLUS: 22,
+    UnaryOp.GELU_ERF: 23,
+    UnaryOp.FLOOR: 24,
+    UnaryOp.CEIL: 25,
+    UnaryOp.ROUND: 26,
+    UnaryOp.TRUNC: 27,
 }
 BINARY_CODES = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
 
