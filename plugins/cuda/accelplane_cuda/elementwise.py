@@ -10,7 +10,9 @@ from accelplane.core.types import GGMLType as T
 from . import compiler, matvec
 from .args import CTYPE, f32_rows16, f64
 
-# kernels/elementwise.cu's op codes: k_binary's, and k_unary's scalar ops (past UnaryOp's)
+# kernels/elementwise.cu's op codes: k_binary's, k_unary's unary ops (their ggml ids) and its
+# scalar ops (past UnaryOp's)
+UNARY = frozenset(map(UnaryOp, (0, *range(2, 17), 18, 19, 20, 21)))
 BINARY = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}
 SCALAR = {Op.SQR: 100, Op.SQRT: 101, Op.LOG: 102, Op.SIN: 103, Op.COS: 104, Op.SCALE: 105,
           Op.CLAMP: 106, Op.LEAKY_RELU: 107}  # fmt: skip

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from accelplane.core.ops import FLOAT, QUANT, VIEW_OPS, Op
+from accelplane.core.ops import FLOAT, QUANT, VIEW_OPS, Op, UnaryOp
 from accelplane.core.types import GGMLType as T
 from accelplane.errors import UnsupportedOpError
 
 from .args import rows_contig
-from .elementwise import BINARY, SCALAR
+from .elementwise import BINARY, SCALAR, UNARY
 from .layout import X8, type_id
 
 _ANY_TYPE = (Op.NORM, Op.RMS_NORM, Op.L2_NORM, Op.SOFT_MAX, Op.ROPE, Op.ARGMAX, Op.ARGSORT, Op.COL2IM_1D,
@@ -44,6 +44,8 @@ def supports(op) -> bool:
     if not all(_addressable(t) for t in (op, *op.src) if t is not None and t.type in X8):
         return False  # a view cutting the rows of regrouped weights
     s = op.src
+    if o is Op.UNARY and UnaryOp(op.op_params[0]) not in UNARY:
+        return False
     if o in BINARY or o in SCALAR or o is Op.UNARY or o is Op.GLU:
         return all(x is None or x.type in FLOAT for x in s) and op.type in FLOAT
     if o in _ANY_TYPE:

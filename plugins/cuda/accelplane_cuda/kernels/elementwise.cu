@@ -9,17 +9,31 @@ __device__ __forceinline__ float gelu_(float x) {
     const float c = 0.7978845608028654f;
     return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
 }
+// fminf/fmaxf as ggml: a NaN input gives 0
+__device__ __forceinline__ float hardsigmoid_(float x) { return fminf(1.0f, fmaxf(0.0f, (x + 3.0f) / 6.0f)); }
+// codes 0..21 are ggml_unary_op's (elementwise.py's UNARY lists those present here)
 __device__ __forceinline__ float unary_op(int op, float x, float p0, float p1) {
     switch (op) {
         case 0: return fabsf(x);
         case 2: return -x;
+        case 3: return x > 0.0f ? 1.0f : 0.0f;
         case 4: return tanhf(x);
+        case 5: return x > 0.0f ? x : expm1f(x);
         case 6: return fmaxf(x, 0.0f);
         case 7: return sigmoidf_(x);
         case 8: return gelu_(x);
         case 9: return x * sigmoidf_(1.702f * x);
         case 10: return x * sigmoidf_(x);
+        case 11: return x * hardsigmoid_(x);
+        case 12: return hardsigmoid_(x);
         case 13: return expf(x);
+        case 14: return expm1f(x);
+        case 15: return x > 20.0f ? x : log1pf(expf(x));  // ggml's softplus: x itself above 20
+        case 16: return 0.5f * x * erfcf(-x * 0.70710678118654752f);  // exact GELU, no cancellation
+        case 18: return floorf(x);
+        case 19: return ceilf(x);
+        case 20: return roundf(x);  // halves away from zero
+        case 21: return truncf(x);
         case 100: return x * x;
         case 101: return sqrtf(x);
         case 102: return logf(x);
