@@ -131,6 +131,26 @@ def test_compute_of_unallocated_tensors_is_a_device_error(dev):
         b.free()
 
 
+def test_allocators_refuse_what_is_not_a_buffer_type():
+    dev = accelplane.device("CPU")
+    ctx = Context()
+    ctx.new_tensor("f32", (8,), "x")
+    b = dev.new_backend()
+    for wrong in (b, dev, "CPU", None):  # a backend or device where its buffer type belongs
+        with pytest.raises(TypeMismatchError, match="expected a BufferType"):
+            alloc_ctx_tensors(ctx, wrong)
+        with pytest.raises(TypeMismatchError, match="expected a BufferType"):
+            GraphAllocator(wrong)
+    with pytest.raises(TypeMismatchError, match="usage must be a BufferUsage"):
+        alloc_ctx_tensors(ctx, dev.buffer_type, "weights")
+    with pytest.raises(TypeMismatchError, match="takes a Context"):
+        alloc_ctx_tensors([ctx], dev.buffer_type)
+    with pytest.raises(TypeMismatchError, match="takes Tensors"):
+        accelplane.alloc_tensors([ctx], dev.buffer_type)
+    assert ctx.tensors[0].buffer is None, "nothing was placed"
+    b.free()
+
+
 def test_compute_refuses_a_node_the_device_declines(dev):
     """Backend.compute honours supports_op (the Scheduler is the route that falls back)."""
     ctx = Context()

@@ -154,6 +154,12 @@ def halves(lo: int, hi: int) -> Init:
     return init
 
 
+def _sort_specials(rng, shape) -> np.ndarray:
+    """Few distinct values (ties), both zeros, both infinities and NaN: ARGSORT's total order."""
+    pool = np.array([-2.0, -1.0, -0.0, 0.0, 1.0, 2.0, np.inf, -np.inf, np.nan])
+    return pool[rng.integers(0, len(pool), int(np.prod(shape)))].reshape(shape)
+
+
 U = UnaryOp
 _ROUNDING = (U.STEP, U.FLOOR, U.CEIL, U.ROUND, U.TRUNC)  # integer results: compared exactly
 _UNARY_INIT = {u: halves(-4, 4) for u in (*_ROUNDING, U.HARDSWISH, U.HARDSIGMOID)}
@@ -472,6 +478,13 @@ def _reductions() -> Iterator[OpCase]:
                 return ctx.argsort(leaf(ctx, T.F32, ne, "a"), order)
 
             yield OpCase("ARGSORT", {"ne": ne, "order": order.name}, build_as, exact=True)
+        for ne in ((60, 3, 2, 1), (17, 4, 1, 1)):  # ties, signed zeros, infinities and NaN
+
+            def build_ts(ctx, ne=ne, order=order):
+                return ctx.argsort(leaf(ctx, T.F32, ne, "a"), order)
+
+            yield OpCase("ARGSORT", {"ne": ne, "order": order.name, "data": "ties,inf,nan"}, build_ts,
+                         inits={"a": _sort_specials}, exact=True)  # fmt: skip
 
 
 def _im2col() -> Iterator[OpCase]:

@@ -343,7 +343,8 @@ class Context:
 
     def argsort(self, a: Tensor, order: SortOrder = SortOrder.ASC) -> Tensor:
         """ASC: ``np.argsort(a, axis=-1, kind='stable')``; DESC: ``np.argsort(-a, axis=-1,
-        kind='stable')`` (ties keep index order either way). I32."""
+        kind='stable')``: ties (-0.0 and 0.0 among them) keep index order and NaN comes after
+        every number in either order, a total order where ggml's std::sort leaves NaN undefined. I32."""
         return self._op(Op.ARGSORT, (a,), (_enum(Op.ARGSORT, SortOrder, order),))
 
     # convolution helpers

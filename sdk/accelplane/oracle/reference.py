@@ -19,8 +19,8 @@ Semantics follow ggml's CPU backend (ggml-cpu/ops.cpp), computed exactly rather 
 ROPE's YaRN correction with ``theta = pos * freq_base**(-2i/n_dims)``, the tanh GELU (the
 exact erf GELU is its own op), SOFTPLUS's threshold (x itself above 20), ROUND's halves away
 from zero, SOFT_MAX's ALiBi slopes, IM2COL's ``[N, OH, OW, IC*KH*KW]`` layout. Where ggml is
-unspecified (ARGSORT ties: std::sort is not stable) the oracle sorts stably, ties in index
-order for both ASC and DESC.
+unspecified (ARGSORT ties: std::sort is not stable; NaN breaks its ordering) the oracle sorts
+stably, ties in index order for both ASC and DESC, NaN last in both.
 """
 
 from __future__ import annotations

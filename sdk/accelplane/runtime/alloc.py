@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from accelplane.core.ops import INPLACE_OPS, VIEW_OPS
 from accelplane.core.tensor import Tensor, TensorFlag, memory_owner, owners_to_keep
-from accelplane.errors import AllocationError
+from accelplane.errors import AllocationError, TypeMismatchError
 from accelplane.runtime.backend import Buffer, BufferType, BufferUsage, MultiBuffer
 
 if TYPE_CHECKING:
@@ -24,6 +24,15 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _check_buft(buft: object, usage: object = BufferUsage.WEIGHTS) -> None:
+    """A typed error, naming what to pass, for the mistakes a caller makes here."""
+    if not isinstance(buft, BufferType):
+        raise TypeMismatchError(f"expected a BufferType (such as device.buffer_type), got "
+                                f"{type(buft).__name__}")
+    if not isinstance(usage, BufferUsage):
+        raise TypeMismatchError(f"usage must be a BufferUsage, got {usage!r}")
+
+
 def alloc_tensors(
     tensors: Iterable[Tensor], buft: BufferType, usage: BufferUsage = BufferUsage.WEIGHTS
 ) -> Buffer | None:
@@ -31,7 +40,11 @@ def alloc_tensors(
     (ggml_backend_alloc_ctx_tensors_from_buft). Tensors are packed in order; when the next one
     would pass the buffer type's max size a new buffer starts, and the buffers are returned as
     one MultiBuffer. Returns None when nothing needed memory."""
+    _check_buft(buft, usage)
     tensors = list(tensors)
+    bad = next((t for t in tensors if not isinstance(t, Tensor)), None)
+    if bad is not None:
+        raise TypeMismatchError(f"alloc_tensors takes Tensors, got {type(bad).__name__}")
     chunks: list[list[tuple[Tensor, int]]] = [[]]
     sizes = [0]
     for t in tensors:
@@ -66,6 +79,8 @@ def alloc_tensors(
 def alloc_ctx_tensors(ctx, buft: BufferType, usage: BufferUsage = BufferUsage.WEIGHTS):
     """All leaf tensors of a Context (see :func:`alloc_tensors`); its views of them are bound
     too, as ggml binds every view in the context."""
+    if not hasattr(ctx, "tensors") or not hasattr(ctx, "views"):
+        raise TypeMismatchError(f"alloc_ctx_tensors takes a Context, got {type(ctx).__name__}")
     return alloc_tensors(list(ctx.tensors) + list(ctx.views), buft, usage)
 
 
@@ -137,6 +152,7 @@ class GraphAllocator:
     """
 
     def __init__(self, buft: BufferType) -> None:
+        _check_buft(buft)
         self.buft = buft
         self.buffers: list[Buffer] = []
         self._placed: dict[int, tuple[int, int]] = {}  # graph uid -> (generation, n placed)

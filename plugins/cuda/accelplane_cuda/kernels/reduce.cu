@@ -56,7 +56,8 @@ __global__ void k_argmax(const i64* __restrict__ P, char* dst, const char* src) 
     }
     if (threadIdx.x == 0) *(int*)(dst + blockIdx.x * P[4]) = bi[0];
 }
-// argsort per row, stable: the rank of element i is the number of elements ordered before it.
+// argsort per row, stable: the rank of element i is the number of elements ordered before it
+// (NaN after every number in either order: a total order, so every position is written once).
 // P: [ne0..3, nbs0..3, nbd0..3, desc]
 __global__ void k_argsort(const i64* __restrict__ P, char* dst, const char* src) {
     pdl_enter();
@@ -72,8 +73,8 @@ __global__ void k_argsort(const i64* __restrict__ P, char* dst, const char* src)
         i64 rank = 0;
         for (i64 j = 0; j < n; ++j) {
             const float xj = *(const float*)(s + j * P[4]);
-            const bool before = desc ? (xj > xi) : (xj < xi);
-            rank += before || (xj == xi && j < i);
+            rank += isnan(xi) ? (!isnan(xj) || j < i)
+                              : !isnan(xj) && ((desc ? (xj > xi) : (xj < xi)) || (xj == xi && j < i));
         }
         *(int*)(d + rank * P[8]) = (int)i;
     }

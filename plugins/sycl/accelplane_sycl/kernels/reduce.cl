@@ -53,7 +53,8 @@ __kernel void k_argmax(params P, ulong pi, gbuf* dst, cbuf* src) {
     *(__global int*)(dst + d.off + r * d.nb[0]) = arg;
 }
 
-// P: dst (I32), src (F32), desc. one work-item per element: its stable rank in the row
+// P: dst (I32), src (F32), desc. one work-item per element: its rank in the row, in a total
+// order (NaN after every number in either order, ties in index order), so ranks never collide
 __kernel void k_argsort(params P, ulong pi, gbuf* dst, cbuf* src) {
     params p = P + pi;
     td_t d = td(p), s = td(p + TD_WORDS);
@@ -65,7 +66,8 @@ __kernel void k_argsort(params P, ulong pi, gbuf* dst, cbuf* src) {
     long rank = 0;
     for (long j = 0; j < s.ne[0]; ++j) {
         float y = ld_el(src, &s, so, j);
-        rank += (desc ? y > x : y < x) || (y == x && j < i);
+        rank += isnan(x) ? (!isnan(y) || j < i)
+                         : !isnan(y) && ((desc ? y > x : y < x) || (y == x && j < i));
     }
     *(__global int*)(dst + row_off(&d, ix[1], ix[2], ix[3]) + rank * d.nb[0]) = (int)i;
 }

@@ -1,6 +1,7 @@
 #version 450
 // ARGSORT, stable: element i of a row goes to position rank(i) = number of elements that
-// sort before it (smaller, or equal with a smaller index; larger for DESC). No shared memory
+// sort before it (smaller, or equal with a smaller index; larger for DESC; NaN after every
+// number in either order, so that ranks never collide and every position is written). No shared memory
 // and no barriers, any row length; O(n^2) per row, fine for sampling-sized rows.
 #include "common.glsl"
 layout(local_size_x = 128) in;
@@ -15,8 +16,9 @@ void main() {
     uint rank = 0u;
     for (uint j = 0u; j < pc.ne.x; ++j) {
         float y = Af[a0 + j * pc.nba.x];
-        bool before = pc.desc != 0u ? y > x : y < x;
-        if (before || (y == x && j < e.x)) rank++;
+        bool before = isnan(x) ? (!isnan(y) || j < e.x)
+                               : !isnan(y) && ((pc.desc != 0u ? y > x : y < x) || (y == x && j < e.x));
+        if (before) rank++;
     }
     Di[pc.offd + e.y * pc.nbd.y + e.z * pc.nbd.z + e.w * pc.nbd.w + rank * pc.nbd.x] = int(e.x);
 }
