@@ -16,7 +16,6 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,14 @@ ALIGNMENT = 128  # of every buffer type
 
 
 def _runtime_library() -> str | None:
-    """Path of the OpenCL CPU runtime installed by the intel-opencl-rt wheel, if any."""
+    """Path of the OpenCL CPU runtime installed by the intel-opencl-rt wheel, if any: where
+    the wheel puts it (the environment's lib/), else where its file list says (importlib's
+    metadata, slower to load: a third of a listing's time)."""
+    p = Path(sys.prefix, "lib", RUNTIME_LIB)
+    if p.exists():
+        return str(p)
+    from importlib import metadata
+
     try:
         files = metadata.files(RUNTIME_DIST) or []
     except metadata.PackageNotFoundError:
@@ -39,8 +45,7 @@ def _runtime_library() -> str | None:
     for f in files:
         if f.name == RUNTIME_LIB:
             return str(f.locate())
-    p = Path(sys.prefix, "lib", RUNTIME_LIB)
-    return str(p) if p.exists() else None
+    return None
 
 
 def open_dpctl() -> Any:
@@ -67,8 +72,30 @@ def _device_indices(n: int, wanted: tuple[int, ...] | None) -> list[int]:
     return list(wanted)
 
 
-def discover() -> list[DevState]:
-    """The logical devices: one per index of ACCELPLANE_SYCL_DEVICES (default: every device)."""
+@dataclass(frozen=True, eq=False)
+class Probe:
+    """What listing says of one logical device: its dpctl device (no context, no queue yet)."""
+
+    index: int
+    dev: Any  # dpctl.SyclDevice
+    phys_index: int
+    shared: bool  # one of several logical devices of that SYCL device
+    settings: Tuning
+
+    @property
+    def name(self) -> str:
+        return f"SYCL{self.index}"
+
+    @property
+    def description(self) -> str:
+        d = self.dev
+        return (f"{d.name} ({d.filter_string}, driver {d.driver_version}"
+                + (f", logical device {self.index} of it" if self.shared else "") + ")")  # fmt: skip
+
+
+def discover() -> list[Probe]:
+    """The logical devices: one per index of ACCELPLANE_SYCL_DEVICES (default: every device),
+    listed from dpctl; each opens (DevState) on first use."""
     settings = tuning.read()
     dpctl = open_dpctl()
     phys = list(dpctl.get_devices())
@@ -80,23 +107,24 @@ def discover() -> list[DevState]:
             f"{'runtime at ' + lib if lib else 'not installed'})"
         )
     idx = _device_indices(len(phys), settings.devices)
-    return [DevState(i, phys[j], j, idx.count(j) > 1, settings) for i, j in enumerate(idx)]
+    return [Probe(i, phys[j], j, idx.count(j) > 1, settings) for i, j in enumerate(idx)]
 
 
 class DevState:
-    """One logical device: a SYCL device with its own context, a queue for blocking buffer
-    operations, the kernel program (built on first use) and the streams opened on it."""
+    """One logical device, open (a device's runtime: made on its first use, from its Probe):
+    a SYCL device with its own context, a queue for blocking buffer operations, the kernel
+    program (built on first use) and the streams opened on it."""
 
-    def __init__(self, index: int, dev: Any, phys_index: int, shared: bool, settings: Tuning) -> None:
+    def __init__(self, probe: Probe) -> None:
         import dpctl
 
-        self.settings = settings
-        self.index = index
-        self.name = f"SYCL{index}"
-        self.dev = dev
-        self.phys_index = phys_index
-        self.description = (f"{dev.name} ({dev.filter_string}, driver {dev.driver_version}"
-                            + (f", logical device {index} of it" if shared else "") + ")")  # fmt: skip
+        self.probe = probe
+        self.settings = probe.settings
+        self.index = probe.index
+        self.name = probe.name
+        self.dev = dev = probe.dev
+        self.phys_index = probe.phys_index
+        self.description = probe.description
         # a context of its own (the list form: dpctl's single-device form returns a cached,
         # shared one), so logical devices of one SYCL device behave as separate devices
         self.ctx = dpctl.SyclContext([dev])
@@ -171,7 +199,7 @@ class DevState:
 class BuftInfo:
     """A buffer type's ctx: USM device memory of ``dev``, or USM host memory (``host``)."""
 
-    dev: DevState
+    dev: Probe
     host: bool
 
 

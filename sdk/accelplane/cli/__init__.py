@@ -127,7 +127,9 @@ def cmd_devices(args) -> int:
 
     if args.env:
         return cmd_env()
-    info = accelplane.get_registry().info()
+    # opening every device (no kernel is compiled) is what makes the listing honest: a device
+    # whose runtime fails is shown failing; --no-open lists what the probes say, as devices() does
+    info = accelplane.get_registry().info(open=not args.no_open)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -137,10 +139,13 @@ def cmd_devices(args) -> int:
         print(f"plugin {p['name']} {p['version']} (API {p['api_version'][0]}."
               f"{p['api_version'][1]})")  # fmt: skip
         for d in p["devices"]:
-            mem = (f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free"
+            mem = ("memory: on open" if d["memory_total"] is None else
+                   f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free"
                    if d["memory_total"] else "memory: n/a")  # fmt: skip
             caps = ",".join(k for k, v in d["caps"].items() if v) or "sync"
             print(f"  {d['name']:<10} {d['type']:<5} {mem:<24} [{caps}] {d['description']}")
+            if d["open_error"]:
+                print(f"    did not open: {d['open_error']}")
     for f in info["failures"]:
         if f["no_device"]:  # installed, but its hardware or runtime is not here: not broken
             print(f"plugin {f['name']}: no device ({f['reason']})")
@@ -150,6 +155,9 @@ def cmd_devices(args) -> int:
         # the order `run` and best_device() place work in when no device is named
         print("default order: " + ", ".join(f"{r['device']} ({r['why']})"
                                             for r in info["default_order"]))  # fmt: skip
+    if args.no_open:
+        print("(listed from each plugin's probe; runtimes open on first use: without --no-open, "
+              "every device is opened and any that fails is shown)")  # fmt: skip
     return 0
 
 
@@ -316,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("devices", help="plugins, devices, memory; plugins with no device or broken, and why")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--no-open", action="store_true",
+                   help="list what each plugin's probe says, opening no device's runtime (the "
+                        "default opens each, compiling no kernel, and shows any that fails)")  # fmt: skip
     d.add_argument("--env", action="store_true",
                    help="the ACCELPLANE_* variables that are set, with their meaning, and the others known")
     o = sub.add_parser("ops", help="op support matrix of every installed plugin")

@@ -55,6 +55,9 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     for fl in reg.failures:
         p(f"  ({'no device' if fl.no_device else 'broken plugin'} {fl.name}: {fl.reason})")
     devs = pick_devices(reg, args.device)
+    for d in reg.devices:
+        if d.open_error is not None:  # passed over by the default choice
+            p(f"  ({d.name} left out: {d.open_error})")
     cpu = _cpu_of(reg)
     n_prompt, n_dec = int(args.prompt_tokens), int(args.tokens)
     n_ctx = context_for(cfg, n_prompt + n_dec, "--prompt-tokens + --tokens")

@@ -81,16 +81,17 @@ def describe_model(f: GGUFFile) -> str:
 
 def pick_devices(reg, names: Sequence[str] | None) -> list[Device]:
     """Devices by name (comma lists allowed), else every accelerator that is not emulated on
-    the host's CPU, in the registry's ranking (GPUs, then integrated GPUs, then accelerators),
-    else the best-ranked CPU device. The model's scheduler adds a CPU backend last in any case."""
+    the host's CPU and whose runtime opens (Registry.usable), in the registry's ranking (GPUs,
+    then integrated GPUs, then accelerators), else the best-ranked CPU device. The model's
+    scheduler adds a CPU backend last in any case."""
     if names:
         out = []
         for n in names:
             out += [reg.device(x.strip()) for x in n.split(",") if x.strip()]
         return list(dict.fromkeys(out))
     ranked = [d for d, _ in reg.ranked()]
-    accel = [d for d in ranked if d.type != DeviceType.CPU and not d.caps.emulated]
-    return accel or [d for d in ranked if d.type == DeviceType.CPU][:1] or ranked[:1]
+    accel = reg.usable(d for d in ranked if d.type != DeviceType.CPU and not d.caps.emulated)
+    return accel or [d for d in ranked if d.type == DeviceType.CPU][:1] or reg.usable(ranked)[:1]
 
 
 def _cpu_of(reg) -> Device:

@@ -5,10 +5,14 @@ plugin that fails (import error, wrong API major, hookimpl that does not match i
 missing required hook, error or nothing from get_devices) is recorded in
 ``Registry.failures`` with the stage and reason, and the host carries on.
 
-Discovery only imports and validates: a discovered plugin's devices open (its get_devices,
-which may start a runtime such as CuPy, dpctl or a Vulkan instance) on the first use of
-``devices``, ``plugins`` or ``failures``, so ``import accelplane`` plus discovery stays cheap.
-Plugins named in ACCELPLANE_PLUGINS open at discovery, so their failures are loud there.
+Discovery only imports and validates: a discovered plugin's devices are probed (its
+get_devices, which may load a runtime's library, e.g. dpctl, or create a Vulkan instance) on
+the first use of ``devices``, ``plugins`` or ``failures``, so ``import accelplane`` plus
+discovery stays cheap. Plugins named in ACCELPLANE_PLUGINS are probed at discovery, so their
+failures are loud there. Probing opens no device: each device's runtime (contexts, queues,
+logical devices) opens on its first use (runtime/backend.py, Device.open), and a failure
+there is that device's DeviceOpenError; ``info(open=True)`` (``accelplane devices``) opens
+every device to report them.
 
 Environment:
   ACCELPLANE_PLUGINS          comma list: load only these; a listed plugin that fails or is
@@ -21,18 +25,23 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import re
+import sys
 import threading
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from importlib import metadata
+from importlib.machinery import PathFinder
 from types import ModuleType
 from typing import Any
 
 import pluggy
 
 from accelplane import env
-from accelplane.errors import APIVersionError, ConfigError, DeviceError, PluginLoadError
+from accelplane.errors import APIVersionError, ConfigError, DeviceError, DeviceOpenError, PluginLoadError
 from accelplane.interface import (
     API_VERSION,
     HOOK_MIN_MINOR,
@@ -104,11 +113,102 @@ def check_api_version(name: str, declared: Any) -> tuple[int, int]:
     return major, minor
 
 
-def _dist_version(ep: metadata.EntryPoint) -> str:
-    try:
-        return ep.dist.version if ep.dist is not None else "?"
-    except Exception:  # pragma: no cover - broken metadata
+@dataclass(frozen=True)
+class EntryPoint:
+    """An entry point of GROUP: its name, ``module`` or ``module:attr`` value, and where it
+    comes from (``dist_info``: the distribution's metadata directory, ``*.dist-info`` or
+    ``*.egg-info``, or its version as importlib.metadata gave it)."""
+
+    name: str
+    value: str
+    dist_info: str | None = None
+    dist_version: str | None = None
+
+    def load(self) -> Any:
+        module, _, attr = self.value.partition(":")
+        obj = importlib.import_module(module.strip())
+        for a in filter(None, attr.strip().split(".")):
+            obj = getattr(obj, a)
+        return obj
+
+    @property
+    def version(self) -> str:
+        """The distribution's version (its METADATA's Version field), or '?'."""
+        if self.dist_info is None:
+            return self.dist_version or "?"
+        meta = "PKG-INFO" if self.dist_info.lower().endswith(".egg-info") else "METADATA"
+        try:
+            with open(os.path.join(self.dist_info, meta), encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        break
+                    key, _, value = line.partition(":")
+                    if key.strip().lower() == "version":
+                        return value.strip()
+        except OSError:
+            pass
         return "?"
+
+
+def entry_points(group: str = GROUP) -> list[EntryPoint]:
+    """The entry points of ``group`` of every distribution on sys.path, the first distribution
+    of a (normalized) name winning, as importlib.metadata.entry_points(group=...) gives them.
+
+    Read directly from each ``*.dist-info`` (or ``*.egg-info``) directory's entry_points.txt:
+    importing importlib.metadata (which imports the email package) costs more than the rest of
+    discovery. A zip archive or an ``*.egg`` on sys.path, or a finder on sys.meta_path with
+    distributions of its own, sends the whole lookup through importlib.metadata."""
+    if any(hasattr(f, "find_distributions") and f is not PathFinder for f in sys.meta_path):
+        return _metadata_entry_points(group)
+    out: list[EntryPoint] = []
+    seen: set[str] = set()
+    header = f"[{group}]"
+    for entry in sys.path:
+        root = entry or "."
+        try:
+            children = os.listdir(root)
+        except NotADirectoryError:
+            return _metadata_entry_points(group)  # a zip archive on sys.path
+        except OSError:  # missing, or not a path (an import hook's token)
+            continue
+        for child in children:
+            low = child.lower()
+            if low.endswith(".egg"):
+                return _metadata_entry_points(group)
+            if not low.endswith((".dist-info", ".egg-info")):
+                continue
+            dist = re.sub(r"[-_.]+", "_", child.rpartition(".")[0].partition("-")[0]).lower()
+            if dist in seen:
+                continue
+            seen.add(dist)
+            info = os.path.join(root, child)
+            try:
+                with open(os.path.join(info, "entry_points.txt"), encoding="utf-8") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            section = None
+            for line in text.splitlines():
+                line = line.strip()
+                if line.startswith("["):
+                    section = line
+                elif section == header and "=" in line and not line.startswith(("#", ";")):
+                    name, _, value = line.partition("=")
+                    out.append(EntryPoint(name.strip(), value.strip(), info))
+    return out
+
+
+def _metadata_entry_points(group: str) -> list[EntryPoint]:
+    from importlib import metadata
+
+    out = []
+    for ep in metadata.entry_points(group=group):
+        try:
+            version = ep.dist.version if ep.dist is not None else None
+        except Exception:  # pragma: no cover - broken metadata
+            version = None
+        out.append(EntryPoint(ep.name, ep.value, dist_version=version))
+    return out
 
 
 class Registry:
@@ -120,8 +220,8 @@ class Registry:
         self._plugins: dict[str, Plugin] = {}
         self._failures: list[Failure] = []
         self._devices: list[Device] = []
-        # validated plugins whose devices are not open yet: discovery stays cheap, and the
-        # runtimes (cupy, dpctl, a Vulkan instance) start on the first use of devices
+        # validated plugins whose devices are not probed yet: discovery stays cheap, and the
+        # runtimes' libraries (dpctl, a Vulkan instance) load on the first use of devices
         self._pending: list[tuple[Plugin, list[str] | None]] = []
         self._lock = threading.RLock()
         # a plugin setting with a bad value is the user's to fix, not a broken plugin: every
@@ -130,28 +230,29 @@ class Registry:
 
     @property
     def plugins(self) -> dict[str, Plugin]:
-        """Plugins with open devices (opening any discovered ones first)."""
-        self._open_pending()
+        """Plugins with devices (probing any discovered ones first)."""
+        self._probe_pending()
         return self._plugins
 
     @property
     def failures(self) -> list[Failure]:
-        """Plugins that failed, with the stage and reason (opening discovered plugins first)."""
-        self._open_pending()
+        """Plugins that failed, with the stage and reason (probing discovered plugins first)."""
+        self._probe_pending()
         return self._failures
 
     @property
     def devices(self) -> list[Device]:
-        """All devices, CPU devices last (opening any discovered plugins first)."""
-        self._open_pending()
+        """All devices, CPU devices last (probing any discovered plugins first; no device's
+        runtime opens here)."""
+        self._probe_pending()
         return self._devices
 
-    def _open_pending(self) -> None:
+    def _probe_pending(self) -> None:
         if self._pending:
             with self._lock:
                 while self._pending:
                     plugin, allow = self._pending.pop(0)
-                    self._open(plugin, allow)
+                    self._probe(plugin, allow)
         if self._config_error is not None:
             raise self._config_error
 
@@ -160,7 +261,7 @@ class Registry:
         """Load every entry point of the group (subject to the allow/block lists)."""
         allow = list(env.PLUGINS.get() or ()) or None
         block = set(env.DISABLE_PLUGINS.get() or ())
-        eps = sorted(metadata.entry_points(group=GROUP), key=lambda e: (e.name == "cpu", e.name))
+        eps = sorted(entry_points(), key=lambda e: (e.name == "cpu", e.name))
         found = set()
         for ep in eps:
             if ep.name in found:  # the same distribution seen twice on sys.path
@@ -173,8 +274,8 @@ class Registry:
             except Exception as e:
                 self._fail(ep.name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
-            # an allow-listed plugin opens now, so its failure is loud at discovery
-            self.register(module, ep.name, version=_dist_version(ep), _allow=allow, _defer=allow is None)
+            # an allow-listed plugin is probed now, so its failure is loud at discovery
+            self.register(module, ep.name, version=ep.version, _allow=allow, _defer=allow is None)
         for spec in env.EXTRA_PLUGINS.get() or ():
             name, sep, modname = spec.partition("=")
             name, modname = name.strip(), modname.strip()
@@ -211,8 +312,8 @@ class Registry:
     def register(
         self, module: ModuleType | Any, name: str, version: str = "?", _allow=None, _defer: bool = False
     ) -> Plugin | None:
-        """Validate and register one plugin object and open its devices; returns None (and
-        records why) on failure. Discovery passes ``_defer``: devices open on first use."""
+        """Validate and register one plugin object and probe its devices; returns None (and
+        records why) on failure. Discovery passes ``_defer``: devices are probed on first use."""
         with self._lock:
             if name in self._plugins or any(p.name == name for p, _ in self._pending):
                 self._fail(
@@ -252,10 +353,10 @@ class Registry:
             if _defer:
                 self._pending.append((plugin, _allow))
                 return plugin
-            return self._open(plugin, _allow)
+            return self._probe(plugin, _allow)
 
-    def _open(self, plugin: Plugin, _allow) -> Plugin | None:
-        """Stage 3: the plugin's devices (its first call allowed to open the runtime)."""
+    def _probe(self, plugin: Plugin, _allow) -> Plugin | None:
+        """Stage 3: the plugin's devices (its first call allowed to load the runtime)."""
         name, module, fn = plugin.name, plugin.module, plugin.fn
         with self._lock:
             try:
@@ -356,16 +457,40 @@ class Registry:
         return [(d, reason(d)) for d in ranked]
 
     def best_device(self) -> Device:
-        """The first device of :meth:`ranked`."""
+        """The first device of :meth:`ranked` whose runtime opens (see :meth:`usable`)."""
         ranked = self.ranked()
         if not ranked:
             raise DeviceError("no devices registered")
-        return ranked[0][0]
+        ok = self.usable(d for d, _ in ranked)
+        if not ok:
+            raise DeviceError("no device opened: " + "; ".join(str(d.open_error) for d, _ in ranked))
+        return ok[0]
 
-    def info(self) -> dict:
-        """Everything `accelplane devices --json` prints."""
+    @staticmethod
+    def usable(devices: Iterable[Device]) -> list[Device]:
+        """Those of ``devices`` whose runtime opens, opening each now (default placement: a
+        device whose runtime fails is passed over, its DeviceOpenError kept in
+        ``device.open_error`` for listings). A ConfigError is raised: the setting is the user's
+        to fix, not a reason to place work elsewhere."""
+        out = []
+        for d in devices:
+            try:
+                d.open()
+            except DeviceOpenError:
+                continue
+            out.append(d)
+        return out
+
+    def info(self, open: bool = False) -> dict:
+        """Everything `accelplane devices --json` prints. ``open``: open every device's runtime
+        first (a device that fails shows its ``open_error``); else only what the probes said,
+        with memory figures where the plugin has them without opening (null otherwise)."""
         from accelplane._version import __version__
 
+        if open:
+            for d in self.devices:
+                with contextlib.suppress(DeviceOpenError):  # kept in d.open_error, listed below
+                    d.open()
         return {
             "accelplane": __version__,
             "api_version": list(API_VERSION),
@@ -374,27 +499,13 @@ class Registry:
                     "name": p.name,
                     "version": p.version,
                     "api_version": list(p.api_version),
-                    "devices": [
-                        {
-                            "name": d.name,
-                            "description": d.description,
-                            "type": d.type.value,
-                            "memory_free": _memory(d)[0],
-                            "memory_total": _memory(d)[1],
-                            "caps": {
-                                "async": d.caps.async_,
-                                "host_buffer": d.caps.host_buffer,
-                                "events": d.caps.events,
-                                "emulated": d.caps.emulated,
-                            },
-                        }
-                        for d in p.devices
-                    ],
+                    "devices": [_device_info(d) for d in p.devices],
                 }
                 for p in self.plugins.values()
             ],
             "default_order": [
-                {"device": f"{d.plugin.name}/{d.name}", "why": why} for d, why in self.ranked()
+                {"device": f"{d.plugin.name}/{d.name}", "why": why}
+                for d, why in self.ranked() if d.open_error is None  # default placement passes over those
             ],
             "failures": [
                 {"name": f.name, "stage": f.stage, "reason": f.reason, "no_device": f.no_device}
@@ -417,19 +528,35 @@ def _bind(impl: Any, spec_args: tuple[str, ...]) -> Any:
     return adapter
 
 
-def _memory(d: Device) -> tuple[int, int]:
-    """device.memory() for listings: a plugin whose device_memory raises shows (0, 0)."""
+def _device_info(d: Device) -> dict:
+    """One device of info(): memory only where the plugin has it without opening the device
+    (None otherwise); a plugin whose device_memory raises shows (0, 0)."""
     try:
-        return d.memory()
+        mem = d.memory(open=False)
     except Exception:
-        return (0, 0)
+        mem = (0, 0)
+    return {
+        "name": d.name,
+        "description": d.description,
+        "type": d.type.value,
+        "memory_free": None if mem is None else mem[0],
+        "memory_total": None if mem is None else mem[1],
+        "caps": {
+            "async": d.caps.async_,
+            "host_buffer": d.caps.host_buffer,
+            "events": d.caps.events,
+            "emulated": d.caps.emulated,
+        },
+        "open": d.is_open,
+        "open_error": None if d.open_error is None else str(d.open_error),
+    }
 
 
 def installed_names() -> list[str]:
     """Names of every plugin this environment offers (the entry points of the group and the
     ACCELPLANE_EXTRA_PLUGINS entries), whether loaded, broken, or left out by the allow and
     block lists."""
-    names = {ep.name for ep in metadata.entry_points(group=GROUP)}
+    names = {ep.name for ep in entry_points()}
     names |= {s.partition("=")[0].strip() for s in env.EXTRA_PLUGINS.get() or ()}
     return sorted(names - {""})
 
