@@ -151,6 +151,10 @@ class DevState:
                     k = self._kernels[name] = program.build(self.queue, self.dev, self.name, name)
         return k
 
+    def built(self) -> set[str]:
+        """The kernels built for this device so far."""
+        return set(self._kernels)
+
     def onemkl(self) -> Any:
         """dpnp (oneMKL gemm) when installed and not disabled, else None."""
         if self._onemkl is None:

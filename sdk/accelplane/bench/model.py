@@ -62,9 +62,11 @@ def graph_only_rate(model: LlamaModel, n: int) -> float:
 
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
                 reps: int = 2, progress: Callable[[str], None] | None = None,
-                profiler=None) -> list[dict]:  # fmt: skip
+                profiler=None, show_load: bool = False) -> list[dict]:  # fmt: skip
     """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
-    cProfile.Profile enabled around the timed tg runs (where the host time of a token goes)."""
+    cProfile.Profile enabled around the timed tg runs (where the host time of a token goes).
+    ``progress(msg)`` hears which run is going; ``show_load``: each model load's progress bar
+    (accelplane.runtime.progress.Bar)."""
     rows = []
     n_ctx = context_for(f.llama_config(), max(pp, tg), "--pp/--tg")
     wbytes = total_bytes(f)
@@ -78,7 +80,9 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
             if progress:
                 progress(f"{label}: copy bandwidth")
             copy_bw[label] = copy_bandwidth(devs[0])
-        model = load(f, devs, cpu, split, n_ctx, show=False)
+        if progress:
+            progress("")  # the load's bar takes the line
+        model = load(f, devs, cpu, split, n_ctx, show=show_load)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
                 if n <= 0:

@@ -255,6 +255,18 @@ def cmd_bench(args) -> int:
         from accelplane.cli.run import cmd_bench_model
 
         return cmd_bench_model(args)
+    if args.what == "startup":  # fresh processes measure it: this one lists nothing
+        from accelplane.bench.startup import bench_startup, format_startup
+
+        rows = bench_startup(args.runs, _progress)
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+        print(format_startup(rows, args.runs))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": bench.machine(), "runs": args.runs,
+                                                   "results": rows}, indent=1))  # fmt: skip
+            print(f"wrote {args.json}")
+        return 0
     reg = accelplane.get_registry()
     if args.what == "dispatch":
         for label, us in bench.bench_dispatch():
@@ -348,11 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a plugin that is installed but has no device (hardware or runtime absent) "
                         "prints 'skipped: no device: <reason>' and exits 0")  # fmt: skip
     b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "tp"],
+    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "tp", "startup"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
                         "moe: expert prefetch; model: llama-bench pp/tg tokens/s; tp: tensor "
                         "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
-                        "device to give it several backends)")  # fmt: skip
+                        "device to give it several backends); startup: import accelplane and "
+                        "list the devices in fresh processes, every plugin and each alone")  # fmt: skip
     b.add_argument("--set", default="default", choices=["default", "matmul", "gemm", "small", "overhead"],
                    help="ops: case set (default: default)")  # fmt: skip
     b.add_argument("-p", "--pattern", type=_regex, help="regex on case names")
@@ -361,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=_int(1, 1 << 16), default=None,
                    help="ops per graph (default: 1 on CPU devices, 16 on others)")  # fmt: skip
     b.add_argument("--json", help="write results as JSON")
+    b.add_argument("--runs", type=_int(1, 1000), default=7,
+                   help="startup: fresh processes per figure, the median shown (default 7)")  # fmt: skip
     b.add_argument("--sizes", type=_sizes,
                    help="tp: all-reduce sizes in bytes, e.g. 4K,1M,64M,1G (default 64K,1M,16M)")
     b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "

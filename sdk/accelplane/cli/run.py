@@ -32,6 +32,7 @@ from accelplane.models.runner import (
     teacher_forced,
 )
 from accelplane.oracle.compare import nmse
+from accelplane.runtime.progress import status
 
 
 def cmd_run(args, out: TextIO | None = None) -> int:
@@ -117,21 +118,14 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
     for sp in args.split or []:
         check_split(sp)
     configs = bench_configs(reg, args.device, args.split)
-    tty = sys.stderr.isatty()
-
-    def progress(msg: str) -> None:
-        if tty:
-            sys.stderr.write(f"\r\033[K{msg}")
-            sys.stderr.flush()
-
     prof = None
     if args.profile:
         import cProfile
 
         prof = cProfile.Profile()
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, progress, prof)
-    if tty:
-        sys.stderr.write("\r\033[K")
+    # on a terminal: each model load's bar, each run's line, kernel compiles (as `run` shows them)
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, status, prof, show_load=True)
+    status("")
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
         print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)

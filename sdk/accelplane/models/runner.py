@@ -24,9 +24,9 @@ from accelplane.models.gguf import (
     write_gguf,
 )
 from accelplane.models.llama import LlamaModel
-from accelplane.models.progress import Bar
 from accelplane.runtime.backend import Device
 from accelplane.runtime.plancache import cache_dir
+from accelplane.runtime.progress import Bar
 
 # the model `accelplane run` makes when given none: small enough to make in a second and run
 # anywhere, big enough that the matrix products dominate (7.3M parameters, 7.4 MiB in Q8_0)
