@@ -274,12 +274,10 @@ def _soft_max(t: Tensor, view: View) -> Step:
         slopes = _alibi_slopes(a.ne[2], max_bias)[None, :, None, None]
     else:
         slopes = None
-    simple_mask = mask is None or (mask.type == GGMLType.F32 and mask.ne[2] == mask.ne[3] == 1)
-    if a.type == t.type == GGMLType.F32 and max_bias == 0 and simple_mask:
+    if a.type == t.type == GGMLType.F32 and max_bias == 0 and (mask is None or mask.type == GGMLType.F32):
         from accelplane.cpu import kernels
 
-        m2 = view(mask)[0, 0] if mask is not None else None  # its rows repeat over ne2, ne3
-        fast = kernels.prepare_soft_max(av, dv, float(scale), m2, a.ne[1])
+        fast = kernels.prepare_soft_max(av, dv, float(scale), view(mask) if mask is not None else None)
         if fast is not None:
             return fast
 
