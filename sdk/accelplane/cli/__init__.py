@@ -1,4 +1,4 @@
-"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model``.
+"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model | new-plugin``.
 
 Contract: a user error (a bad argument, an unwritable output path, a bad ACCELPLANE_*
 value, a malformed model file, an unknown device) prints one line ``accelplane: error: ...``
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "
                    "e.g. from python tools/cuda_peers.py --allreduce N --json FILE)")  # fmt: skip
     _model_args(sub, b)
+    from accelplane.cli import newplugin
+
+    newplugin.add_parser(sub)
     return p
 
 
@@ -455,6 +458,10 @@ def _dispatch(args, extra: list[str]) -> int:
         from accelplane.cli.run import cmd_make_model
 
         return cmd_make_model(args)
+    if args.cmd == "new-plugin":
+        from accelplane.cli.newplugin import cmd_new_plugin
+
+        return cmd_new_plugin(args)
     return cmd_bench(args)
 
 
