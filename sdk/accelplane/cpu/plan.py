@@ -21,6 +21,7 @@ from accelplane.core.ops import (
     Op,
     SortOrder,
     UnaryOp,
+    rope_params,
     rope_yarn_corr_dims,
 )
 from accelplane.core.tensor import Tensor, strided_view
@@ -298,8 +299,8 @@ _ROPE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (params, positio
 
 def _rope(t: Tensor, view: View) -> Step:
     a, pos = t.src
-    (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-     beta_fast, beta_slow) = t.op_params  # fmt: skip
+    (n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = rope_params(t)  # fmt: skip
     av, pv, dv = view(a), view(pos), view(t)
     half = n_dims // 2
     i = np.arange(half, dtype=np.float64)
