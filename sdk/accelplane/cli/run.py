@@ -124,7 +124,7 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
         prof = cProfile.Profile()
     # on a terminal: each model load's bar, each run's line, kernel compiles (as `run` shows them)
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, status, prof, show_load=True)
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, status, prof, show_load=True)
     status("")
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
