@@ -304,13 +304,6 @@ FUSION = flag(
 )
 
 
-# --- progress on stderr (accelplane.runtime.progress) ------------------------------------------------------
-QUIET = flag(
-    "ACCELPLANE_QUIET", False,
-    "no progress on stderr (model loads, kernel and shader compiles), even on a terminal",
-)
-
-
 # --- caches (accelplane.runtime.plancache) ---------------------------------------------------------------
 CACHE_DIR = text(
     "ACCELPLANE_CACHE_DIR", None,

@@ -90,11 +90,10 @@ def check_output(path: str | None, what: str) -> None:
 
 
 def _progress(msg: str) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[K{msg}")
-        sys.stderr.flush()
-    else:
-        print(msg, file=sys.stderr, flush=True)
+    """Which case a benchmark is at: a transient line on a terminal (accelplane.runtime.progress)."""
+    from accelplane.runtime.progress import status
+
+    status(msg)
 
 
 def cmd_env() -> int:
@@ -259,8 +258,7 @@ def cmd_bench(args) -> int:
         from accelplane.bench.startup import bench_startup, format_startup
 
         rows = bench_startup(args.runs, _progress)
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         print(format_startup(rows, args.runs))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": bench.machine(), "runs": args.runs,
@@ -274,8 +272,7 @@ def cmd_bench(args) -> int:
         cpu = [d for d, _ in reg.ranked() if d.type.value == "CPU"][:1]
         devs = [reg.device(n) for n in args.device] if args.device else reg.accelerators() or cpu
         rows = bench_graph(args.preset, devs, args.reps or 10, args.batch, args.seq, _progress)
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         print(format_graph(rows))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": bench.machine(), "results": rows}, indent=1))
@@ -292,8 +289,7 @@ def cmd_bench(args) -> int:
         if args.peer_json:
             kw["peer"] = _peer_rows(args.peer_json)
         res = bench.bench_tp(devs, progress=_progress, **kw)
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         print(bench.format_tp(res))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": bench.machine(), **res}, indent=1))
@@ -302,8 +298,7 @@ def cmd_bench(args) -> int:
         dev = args.device[0] if args.device else None
         rows = (bench.bench_sched(device=dev, progress=_progress) if args.what == "sched"
                 else bench.bench_moe_prefetch(device=dev, progress=_progress))  # fmt: skip
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         keys = list(rows[0])
         print("  ".join(f"{k:>17}" for k in keys))
         for r in rows:
@@ -313,8 +308,7 @@ def cmd_bench(args) -> int:
         return 0
     devs = [reg.device(n) for n in args.device] if args.device else reg.devices
     results = bench.bench_ops(devs, args.set, args.pattern, args.time, _progress, args.repeat)
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
+    _progress("")
     print(bench.format_table(results))
     if args.json:
         Path(args.json).write_text(bench.to_json(results))
@@ -341,6 +335,15 @@ def _sizes(s: str) -> list[int]:
         return parse_sizes(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _quiet_parent() -> argparse.ArgumentParser:
+    """-q/--quiet of the commands that show progress (on stderr, on a terminal only)."""
+    q = argparse.ArgumentParser(add_help=False)
+    q.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (shown on a terminal only: model bars, kernel "
+                        "builds over a second, benchmark runs)")  # fmt: skip
+    return q
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -371,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-no-device", action="store_true",
                    help="a plugin that is installed but has no device (hardware or runtime absent) "
                         "prints 'skipped: no device: <reason>' and exits 0")  # fmt: skip
-    b = sub.add_parser("bench", help="benchmarks")
+    b = sub.add_parser("bench", help="benchmarks", parents=[_quiet_parent()])
     b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "graph", "tp", "startup"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
                         "moe: expert prefetch; model: llama-bench pp/tg tokens/s; graph: a host-API "
@@ -419,7 +422,8 @@ def _model_args(sub, b) -> None:
     b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
     r = sub.add_parser("run", help="run a llama model (default: a small synthetic one) on the best "
-                       "devices, print tokens/s and check the logits against the CPU plugin")  # fmt: skip
+                       "devices, print tokens/s and check the logits against the CPU plugin",
+                       parents=[_quiet_parent()])  # fmt: skip
     r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")
     r.add_argument("-d", "--device", action="append",
                    help="device(s) for the weights (comma list or repeat; default: every non-CPU "
@@ -433,7 +437,8 @@ def _model_args(sub, b) -> None:
     r.add_argument("--nmse-tol", type=_positive, default=None,
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
-    m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)")
+    m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)",
+                       parents=[_quiet_parent()])  # fmt: skip
     m.add_argument("out", help="output .gguf file")
     m.add_argument("--preset", default="small", choices=["tiny", "small", "1b", "8b"],
                    help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes; "
@@ -503,11 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     from accelplane import env
     from accelplane.errors import AccelplaneError, AllocationError, ComputeError
+    from accelplane.runtime import progress
 
     def fail(status: int, msg: object) -> int:
+        progress.end_line()
         print(f"accelplane: error: {msg}", file=sys.stderr)
         return status
 
+    quiet = progress.set_quiet(getattr(args, "quiet", False) or progress.is_quiet())
     try:
         env.check()  # the SDK's settings (a plugin's are checked when its devices open)
         _check_inputs(args)
@@ -519,11 +527,14 @@ def main(argv: list[str] | None = None) -> int:
     except AccelplaneError as e:  # bad input: a setting, a file, a device name, a shape
         return fail(EXIT_USAGE, e)
     except KeyboardInterrupt:
+        progress.end_line()
         print("accelplane: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader went away (| head): say nothing more
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushing at exit must not fail again
         return EXIT_FAILED
+    finally:
+        progress.set_quiet(quiet)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from accelplane.models.runner import (
     teacher_forced,
 )
 from accelplane.oracle.compare import nmse
-from accelplane.runtime.progress import status
 
 
 def cmd_run(args, out: TextIO | None = None) -> int:
@@ -123,9 +122,8 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
         import cProfile
 
         prof = cProfile.Profile()
-    # on a terminal: each model load's bar, each run's line, kernel compiles (as `run` shows them)
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, status, prof, show_load=True)
-    status("")
+    # progress (on a terminal, without -q): each model load's bar, a line per run, kernel builds
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, prof, show=True)
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
         print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)

@@ -1,14 +1,21 @@
-"""Progress of long work on stderr, for the SDK and every plugin (no dependency):
+"""Progress of long work, for the SDK and every plugin (no dependency).
 
-- :class:`Bar`, over a known total (a model's bytes loaded or written): redrawn in place on a
-  terminal; on a pipe or a log only the final line is printed, so captured output stays short;
-- :func:`phase`, for a step of unknown length (compiling kernels, building programs): nothing
-  when it ends within a second; past that, one line, "what ..." then "done in 14.1 s" on it.
-  Only on a terminal: a pipe or a log gets none;
-- :func:`status`, a transient line on a terminal (which run of a benchmark is going), replaced
-  by the next one, by a phase or a bar, or cleared.
+The convention: progress is for a person watching a terminal. It goes to stderr (stdout keeps
+the results), only when stderr is a terminal, and never while :func:`set_quiet` is on (the
+command line's ``-q``/``--quiet``). A pipe, a log or a test's captured output gets none of it.
 
-``ACCELPLANE_QUIET=1`` silences all three.
+- :class:`Bar`, over a known total (a model's bytes written or loaded, tokens generated):
+  redrawn in place at most every 0.1 s, ending on a line with the total time and rate;
+- :class:`phase`, a step of unknown length (a kernel build, a shader compile, a benchmark's
+  run): ``what ...`` once it has taken ``after_s`` seconds (default 1: a short step says
+  nothing), then `` done in 1.4 s`` on that line when it ends, with the step's own note;
+- :func:`step`, one line (a step that is over);
+- :func:`status`, a transient line that the next line replaces (which case a benchmark of
+  hundreds of cases is at).
+
+They share the terminal's current line: a phase that starts while a bar or another phase has
+the line moves to the next one, and an outer phase ending after an inner one says ``what ...
+done in ...`` again on a line of its own, so every line reads whole.
 """
 
 from __future__ import annotations
@@ -18,33 +25,86 @@ import threading
 import time
 from typing import TextIO
 
-from accelplane import env
-
-_lock = threading.Lock()  # phase lines from several threads are written whole
+_lock = threading.RLock()  # lines from several threads (a compile on a worker) are written whole
+_quiet = False
+_line: object | None = None  # what holds the terminal's current line unfinished: a Bar, a phase
 AFTER_S = 1.0  # a phase says what it is doing once it has taken this long
+_CLEAR = "\r\033[K"  # back to the start of the line, erase it
+
+
+def set_quiet(on: bool = True) -> bool:
+    """Silence (or, with False, allow) all progress of this process; returns the previous
+    setting (to restore it)."""
+    global _quiet
+    with _lock:
+        prev, _quiet = _quiet, bool(on)
+    return prev
+
+
+def is_quiet() -> bool:
+    return _quiet
 
 
 def _stderr(file: TextIO | None) -> TextIO:
     return file if file is not None else sys.stderr
 
 
-def _tty(file: TextIO) -> bool:
-    return hasattr(file, "isatty") and file.isatty()
+def shows(file: TextIO | None = None) -> bool:
+    """Whether progress written to ``file`` (default stderr) is shown: a terminal, not quiet."""
+    f = _stderr(file)
+    if _quiet:
+        return False
+    try:
+        return bool(f.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False
 
 
-def _shows(file: TextIO) -> bool:
-    return _tty(file) and not env.QUIET.get()
+def _take(owner: object, f: TextIO) -> str:
+    """The prefix that gives ``owner`` the current line: a line break when another holds the
+    line unfinished (it keeps what it wrote), else a clear of the line (a status line is
+    always replaced). Call under _lock."""
+    global _line
+    prefix = "\n" if _line is not None and _line is not owner and _line is not status else _CLEAR
+    _line = owner
+    return prefix
 
 
-_CLEAR = "\r\033[K"  # back to the start of the line, erase it (a status line a phase replaces)
+def _release(owner: object) -> None:
+    global _line
+    if _line is owner:
+        _line = None
+
+
+def end_line(file: TextIO | None = None) -> None:
+    """End a line that a bar, a phase or a status left unfinished (before an error message)."""
+    f = _stderr(file)
+    with _lock:
+        if _line is not None and shows(f):
+            f.write("\n")
+            f.flush()
+        _release(_line)
 
 
 def status(msg: str, file: TextIO | None = None) -> None:
-    """Show ``msg`` as the terminal's current line (nothing on a pipe); ``status("")`` clears it."""
+    """``msg`` as the terminal's current line, replaced by the next one; ``status("")``
+    clears it."""
     f = _stderr(file)
-    if _shows(f):
+    if shows(f):
         with _lock:
-            f.write(_CLEAR + msg)
+            f.write(_take(status, f) + msg)
+            if not msg:
+                _release(status)
+            f.flush()
+
+
+def step(msg: str, file: TextIO | None = None) -> None:
+    """``msg`` as a line of its own."""
+    f = _stderr(file)
+    if shows(f):
+        with _lock:
+            f.write(_take(step, f) + msg + "\n")
+            _release(step)
             f.flush()
 
 
@@ -52,7 +112,7 @@ class Bar:
     """``with Bar("load", total, unit="MiB", scale=2**-20) as bar: bar.update(n)``.
 
     ``total`` in the caller's units (bytes, tokens); ``scale`` converts them for display.
-    Redraws at most every 0.1 s; ``close()`` prints the final state with the rate.
+    ``enabled=False`` silences this bar whatever the terminal.
     """
 
     def __init__(self, desc: str, total: float, unit: str = "", scale: float = 1.0,
@@ -62,8 +122,7 @@ class Bar:
         self.unit = unit
         self.scale = scale
         self.file = _stderr(file)
-        self.enabled = enabled and not env.QUIET.get()
-        self.tty = self.enabled and _tty(self.file)
+        self.enabled = enabled and shows(self.file)
         self.n = 0.0
         self.t0 = time.perf_counter()
         self._last = 0.0
@@ -77,12 +136,14 @@ class Bar:
 
     def update(self, n: float = 1) -> None:
         self.n += n
+        if not self.enabled:
+            return
         now = time.perf_counter()
-        if self.tty and (now - self._last >= 0.1 or self.n >= self.total):
+        if now - self._last >= 0.1 or self.n >= self.total:
             self._last = now
-            self._draw("\r\033[K", "")
+            self._draw("")
 
-    def _draw(self, prefix: str, end: str) -> None:
+    def _draw(self, end: str) -> None:
         el = time.perf_counter() - self.t0
         frac = min(1.0, self.n / self.total) if self.total else 1.0
         width = 24
@@ -91,37 +152,46 @@ class Bar:
         rate = self.n * self.scale / el if el > 0 else 0.0
         done, tot = self.n * self.scale, self.total * self.scale
         fmt = ".0f" if self.scale == 1.0 else ".1f"
-        self.file.write(f"{prefix}{self.desc:<10} [{bar}] {done:{fmt}}/{tot:{fmt}} {self.unit} "
-                        f"{el:5.1f}s {rate:8.1f} {self.unit}/s{end}")  # fmt: skip
-        self.file.flush()
+        with _lock:
+            self.file.write(f"{_take(self, self.file)}{self.desc:<10} [{bar}] {done:{fmt}}/{tot:{fmt}} "
+                            f"{self.unit} {el:5.1f}s {rate:8.1f} {self.unit}/s{end}")  # fmt: skip
+            if end:
+                _release(self)
+            self.file.flush()
 
     def close(self) -> None:
         if self._closed or not self.enabled:
             return
         self._closed = True
-        self._draw("\r\033[K" if self.tty else "", "\n")
+        self._draw("\n")
 
 
 class phase:  # noqa: N801 - used as a function: ``with phase("sycl: compiling 23 kernels"):``
-    """Say what a long step is doing, on stderr, once it has taken ``after_s`` seconds (default
-    AFTER_S, 1):
-    ``what ...`` then, when the step ends, `` done in 14.1 s`` (`` failed after ...`` when it
-    raises) on the same line. A step that ends sooner prints nothing. Quiet unless ``file``
-    (default stderr) is a terminal, and with ACCELPLANE_QUIET=1. A timer thread writes the first
-    half while the step runs (a compiler call holds this thread); ``shown`` says whether it
-    did."""
+    """Say what a long step is doing: ``what ...`` on stderr once the step has taken
+    ``after_s`` seconds (default AFTER_S; 0: at once), then, when it ends, `` done in 14.1 s``
+    (`` failed after ...`` when it raises) and ``: <note>`` when :meth:`note` gave one. A step
+    that ends sooner prints nothing. Shown only where :func:`shows` says. A timer thread
+    writes the first half while the step runs (a compiler call holds this thread); ``shown``
+    says whether it did; ``enabled=False`` silences this one whatever the terminal."""
 
-    def __init__(self, what: str, after_s: float | None = None, file: TextIO | None = None) -> None:
+    def __init__(self, what: str, after_s: float | None = None, file: TextIO | None = None,
+                 enabled: bool = True) -> None:  # fmt: skip
         self.what = what
         self.after_s = AFTER_S if after_s is None else after_s
         self.file = _stderr(file)
+        self.enabled = enabled
         self.shown = False
+        self._note = ""
         self._ended = False
         self._timer: threading.Timer | None = None
 
+    def note(self, text: str) -> None:
+        """What the step found, said after its time (``: 412.3 tokens/s``)."""
+        self._note = text
+
     def __enter__(self) -> phase:
         self.t0 = time.perf_counter()
-        if not _shows(self.file):
+        if not (self.enabled and shows(self.file)):
             return self
         if self.after_s <= 0:
             self._show()
@@ -135,7 +205,7 @@ class phase:  # noqa: N801 - used as a function: ``with phase("sycl: compiling 2
         with _lock:
             if not self._ended:
                 self.shown = True
-                self.file.write(f"{_CLEAR}{self.what} ...")  # over a status line, if one is up
+                self.file.write(f"{_take(self, self.file)}{self.what} ...")
                 self.file.flush()
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -145,5 +215,9 @@ class phase:  # noqa: N801 - used as a function: ``with phase("sycl: compiling 2
             self._ended = True
             if self.shown:
                 el = time.perf_counter() - self.t0
-                self.file.write(f" {'done in' if exc_type is None else 'failed after'} {el:.1f} s\n")
+                # the line is still ours: finish it; else another took it: say it all again
+                head = " " if _line is self else f"{_take(self, self.file)}{self.what} ... "
+                tail = f"done in {el:.1f} s" if exc_type is None else f"failed after {el:.1f} s"
+                self.file.write(f"{head}{tail}{': ' + self._note if self._note else ''}\n")
+                _release(self)
                 self.file.flush()
