@@ -257,12 +257,11 @@ def cmd_bench(args) -> int:
     if args.what == "startup":  # fresh processes measure it: this one lists nothing
         from accelplane.bench.startup import bench_startup, format_startup
 
-        rows = bench_startup(args.runs, _progress)
+        res = bench_startup(args.runs, _progress)
         _progress("")
-        print(format_startup(rows, args.runs))
+        print(format_startup(res))
         if args.json:
-            Path(args.json).write_text(json.dumps({"machine": bench.machine(), "runs": args.runs,
-                                                   "results": rows}, indent=1))  # fmt: skip
+            Path(args.json).write_text(json.dumps({"machine": bench.machine(), **res}, indent=1))
             print(f"wrote {args.json}")
         return 0
     reg = accelplane.get_registry()

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import re
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -72,6 +74,7 @@ class Plugin:
     version: str
     fn: dict[str, Any]
     devices: list[Device] = field(default_factory=list)
+    hooks: Any = None  # what pluggy holds for it (_hook_object)
 
 
 @dataclass
@@ -211,6 +214,29 @@ def _metadata_entry_points(group: str) -> list[EntryPoint]:
     return out
 
 
+def _hook_object(plugin: Any) -> Any:
+    """What pluggy registers for ``plugin``: for a module, a namespace of only its hookimpls
+    (pluggy inspects every attribute of what it registers, and a plugin module's attributes
+    are mostly its imports: that took longer than reading every entry point), else the
+    object itself. pluggy takes the same functions either way: routines with the marker."""
+    if not isinstance(plugin, ModuleType):
+        return plugin
+    marker = f"{PROJECT}_impl"
+    impls = {k: v for k, v in vars(plugin).items() if inspect.isroutine(v) and getattr(v, marker, None)}
+    return _Hooks(plugin.__name__, impls)
+
+
+class _Hooks:
+    """A plugin module's hookimpls as attributes (hashed by identity, as pluggy needs)."""
+
+    def __init__(self, module: str, impls: dict[str, Any]) -> None:
+        self.__dict__.update(impls)
+        self._module = module
+
+    def __repr__(self) -> str:
+        return f"<hooks of {self._module}>"
+
+
 class Registry:
     """The process-wide set of plugins and devices (ggml_backend_registry)."""
 
@@ -227,6 +253,10 @@ class Registry:
         # a plugin setting with a bad value is the user's to fix, not a broken plugin: every
         # use of the registry raises it (a run must not fall back to other devices in silence)
         self._config_error: ConfigError | None = None
+        # where discovery and listing spent their time, per plugin: seconds of its module's
+        # import, of validation (API version, pluggy, dispatch table) and of get_devices
+        # (`accelplane bench startup` reports them)
+        self.timings: dict[str, dict[str, float]] = {}
 
     @property
     def plugins(self) -> dict[str, Plugin]:
@@ -269,11 +299,14 @@ class Registry:
             found.add(ep.name)
             if ep.name in block or (allow is not None and ep.name not in allow):
                 continue
+            t0 = time.perf_counter()
             try:
                 module = ep.load()
             except Exception as e:
                 self._fail(ep.name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
+            finally:
+                self._timed(ep.name, "import_s", t0)
             # an allow-listed plugin is probed now, so its failure is loud at discovery
             self.register(module, ep.name, version=ep.version, _allow=allow, _defer=allow is None)
         for spec in env.EXTRA_PLUGINS.get() or ():
@@ -284,11 +317,14 @@ class Registry:
             if name in found or name in block or (allow is not None and name not in allow):
                 continue
             found.add(name)
+            t0 = time.perf_counter()
             try:
                 module = importlib.import_module(modname)
             except Exception as e:
                 self._fail(name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
+            finally:
+                self._timed(name, "import_s", t0)
             self.register(module, name, version="(extra)", _allow=allow, _defer=allow is None)
         if allow is not None:
             missing = [n for n in allow if n not in found]
@@ -297,6 +333,9 @@ class Registry:
                     f"ACCELPLANE_PLUGINS names {', '.join(missing)}, which no installed "
                     f"distribution provides (installed: {', '.join(sorted(found)) or 'none'})"
                 )
+
+    def _timed(self, name: str, key: str, t0: float) -> None:
+        self.timings.setdefault(name, {})[key] = time.perf_counter() - t0
 
     def _fail(
         self, name: str, stage: str, reason: str, allow: list[str] | None = None, no_device: bool = False
@@ -320,45 +359,65 @@ class Registry:
                     name, "validate", f"a plugin named {name!r} is already registered", _allow
                 )
                 return None
-            # 1. API version, read before pluggy or any device code touches the plugin
-            try:
-                av = getattr(module, "api_version", None)
-                if av is None:
-                    raise APIVersionError(f"plugin {name!r} has no api_version() hook")
-                got = check_api_version(name, av())
-            except Exception as e:
-                self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
+            known = [*self._plugins.values(), *(p for p, _ in self._pending)]
+            twin = [p.name for p in known if p.module is module]
+            if twin:  # (pluggy sees a namespace per registration, so it would not refuse it)
+                self._fail(name, "validate", f"{module!r} is registered already, as plugin {twin[0]!r}",
+                           _allow)  # fmt: skip
                 return None
-            # 2. pluggy validation (argument names, unknown hooks), then required hooks
+            t0 = time.perf_counter()
             try:
-                self.pm.register(module, name=name)
-                try:
-                    self.pm.check_pending()
-                except pluggy.PluginValidationError as e:
-                    raise PluginLoadError(str(e)) from e
-                fn = self._dispatch_table(module, got)
-                missing = sorted(REQUIRED_HOOKS - fn.keys())
-                if missing:
-                    raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
-                for lead, group in HOOK_GROUPS.items():
-                    missing = sorted(group - fn.keys()) if lead in fn else []
-                    if missing:
-                        raise PluginLoadError(f"{lead} is implemented but not {', '.join(missing)}")
-            except Exception as e:
-                if self.pm.is_registered(module):
-                    self.pm.unregister(module)
-                self._fail(name, "validate", f"{type(e).__name__}: {e}", _allow)
+                valid = self._validate(module, name, _allow)
+            finally:
+                self._timed(name, "validate_s", t0)
+            if valid is None:
                 return None
-            plugin = Plugin(name, module, got, version, fn)
+            got, hooks, fn = valid
+            plugin = Plugin(name, module, got, version, fn, hooks=hooks)
             if _defer:
                 self._pending.append((plugin, _allow))
                 return plugin
             return self._probe(plugin, _allow)
 
+    def _validate(self, module: Any, name: str, _allow) -> tuple[tuple[int, int], Any, dict] | None:
+        """Stages 1 and 2: (API version, what pluggy holds, dispatch table), or None (recorded)."""
+        # 1. API version, read before pluggy or any device code touches the plugin
+        try:
+            av = getattr(module, "api_version", None)
+            if av is None:
+                raise APIVersionError(f"plugin {name!r} has no api_version() hook")
+            got = check_api_version(name, av())
+        except Exception as e:
+            self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
+            return None
+        # 2. pluggy validation (argument names, unknown hooks), then required hooks
+        hooks = _hook_object(module)
+        try:
+            self.pm.register(hooks, name=name)
+            try:
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as e:
+                raise PluginLoadError(str(e)) from e
+            fn = self._dispatch_table(hooks, got)
+            missing = sorted(REQUIRED_HOOKS - fn.keys())
+            if missing:
+                raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
+            for lead, group in HOOK_GROUPS.items():
+                missing = sorted(group - fn.keys()) if lead in fn else []
+                if missing:
+                    raise PluginLoadError(f"{lead} is implemented but not {', '.join(missing)}")
+        except Exception as e:
+            if self.pm.is_registered(hooks):
+                self.pm.unregister(hooks)
+            self._fail(name, "validate", f"{type(e).__name__}: {e}", _allow)
+            return None
+        return got, hooks, fn
+
     def _probe(self, plugin: Plugin, _allow) -> Plugin | None:
         """Stage 3: the plugin's devices (its first call allowed to load the runtime)."""
-        name, module, fn = plugin.name, plugin.module, plugin.fn
+        name, hooks, fn = plugin.name, plugin.hooks, plugin.fn
         with self._lock:
+            t0 = time.perf_counter()
             try:
                 specs = list(fn["get_devices"]())
                 if not specs:
@@ -368,12 +427,14 @@ class Registry:
                         raise PluginLoadError(f"device {s.name!r}: type must be a DeviceType")
                 plugin.devices = [Device(plugin, s, i) for i, s in enumerate(specs)]
             except Exception as e:
-                self.pm.unregister(module)
+                self.pm.unregister(hooks)
                 if isinstance(e, ConfigError):
                     self._config_error = self._config_error or e
                 self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow,
                            no_device=isinstance(e, DeviceError))  # fmt: skip
                 return None
+            finally:
+                self._timed(name, "devices_s", t0)
             # device names are looked up case-insensitively: unique across all plugins
             taken = {d.name.lower() for d in self._devices}
             clash = []
@@ -382,7 +443,7 @@ class Registry:
                     clash.append(d.name)
                 taken.add(d.name.lower())
             if clash:
-                self.pm.unregister(module)
+                self.pm.unregister(hooks)
                 self._fail(
                     name, "devices", f"device names already taken: {', '.join(clash)}", _allow
                 )
@@ -394,7 +455,7 @@ class Registry:
             )
             return plugin
 
-    def _dispatch_table(self, module: Any, version: tuple[int, int]) -> dict[str, Any]:
+    def _dispatch_table(self, hooks: Any, version: tuple[int, int]) -> dict[str, Any]:
         """hook name → this plugin's function, resolved once (the hot path skips pm.hook).
 
         Handles call these positionally with the spec's arguments. pluggy lets an impl take
@@ -406,14 +467,14 @@ class Registry:
                 continue
             hook = getattr(self.pm.hook, hname)
             for impl in hook.get_hookimpls():
-                if impl.plugin is module:
+                if impl.plugin is hooks:
                     fn[hname] = _bind(impl, hook.spec.argnames)
         return fn
 
     def unregister(self, name: str) -> None:
         with self._lock:
             p = self.plugins.pop(name)
-            self.pm.unregister(p.module)
+            self.pm.unregister(p.hooks)
             self._devices = [d for d in self._devices if d.plugin is not p]
 
     # --- lookups ----------------------------------------------------------------------------------
