@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from accelplane.errors import AllocationError, ConfigError, DeviceError
+from accelplane.runtime.progress import phase
 
 from . import program, tuning
 from .tuning import Tuning
@@ -148,7 +149,8 @@ class DevState:
             with self.lock:
                 k = self._kernels.get(name)
                 if k is None:
-                    k = self._kernels[name] = program.build(self.queue, self.dev, self.name, name)
+                    with phase(f"sycl: {self.name}: compiling {name}"):  # said if it takes a while
+                        k = self._kernels[name] = program.build(self.queue, self.dev, self.name, name)
         return k
 
     def built(self) -> set[str]:
