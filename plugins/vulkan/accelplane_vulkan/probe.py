@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import re
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,8 +24,8 @@ from .tuning import LOADER, Tuning
 DEVICE_TYPES = {0: "other", 1: "integrated GPU", 2: "discrete GPU", 3: "virtual GPU", 4: "CPU"}
 _TYPE_ORDER = {2: 0, 1: 1, 3: 2, 0: 3, 4: 4}  # discrete first, CPU (lavapipe) last
 
-# --- the structs, as the Vulkan headers declare them (tests check every offset against the
-# ``vulkan`` package's definitions) ------------------------------------------------------------------
+# --- the structs, as the Vulkan headers declare them (tests/test_probe.py checks every size and
+# offset against the ``vulkan`` package's definitions) ---------------------------------------------
 _DECLS = """
 struct VkApplicationInfo { VkStructureType sType; const void* pNext; const char* pApplicationName;
     uint32_t applicationVersion; const char* pEngineName; uint32_t engineVersion; uint32_t apiVersion; };
@@ -153,15 +152,21 @@ _SCALARS = {"uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32, "uint8_t": c
 def _structs(decls: str) -> dict[str, type[ctypes.Structure]]:
     """ctypes Structures of C struct declarations: scalars, Vk*Flags (uint32), other Vk* names
     (enums: int32, or a struct declared before), pointers (char* a C string, any other a
-    void*), fixed arrays; a declaration
-    may name several members (``uint32_t a, b[3];``)."""
+    void*), fixed arrays; a declaration may name several members (``uint32_t a, b[3];``).
+    (String methods, not regular expressions: compiling those took a third of this module's
+    import, which every listing of the devices pays.)"""
     out: dict[str, type[ctypes.Structure]] = {}
-    for name, body in re.findall(r"struct (\w+) \{(.*?)\};", decls, re.S):
+    for chunk in decls.split("};"):
+        head, brace, body = chunk.partition("{")
+        if not brace:
+            continue
+        name = head.split()[-1]
         fields = []
-        for decl in filter(None, (d.strip() for d in body.split(";"))):
-            m = re.fullmatch(r"((?:const )?\w+(?:\s*\*(?:\s*const\s*\*)?)?)\s+(.+)", " ".join(decl.split()))
-            assert m, decl
-            ctype, members = m.groups()
+        for decl in filter(None, (" ".join(d.split()) for d in body.split(";"))):
+            # the type ends at its last '*', else at the first blank after it (and a "const ")
+            const = 6 if decl.startswith("const ") else 0
+            cut = decl.rindex("*") + 1 if "*" in decl else decl.index(" ", const)
+            ctype, members = decl[:cut].strip(), decl[cut:]
             if ctype in ("const char*", "char*"):
                 base: Any = ctypes.c_char_p
             elif "*" in ctype:
@@ -171,9 +176,9 @@ def _structs(decls: str) -> dict[str, type[ctypes.Structure]]:
                 enum = ctypes.c_uint32 if t.endswith("Flags") else ctypes.c_int32
                 base = _SCALARS.get(t) or out.get(t) or enum
             for member in members.split(","):
-                mm = re.fullmatch(r"(\w+)(?:\[(\d+)\])?", member.strip())
-                assert mm, member
-                fields.append((mm[1], base * int(mm[2]) if mm[2] else base))
+                mname, bracket, count = member.strip().partition("[")
+                assert mname.isidentifier() and (not bracket or count[:-1].isdigit()), decl
+                fields.append((mname, base * int(count[:-1]) if bracket else base))
         out[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
     return out
 
