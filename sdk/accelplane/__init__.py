@@ -1,7 +1,9 @@
 """accelplane: compute backends as plugins, in the mould of ggml's backend system.
 
 Import is cheap: plugins are discovered on first use of :func:`get_registry` (or anything that
-needs devices), and each plugin imports its runtime only when its devices are opened.
+needs devices); listing the devices runs each plugin's cheap probe, and a device's runtime
+(contexts, queues, the vendor's Python package) opens on its first use. ``accelplane bench
+startup`` measures both in fresh processes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def get_registry():
 
 
 def devices():
-    """All devices of all loaded plugins (CPU devices last)."""
+    """All devices of all loaded plugins (CPU devices last), as their probes list them: no
+    device's runtime is opened and no kernel compiled here."""
     return get_registry().devices
 
 
