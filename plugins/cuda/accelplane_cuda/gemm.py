@@ -15,6 +15,8 @@ STAGED_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_
 STAGED_WARPS = 4  # warps (rows) per block of k_dequant_staged
 CUDA_DTYPE = {T.F32: 0, T.F16: 2, T.BF16: 14}  # cudaDataType
 CUDA_R_32F = 0
+COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F (no TF32: F32 results as F32 inputs give)
+GEMM_DEFAULT = -1  # cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT
 
 FAMILY = compiler.family("dequant", {
     "k_dequant_f16": compiler.product(QUANT_IDS),
@@ -87,11 +89,20 @@ def batch_groups(an: tuple[int, int], bn: tuple[int, int], strides: tuple[list[i
     return [tuple(g) for g in groups]
 
 
-def gemm(plan, n) -> None:
-    """cuBLAS: C[N, M] = B[N, K] · A[M, K]ᵀ (F32 results) over the batch dimensions as few
-    strided-batched calls as the layout allows (one for a contiguous or broadcast batch)."""
-    from cupy_backends.cuda.libs import cublas
+def _folded(a, b, bnb: list[int], n) -> bool:
+    """A 2-D A over B's batches, with B's and C's rows evenly spaced through them: one GEMM
+    over all of B's rows (N = ne1 * ne2 * ne3) instead of a batch."""
+    return (a.ne[2] == a.ne[3] == 1 and bnb[2] == bnb[1] * b.ne[1] and bnb[3] == bnb[2] * b.ne[2]
+            and n.nb[2] == n.nb[1] * n.ne[1] and n.nb[3] == n.nb[2] * n.ne[2])  # fmt: skip
 
+
+def gemm(plan, n) -> None:
+    """cuBLAS: C[N, M] = B[N, K] · A[M, K]ᵀ (F32 results) as one call: a GEMM for a 2-D weight
+    over evenly laid out batches, a strided-batched GEMM where the batch matrices lie at one
+    stride, else a batched GEMM over arrays of their addresses."""
+    from . import cublas
+
+    lib = cublas.library()
     a, b = n.src
     m, k = a.ne[1], a.ne[0]
     if a.type in QUANT:
@@ -110,24 +121,36 @@ def gemm(plan, n) -> None:
     beta = np.zeros(1, np.float32)
     plan.keep += [alpha, beta]
     handle = plan.cp.cuda.device.get_cublas_handle()
-    stream = plan.sctx.stream
-    groups = batch_groups((a.ne[2], a.ne[3]), (b.ne[2], b.ne[3]), (anb, bnb, list(n.nb)),
-                          (ap, bp, int(plan.ptr(n))))  # fmt: skip
-    calls = [(pa, pb, pc, cnt, sa // es, sb // es, sc // 4) for pa, pb, pc, cnt, sa, sb, sc in groups]
-    lda, ldb, ldc = anb[1] // es, bnb[1] // es, n.nb[1] // 4
+    stream = plan.sctx.stream.ptr
     nn = b.ne[1]
-    op_t, op_n, compute, algo = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, cublas.CUBLAS_COMPUTE_32F,
-                                 cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+    if _folded(a, b, bnb, n):
+        nn *= b.ne[2] * b.ne[3]
+        groups = [(ap, bp, int(plan.ptr(n)), 1, 0, 0, 0)]
+    else:
+        groups = batch_groups((a.ne[2], a.ne[3]), (b.ne[2], b.ne[3]), (anb, bnb, list(n.nb)),
+                              (ap, bp, int(plan.ptr(n))))  # fmt: skip
+    lda, ldb, ldc = anb[1] // es, bnb[1] // es, n.nb[1] // 4
+    al, be = alpha.ctypes.data, beta.ctypes.data
+    head, tail = (handle, 1, 0, m, nn, k, al), (COMPUTE_32F, GEMM_DEFAULT)  # op(A) = Aᵀ, op(B) = B
+    if len(groups) == 1 and groups[0][3] == 1:
+        pa, pb, pc = groups[0][:3]
+        call = (lib.cublasGemmEx, (*head, pa, dt, lda, pb, dt, ldb, be, pc, CUDA_R_32F, ldc, *tail))
+    elif len(groups) == 1:
+        pa, pb, pc, cnt, sa, sb, sc = groups[0]
+        call = (lib.cublasGemmStridedBatchedEx, (*head, pa, dt, lda, sa // es, pb, dt, ldb, sb // es, be, pc,
+                                                 CUDA_R_32F, ldc, sc // 4, cnt, *tail))  # fmt: skip
+    else:  # no single stride (permuted heads over sequences): the matrices' addresses in device arrays
+        mats = [(pa + j * sa, pb + j * sb, pc + j * sc) for pa, pb, pc, cnt, sa, sb, sc in groups
+                for j in range(cnt)]  # fmt: skip
+        pa, pb, pc = (int(plan.params([x[i] for x in mats])) for i in range(3))
+        call = (lib.cublasGemmBatchedEx, (*head, pa, dt, lda, pb, dt, ldb, be, pc, CUDA_R_32F, ldc, len(mats),
+                                          *tail))  # fmt: skip
+    where = f"GEMM {m}x{nn}x{k} of {n.name or 'MUL_MAT'}"
 
     def step() -> None:
-        cublas.setStream(handle, stream.ptr)
-        for pa, pb, pc, cnt, sa, sb, sc in calls:
-            if cnt == 1:
-                cublas.gemmEx(handle, op_t, op_n, m, nn, k, alpha.ctypes.data, pa, dt, lda, pb, dt, ldb,
-                              beta.ctypes.data, pc, CUDA_R_32F, ldc, compute, algo)  # fmt: skip
-            else:
-                cublas.gemmStridedBatchedEx(handle, op_t, op_n, m, nn, k, alpha.ctypes.data, pa, dt, lda, sa,
-                                            pb, dt, ldb, sb, beta.ctypes.data, pc, CUDA_R_32F, ldc, sc, cnt,
-                                            compute, algo)  # fmt: skip
+        cublas.check(lib.cublasSetStream_v2(handle, stream), where)
+        cublas.check(call[0](*call[1]), where)
 
+    batch = sum(g[3] for g in groups)
+    step.name = f"cublas {m}x{nn}x{k}" + (f" x{batch}" if batch > 1 else "")
     plan.library_call(step)

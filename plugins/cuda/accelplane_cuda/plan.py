@@ -138,9 +138,6 @@ class CudaPlan:
         stream = self.sctx.stream
         with cp.cuda.Device(self.sctx.device), stream:
             if self.sctx.recording is not None:  # the backend's stream is being captured
-                if self.library_steps:  # fail before queuing anything: the caller runs unrecorded
-                    raise ComputeError("a graph with cuBLAS calls cannot be recorded (CuPy refuses "
-                                       "cuBLAS during stream capture)")  # fmt: skip
                 self.sctx.recording.append(self)  # (kept alive by the recording)
                 for s in self.steps:
                     s()
