@@ -31,8 +31,7 @@ def _timeline(plan, cp, reps: int) -> list[tuple[str, float]]:
             evs[-1].synchronize()
             for i in range(len(plan.steps)):
                 per[i].append(cp.cuda.get_elapsed_time(evs[i], evs[i + 1]))
-    labels = [getattr(s, "name", "cublas" if i in plan.library_steps else "host step")
-              for i, s in enumerate(plan.steps)]  # fmt: skip
+    labels = [getattr(s, "name", "host step") for s in plan.steps]
     return [(lab, statistics.median(ts)) for lab, ts in zip(labels, per, strict=True)]
 
 
@@ -92,10 +91,9 @@ def main() -> None:
     info = []
     for plan in plans:
         steps += _timeline(plan, cp, a.reps)
-        info.append({"steps": len(plan.steps), "cublas": len(plan.library_steps),
-                     "cuda_graph": plan.cuda_graph is not None,
-                     "segments": None if plan.segments is None else len(plan.segments),
-                     "graph_error": plan.graph_error})  # fmt: skip
+        info.append({"steps": len(plan.steps), "cublas": sum(getattr(s, "name", "").startswith("cublas")
+                                                             for s in plan.steps),
+                     "cuda_graph": plan.cuda_graph is not None, "graph_error": plan.graph_error})  # fmt: skip
     by_kernel: dict[str, list[float]] = defaultdict(list)
     for lab, ms in steps:
         by_kernel[lab].append(ms)
