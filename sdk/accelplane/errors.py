@@ -62,6 +62,13 @@ class AllocationError(DeviceError, MemoryError):
     """A buffer could not be allocated."""
 
 
+class DLPackError(AccelplaneError, BufferError):
+    """A tensor or array cannot cross DLPack as asked (docs/interop.md): a type DLPack has no
+    code for (the block-quantized types) or accelplane has no type for, a copy needed where
+    ``copy=False`` forbids one, a device or stream the producer cannot serve, a malformed
+    capsule. A BufferError, as the array API asks of ``__dlpack__``."""
+
+
 class ComputeError(AccelplaneError):
     """A backend failed while computing a graph."""
 
