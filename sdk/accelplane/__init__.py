@@ -8,6 +8,8 @@ startup`` measures both in fresh processes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from accelplane._version import __version__
 from accelplane.core.graph import Context, Graph
 from accelplane.core.ops import GluOp, Op, SortOrder, UnaryOp
@@ -15,10 +17,17 @@ from accelplane.core.tensor import Tensor, TensorFlag
 from accelplane.core.types import GGMLType
 from accelplane.errors import AccelplaneError
 from accelplane.runtime import data as _data  # noqa: F401 - Tensor.set/get move data through it
-from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors, alloc_tensors
 from accelplane.runtime.backend import BufferUsage
-from accelplane.runtime.dlpack import from_dlpack
-from accelplane.sched import Scheduler
+
+if TYPE_CHECKING:
+    from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors, alloc_tensors
+    from accelplane.runtime.dlpack import from_dlpack
+    from accelplane.sched import Scheduler
+
+# imported on first use: `import accelplane; accelplane.devices()` needs none of them
+_LAZY = {"GraphAllocator": "accelplane.runtime.alloc", "alloc_ctx_tensors": "accelplane.runtime.alloc",
+         "alloc_tensors": "accelplane.runtime.alloc", "from_dlpack": "accelplane.runtime.dlpack",
+         "Scheduler": "accelplane.sched"}  # fmt: skip
 
 __all__ = [
     "AccelplaneError", "BufferUsage", "Context", "Graph", "GGMLType", "GluOp", "GraphAllocator", "Op",
@@ -43,3 +52,18 @@ def devices():
 def device(name: str):
     """A device by name, e.g. ``accelplane.device("CPU")``."""
     return get_registry().device(name)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accelplane' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
