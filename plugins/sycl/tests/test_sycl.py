@@ -371,12 +371,58 @@ def test_allocation_failure_names_device(d0):
         d0.runtime.alloc(1 << 52, host=False)
 
 
-def test_no_device_is_a_clear_error(monkeypatch):
+@pytest.mark.parametrize("path", ["c", "dpctl"])
+def test_no_device_is_a_clear_error(monkeypatch, path):
     import dpctl
 
-    monkeypatch.setattr(dpctl, "get_devices", lambda *a, **k: [])
-    with pytest.raises(DeviceError, match="^no SYCL device: "):
+    if path == "c":  # dpctl's C interface lists none
+        monkeypatch.setattr(runtime, "list_devices_c", lambda lib: [])
+    else:
+        monkeypatch.setattr(runtime, "_dpctl_c", lambda: None)
+        monkeypatch.setattr(dpctl, "get_devices", lambda *a, **k: [])
+    with pytest.raises(DeviceError, match="^no SYCL device: dpctl .* lists none"):
         runtime.discover()
+
+
+# --- listing through dpctl's C interface ----------------------------------------------------------------
+def test_listing_through_the_c_interface_is_dpctls(monkeypatch):
+    """What the C interface lists (each field) is what dpctl's Python API says of its devices,
+    in its order; without the library, listing goes through dpctl and says the same."""
+    import dpctl
+
+    lib = runtime._dpctl_c()
+    assert lib is not None, "dpctl's C interface did not load"
+    ours = runtime.list_devices_c(lib)
+    theirs = [runtime.SyclDeviceInfo.of(d) for d in dpctl.get_devices()]
+    assert [d._key() for d in ours] == [d._key() for d in theirs] and ours
+    monkeypatch.setattr(runtime, "_dpctl_c", lambda: None)
+    assert runtime.list_devices() == theirs
+
+
+def test_listing_does_not_import_dpctl_and_first_use_does():
+    code = ("import sys, accelplane; d = [d for d in accelplane.devices() if d.plugin.name == 'sycl'];"
+            "print(len(d), 'dpctl' in sys.modules); d[0].runtime; print('dpctl' in sys.modules)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    n, listed, used = r.stdout.split()
+    assert int(n) >= 1 and (listed, used) == ("False", "True"), r.stdout
+
+
+def test_a_device_list_that_changed_does_not_open(monkeypatch):
+    """Opening takes the listed device's dpctl device by its index and checks it is the same."""
+    import dpctl
+
+    probe = runtime.discover()[0]
+    other = runtime.SyclDeviceInfo("Another", "opencl:gpu:0", "1", 1 << 30, 1 << 28, False)
+    monkeypatch.setattr(runtime, "_dpctl_devices", None)
+    monkeypatch.setattr(dpctl, "get_devices", lambda *a, **k: [])
+    with pytest.raises(DeviceError, match="SYCL0: dpctl lists .* now, not the"):
+        runtime.DevState(probe)
+    moved = runtime.Probe(probe.index, other, probe.phys_index, probe.shared, probe.settings)
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime, "_dpctl_devices", None)
+    with pytest.raises(DeviceError, match="'Another'"):
+        runtime.DevState(moved)
 
 
 @pytest.mark.parametrize("bad", ["0,99", "a", "0,,1", "-1"])

@@ -61,7 +61,7 @@ def _tensor(buft, shape, values):
 def test_usm_device_memory_goes_to_dpnp_without_a_copy(dev):
     v = np.arange(24, dtype=np.float32).reshape(4, 6)
     ctx, t, buf = _tensor(dev.buffer_type, (4, 6), v)
-    assert t.__dlpack_device__() == (DLDeviceType.ONE_API, dev.ctx.dev.get_device_id())
+    assert t.__dlpack_device__() == (DLDeviceType.ONE_API, dev.runtime.dev.get_device_id())
     a = dpt.from_dlpack(t)
     assert _usm(a) == buf.ctx.ptr + t.offs and a.usm_type == "device"
     assert np.array_equal(dpt.asnumpy(a), v)

@@ -36,7 +36,7 @@ print(json.dumps({"import_s": w1 - w0, "list_s": w2 - w1, "cpu_s": c2 - c0,
 IMPORT_ONLY = """
 import json, time
 w0, c0 = time.perf_counter(), time.process_time()
-import accelplane
+import MODULE
 print(json.dumps({"import_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}))
 """
 TIMING_KEYS = (("import_s", "import_ms"), ("validate_s", "validate_ms"), ("devices_s", "get_devices_ms"))
@@ -95,17 +95,21 @@ def _breakdown(got: list[tuple[float, dict]]) -> list[dict]:
 def bench_startup(runs: int = 7, progress: Callable[[str], None] | None = None) -> dict:
     """{"runs", "results", "plugins"}: ``results``, rows of {what, plugin, import_ms, list_ms,
     total_ms, cpu_ms, process_ms, devices, note}, the medians over ``runs`` fresh processes of
-    ``import accelplane`` alone, of it and ``accelplane.devices()`` with every plugin and with
-    each installed plugin alone (``list_ms``: devices() after the import; ``total_ms``: both,
-    the figure to hold against a budget; ``cpu_ms``: the process's CPU time over both;
-    ``process_ms``: the whole process, interpreter start and exit too), and of ``accelplane
-    devices`` (process only); ``plugins``, the all-plugins process per plugin (_breakdown)."""
+    ``import numpy`` (accelplane imports it: the floor), of ``import accelplane`` alone, of it
+    and ``accelplane.devices()`` with every plugin and with each installed plugin alone
+    (``list_ms``: devices() after the import; ``total_ms``: both, the figure to hold against a
+    budget; ``cpu_ms``: the process's CPU time over both; ``process_ms``: the whole process,
+    interpreter start and exit too), and of ``accelplane devices`` (process only);
+    ``plugins``, the all-plugins process per plugin (_breakdown)."""
     from accelplane.runtime.registry import installed_names
 
     names = [n for n in installed_names() if n not in _blocked()]
     py = sys.executable
-    cases: list[tuple[str, str | None, list[str]]] = [("import accelplane", None, [py, "-c", IMPORT_ONLY]),
-                                                      ("devices(): all plugins", None, [py, "-c", CHILD])]
+    # numpy first: accelplane imports it, so its import is a floor no listing goes below
+    cases: list[tuple[str, str | None, list[str]]] = [
+        ("import numpy (the floor)", None, [py, "-c", IMPORT_ONLY.replace("MODULE", "numpy")]),
+        ("import accelplane", None, [py, "-c", IMPORT_ONLY.replace("MODULE", "accelplane")]),
+        ("devices(): all plugins", None, [py, "-c", CHILD])]
     cases += [(f"devices(): {n} alone", n, [py, "-c", CHILD]) for n in names]
     cases.append(("accelplane devices (opens each)", None, [py, "-m", "accelplane.cli", "devices"]))
     rows, plugins = [], []
