@@ -464,8 +464,13 @@ def _check_inputs(args) -> None:
         if isinstance(v, str):
             check_output(v, what)
     model = getattr(args, "model", None)
-    if model is not None and not Path(model).is_file():
-        raise UsageError(f"--model {model}: no such file")
+    if model is not None:
+        try:
+            found = Path(model).is_file()
+        except OSError as e:  # a name too long for the file system, say
+            raise UsageError(f"--model {model}: {e.strerror or e}") from None
+        if not found:
+            raise UsageError(f"--model {model}: no such file")
     if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
         raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
 
