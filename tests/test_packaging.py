@@ -3,18 +3,21 @@
 a fresh venv and proven there with no source tree in sight.
 
 * Every file of a distribution's packages in the source tree (Python modules and the data they
-  load at run time: C sources and headers, CUDA, OpenCL and GLSL kernels, py.typed) must be in
-  both its sdist and its wheel, the compiled cffi extension in the wheel, the license in both;
-  the metadata carries the one version the package declares, and a plugin's requirement on the
-  SDK admits the SDK built beside it. The expected lists come from the source tree, so a new
-  kernel file is checked without touching this test.
+  load at run time: C sources and headers, CUDA, OpenCL and GLSL kernels, the new-plugin
+  templates, py.typed) must be in both its sdist and its wheel, the compiled cffi extension in
+  the wheel, the license in both; the metadata carries the one version the package declares and
+  the SPDX license, a plugin's requirement on the SDK admits the SDK built beside it, and no
+  build prints a warning (a setuptools deprecation, a MANIFEST.in pattern matching nothing). The
+  expected lists come from the source tree, so a new kernel file is checked without touching
+  this test.
 * A fresh ``python -m venv`` gets the SDK, the Vulkan and the Hexagon plugins from the built
-  wheels (the plugins' SDK requirement resolves through ``--find-links`` to the built SDK
-  wheel); from a temporary directory, without PYTHONPATH, ``accelplane devices`` lists them and
-  ``accelplane conformance`` proves the CPU plugin, Vulkan (its shaders compiled into an empty
-  cache from the installed files) and Hexagon, each with the whole suite.
+  wheels, without extras (the plugins' SDK requirement resolves through ``--find-links`` to the
+  built SDK wheel); from a temporary directory, without PYTHONPATH, ``accelplane devices`` lists
+  them, ``accelplane conformance`` proves the CPU plugin, Vulkan (its shaders compiled into an
+  empty cache from the installed files) and Hexagon, each with the whole suite, and
+  ``accelplane new-plugin`` writes a plugin from the installed templates.
 
-About 100 s on a 2-core machine (building five projects, most of it the build environments and
+About 100 s on a 2-core machine (building five projects, most of it the build environment and
 the C compiles; installing; three suites), needs PyPI (or its mirror) for the build requirements
 and the dependencies.
 """
@@ -43,6 +46,9 @@ JUNK_DIRS = {"__pycache__", "build", "dist"}
 # in-place builds of the extensions and byte code: in a source tree, never in a distribution
 JUNK_SUFFIXES = (".pyc", ".so", ".pyd", ".dylib")
 BUILD_TIMEOUT_S = 600
+# a line of build output that warns: build's "WARNING ...", distutils' "warning: ...", or a Python
+# warning (SetuptoolsDeprecationWarning: ...); a C compiler's "file.c:1:2: warning:" is not at the start
+BUILD_WARNING = re.compile(r"^(?:WARNING|warning:) .*|\b\w+Warning: .*", re.M)
 # the plugins the venv installs: Vulkan runs on lavapipe, Hexagon in host C (both light to
 # install; SYCL's runtime wheels are hundreds of MB)
 VENV_PLUGINS = ("vulkan", "hexagon")
@@ -173,8 +179,13 @@ def dists(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
     def build_one(p: Project) -> None:
         src = _copy_sources(p, tmp / "src")
-        _run([python, "-m", "build", "--no-isolation", "--outdir", out, src], tmp / f"build-{p.norm}.log",
-             timeout=BUILD_TIMEOUT_S, env=env)  # fmt: skip
+        r = _run([python, "-m", "build", "--no-isolation", "--outdir", out, src], tmp / f"build-{p.norm}.log",
+                 timeout=BUILD_TIMEOUT_S, env=env)  # fmt: skip
+        # a warning of the build (a SetuptoolsDeprecationWarning for a license table or classifier,
+        # which build prints as "WARNING ..."; a MANIFEST.in pattern that matches nothing) is a
+        # defect of the project's configuration
+        warned = sorted(set(BUILD_WARNING.findall(r.stdout + r.stderr)))
+        assert not warned, f"building {p.name} warns: {warned}"
 
     with ThreadPoolExecutor(2) as pool:  # one compiles while the other packs
         list(pool.map(build_one, PROJECTS))
@@ -332,6 +343,17 @@ def test_venv_conformance(venv: Venv, plugin: str, tmp_path):
         pytest.skip(f"{plugin}: installed and loaded, no device here ({doc['skipped_reason']})")
     assert doc["exit_reason"] == "passed" and doc["totals"].get("failed", 0) == 0
     assert doc["totals"]["passed"] >= 100, doc["totals"]
+
+
+def test_venv_new_plugin_writes_from_the_installed_templates(venv: Venv, tmp_path):
+    """``accelplane new-plugin`` reads its templates as package data: from the wheel it writes
+    the same files, byte for byte, as the source tree's templates render to."""
+    from accelplane.cli.newplugin import render
+
+    out = tmp_path / "accelplane-wheeldemo"
+    venv.run("accelplane", "new-plugin", "wheeldemo", str(out))
+    got = {f: (out / f).read_text(encoding="utf-8") for f in _walk(out)}
+    assert got == render("wheeldemo")
 
 
 def test_venv_conformance_without_pytest_says_what_to_install(venv: Venv):
