@@ -215,7 +215,13 @@ def cmd_ops(args) -> int:
 
 
 def cmd_conformance(args, extra: list[str]) -> int:
-    import pytest
+    from accelplane import conformance
+
+    try:
+        import pytest
+    except ImportError as e:  # the suite is a pytest plugin: say what to install, in one line
+        print(conformance.pytest_missing(e))
+        return conformance.UNTESTABLE
 
     from accelplane.conformance import pytest_plugin
 
