@@ -86,3 +86,8 @@ class ConfigError(AccelplaneError, ValueError):
 
 class GGUFError(AccelplaneError):
     """A GGUF file is malformed, truncated or uses something accelplane does not support."""
+
+
+class TokenizerError(AccelplaneError, ValueError):
+    """Text cannot be turned into token ids: no tokenizer is installed, or the model file's
+    vocabulary is missing or one the tokenizer does not read."""
