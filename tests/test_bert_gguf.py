@@ -22,7 +22,7 @@ from accelplane.interface import DeviceType
 from accelplane.models import BertModel, make_model, read_gguf, save_gguf
 from accelplane.models import bert as B
 from accelplane.models.gguf import MetaValue
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -297,6 +297,9 @@ def test_bad_inputs_are_typed_errors(cpu_models):
 @given(x=hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 40)),
                     elements=st.floats(-1e3, 1e3, width=32)),
        p=st.sampled_from([-1, 0, 1, 2, 3, 5]))  # fmt: skip
+@example(x=np.array([[3.0, -4.0, 0.5], [0.0, 0.0, 0.0]], np.float32), p=0)
+@example(x=np.array([[3.0, -4.0, 0.5]], np.float32), p=1)
+@example(x=np.array([[3.0, -4.0, 0.5]], np.float32), p=3)
 def test_normalize_is_llama_cpps(x, p):
     """common_embd_normalize, restated in float64 per row."""
     got = B.normalize(x, p)

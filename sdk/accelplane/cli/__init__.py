@@ -423,7 +423,8 @@ def _model_args(sub, b) -> None:
                    help="token ids of one sequence, comma or space separated, special tokens included "
                         "(repeatable; instead of TEXT)")  # fmt: skip
     e.add_argument("-d", "--device", action="append",
-                   help="device for the weights (default: the first non-CPU device, else the CPU)")
+                   help="device for the weights (default: as for run, the first accelerator not emulated on "
+                        "the host's cores, else the CPU)")  # fmt: skip
     e.add_argument("--pooling", choices=["none", "mean", "cls", "last"],
                    help="override the file's bert.pooling_type (none: one vector per token)")
     e.add_argument("--normalize", type=_int(-1, 1 << 16), default=2, metavar="P",

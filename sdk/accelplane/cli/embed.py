@@ -36,6 +36,8 @@ def cmd_embed(args, out: TextIO | None = None) -> int:
     from accelplane.cli import UsageError
 
     out = out or sys.stdout
+    if args.out == "-":
+        raise UsageError("embed: --out -: give a file name (without --out the embeddings are printed)")
     if bool(args.text) == bool(args.ids):
         raise UsageError("embed: give either TEXT arguments or --ids sequences, not both or neither")
     f = read_gguf(Path(args.model))
@@ -55,7 +57,8 @@ def cmd_embed(args, out: TextIO | None = None) -> int:
     p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     if args.out:
         arr = np.concatenate([e.reshape(-1, cfg.d_model) for e in embs]).astype(np.float32)
-        np.save(args.out, arr)
+        with open(args.out, "wb") as fh:  # np.save would append .npy to a name without it
+            np.save(fh, arr)
         p(f"wrote {args.out}: {arr.shape[0]} x {arr.shape[1]} float32 ({describe_model(f)}; on "
           f"{devs[0].name}; pooling {pooling.name.lower()})")  # fmt: skip
         return 0

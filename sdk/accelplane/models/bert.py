@@ -366,7 +366,7 @@ def torch_encoder(cfg: BertConfig, weights: dict[str, np.ndarray], device: str =
 def normalize(v: np.ndarray, p: int = 2) -> np.ndarray:
     """Each row of ``v`` scaled as llama.cpp's ``common_embd_normalize(.., embd_norm=p)``: -1 none,
     0 by max |x| / 32760 (the int16 range), 2 Euclidean (the default), any other p >= 1 the
-    p-norm; a row whose norm is 0 becomes zeros. Float32 out, sums in float64."""
+    p-norm; a row whose norm is 0 becomes zeros. Float32 out, computed in float64."""
     if isinstance(p, bool) or not isinstance(p, int | np.integer) or p < -1:
         raise ConfigError(f"normalize: p must be an integer >= -1 (-1 none, 0 max absolute, 1 taxicab, "
                           f"2 Euclidean, >2 p-norm), got {p!r}")  # fmt: skip
@@ -380,8 +380,8 @@ def normalize(v: np.ndarray, p: int = 2) -> np.ndarray:
         s = np.sqrt((a * a).sum(axis=-1, keepdims=True))
     else:
         s = (a**p).sum(axis=-1, keepdims=True) ** (1.0 / p)
-    scale = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(np.float32)
-    return x * scale
+    scale = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)
+    return (x * scale).astype(np.float32)  # in float64: 1 / s of a tiny row overflows float32
 
 
 # --- GGUF ----------------------------------------------------------------------------------------
