@@ -89,5 +89,7 @@ class GGUFError(AccelplaneError):
 
 
 class TokenizerError(AccelplaneError, ValueError):
-    """Text cannot be turned into token ids: no tokenizer is installed, or the model file's
-    vocabulary is missing or one the tokenizer does not read."""
+    """A model's vocabulary cannot make a tokenizer (no ``tokenizer.ggml.*`` keys, a tokenizer
+    model or pre-tokenizer accelplane does not know, malformed arrays), or text cannot be
+    encoded with it (not valid Unicode, a byte no token covers); the message names the file
+    and the key."""
