@@ -45,7 +45,7 @@ def cmd_embed(args, out: TextIO | None = None) -> int:
     bert.check_gguf_tensors(f, cfg)
     seqs = [parse_ids(s) for s in args.ids] if args.ids else bert.encode_texts(f, args.text)
     bert.check_ids(cfg, seqs)  # bad ids or a bad p fail before the model loads
-    bert.normalize(np.zeros(1, np.float32), args.normalize)
+    bert.check_norm(args.normalize)
     pooling = bert.parse_pooling(args.pooling) if args.pooling else cfg.pooling
     reg = accelplane.get_registry()
     devs = pick_devices(reg, args.device)

@@ -363,13 +363,19 @@ def torch_encoder(cfg: BertConfig, weights: dict[str, np.ndarray], device: str =
 
 
 # --- normalization -------------------------------------------------------------------------------
+def check_norm(p: int) -> int:
+    """``p`` if it is a normalization :func:`normalize` takes, else ConfigError."""
+    if isinstance(p, bool) or not isinstance(p, int | np.integer) or p < -1:
+        raise ConfigError(f"normalize: p must be an integer >= -1 (-1 none, 0 max absolute, 1 taxicab, "
+                          f"2 Euclidean, >2 p-norm), got {p!r}")  # fmt: skip
+    return int(p)
+
+
 def normalize(v: np.ndarray, p: int = 2) -> np.ndarray:
     """Each row of ``v`` scaled as llama.cpp's ``common_embd_normalize(.., embd_norm=p)``: -1 none,
     0 by max |x| / 32760 (the int16 range), 2 Euclidean (the default), any other p >= 1 the
     p-norm; a row whose norm is 0 becomes zeros. Float32 out, computed in float64."""
-    if isinstance(p, bool) or not isinstance(p, int | np.integer) or p < -1:
-        raise ConfigError(f"normalize: p must be an integer >= -1 (-1 none, 0 max absolute, 1 taxicab, "
-                          f"2 Euclidean, >2 p-norm), got {p!r}")  # fmt: skip
+    p = check_norm(p)
     x = np.asarray(v, dtype=np.float32)
     if p == -1:
         return x.copy()
@@ -618,6 +624,7 @@ class BertModel:
     types: Mapping[str, GGMLType | str | int] | None = None
     cpu: Device | None = None
     max_batch_tokens: int = 4096
+    wctx: Context = field(init=False)
     w: dict[str, Tensor] = field(init=False)
     buffers: list[Buffer] = field(init=False, default_factory=list)
     backends: list[Backend] = field(init=False, default_factory=list)
@@ -701,7 +708,7 @@ class BertModel:
         normalized by :func:`normalize` with ``normalize_p`` (-1: raw). ``pooling``: default the
         file's. Sequences are batched by length, padded to a multiple of 16 tokens."""
         pooling = self.cfg.pooling if pooling is None else parse_pooling(pooling)
-        normalize(np.zeros(1, np.float32), normalize_p)  # checks p before any work
+        check_norm(normalize_p)
         arrs = check_ids(self.cfg, seqs)
         if self.sched is None:
             raise DeviceError("the model has been freed")
