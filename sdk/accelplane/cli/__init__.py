@@ -1,4 +1,4 @@
-"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model | new-plugin``.
+"""Command line: ``accelplane devices | ops | conformance | bench | run | embed | make-model | new-plugin``.
 
 Contract: a user error (a bad argument, an unwritable output path, a bad ACCELPLANE_*
 value, a malformed model file, an unknown device) prints one line ``accelplane: error: ...``
@@ -384,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# make-model's options that set a synthetic_sources keyword: (flag, keyword); the integer ones first
+_MAKE_INTS = (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
+              ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"), ("--ctx", "n_ctx"),
+              ("--experts", "n_expert"), ("--experts-used", "n_expert_used"), ("--seed", "seed"))  # fmt: skip
+MAKE_FLAGS = _MAKE_INTS + (("--neox", "rope_neox"), ("--output-type", "output_type"),
+                           ("--pooling", "pooling"))  # fmt: skip
+
+
 def _model_args(sub, b) -> None:
     """`bench model` options, and the `run` and `make-model` commands (accelplane.models)."""
     b.add_argument("--model", help="model: GGUF file (default: the synthetic model of `run`)")
@@ -413,24 +421,44 @@ def _model_args(sub, b) -> None:
     r.add_argument("--nmse-tol", type=_positive, default=None,
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
-    m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)")
+    e = sub.add_parser("embed", help="embeddings of texts (or token ids) by a bert GGUF model, as "
+                       "llama.cpp's embedding tool computes them")  # fmt: skip
+    e.add_argument("text", nargs="*", help="texts to embed (tokenized by the model's vocabulary)")
+    e.add_argument("--model", required=True, help="bert GGUF file")
+    e.add_argument("--ids", action="append", metavar="IDS",
+                   help="token ids of one sequence, comma or space separated, special tokens included "
+                        "(repeatable; instead of TEXT)")  # fmt: skip
+    e.add_argument("-d", "--device", action="append",
+                   help="device for the weights (default: as for run, the first accelerator not emulated on "
+                        "the host's cores, else the CPU)")  # fmt: skip
+    e.add_argument("--pooling", choices=["none", "mean", "cls", "last"],
+                   help="override the file's bert.pooling_type (none: one vector per token)")
+    e.add_argument("--normalize", type=_int(-1, 1 << 16), default=2, metavar="P",
+                   help="as llama.cpp's --embd-normalize: -1 none, 0 max absolute (int16 range), 1 taxicab, "
+                        "2 Euclidean (default), >2 p-norm")  # fmt: skip
+    e.add_argument("--out", help="write the embeddings to this .npy file (float32, one row per text; "
+                   "with --pooling none one row per token) instead of printing them")  # fmt: skip
+    m = sub.add_parser("make-model", help="write a synthetic GGUF model (random weights): llama, or bert")
     m.add_argument("out", help="output .gguf file")
-    m.add_argument("--preset", default="small", choices=["tiny", "small", "1b", "8b"],
-                   help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes; "
-                        "8b = Llama-3-8B shapes)")  # fmt: skip
+    m.add_argument("--arch", default="llama", choices=["llama", "bert"],
+                   help="architecture (default llama; bert: an embedding model for `embed`)")
+    m.add_argument("--preset", choices=["tiny", "small", "1b", "8b", "mini"],
+                   help="shapes: llama tiny, small (the default: the model of `run`), 1b (TinyLlama-1.1B "
+                        "shapes), 8b (Llama-3-8B shapes); bert tiny, mini (the default: all-MiniLM-L6-v2 "
+                        "shapes)")  # fmt: skip
     m.add_argument("--jobs", type=_int(1, 1024), default=None,
                    help="worker processes making the weights (default: one per CPU; same file for any)")
-    for flag, dest in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
-                       ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"),
-                       ("--ctx", "n_ctx"), ("--experts", "n_expert"), ("--experts-used", "n_expert_used"),
-                       ("--seed", "seed")):  # fmt: skip
+    for flag, dest in _MAKE_INTS:
         lo = 0 if dest in ("n_expert", "n_expert_used", "seed") else 1
         m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
     wtypes = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
     m.add_argument("--wtype", default="q8_0", type=str.lower, choices=wtypes, help="matrix type")
     m.add_argument("--output-type", type=str.lower, choices=wtypes,
                    help="output head type (default: --wtype)")  # fmt: skip
-    m.add_argument("--neox", action="store_true", help="NEOX rope (llama.cpp uses normal for llama)")
+    m.add_argument("--neox", dest="rope_neox", action="store_true", default=None,
+                   help="NEOX rope (llama.cpp uses normal for llama)")  # fmt: skip
+    m.add_argument("--pooling", choices=["none", "mean", "cls", "last"],
+                   help="bert: bert.pooling_type (default mean)")
 
 
 def _check_inputs(args) -> None:
@@ -460,6 +488,10 @@ def _dispatch(args, extra: list[str]) -> int:
         if args.nmse_tol is None:
             args.nmse_tol = NMSE_TOL
         return cmd_run(args)
+    if args.cmd == "embed":
+        from accelplane.cli.embed import cmd_embed
+
+        return cmd_embed(args)
     if args.cmd == "make-model":
         from accelplane.cli.run import cmd_make_model
 

@@ -19,7 +19,7 @@ from accelplane.bench.model import bench_configs, bench_model, format_bench, plo
 from accelplane.models.gguf import read_gguf
 from accelplane.models.llama import check_split
 from accelplane.models.runner import (
-    PRESETS,
+    MAKE_ARCHS,
     _cpu_of,
     context_for,
     default_model_path,
@@ -150,18 +150,24 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
 
 def cmd_make_model(args, out: TextIO | None = None) -> int:
-    """``accelplane make-model``: a synthetic model from a preset and overrides."""
+    """``accelplane make-model``: a synthetic model of ``--arch`` from a preset and overrides."""
+    from accelplane.cli import MAKE_FLAGS, UsageError
+
     out = out or sys.stdout
-    kw = dict(PRESETS[args.preset])
-    for k in ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
-              "n_expert_used", "seed"):  # fmt: skip
-        v = getattr(args, k)
-        if v is not None:
-            kw[k] = v
-    kw.update(wtype=args.wtype, rope_neox=args.neox)
-    if args.output_type:
-        kw["output_type"] = args.output_type
+    presets, default, settable = MAKE_ARCHS[args.arch]
+    preset = args.preset or default
+    if preset not in presets:
+        raise UsageError(f"make-model: --preset {preset} is not a {args.arch} preset ({', '.join(presets)})")
+    kw = dict(presets[preset], arch=args.arch, wtype=args.wtype)
+    for flag, dest in MAKE_FLAGS:
+        v = getattr(args, dest, None)
+        if v is None:
+            continue
+        if dest not in settable:
+            raise UsageError(f"make-model: {flag} does not apply to --arch {args.arch}")
+        kw[dest] = v
     make_with_bar(args.out, jobs=args.jobs, **kw)
     f = read_gguf(args.out)
     print(f"wrote {args.out}\n  {describe_model(f)}", file=out)
     return 0
+

@@ -16,6 +16,7 @@ import numpy as np
 
 from accelplane.errors import ComputeError, DeviceError, ShapeError
 from accelplane.interface import DeviceType
+from accelplane.models import bert
 from accelplane.models.gguf import (
     GGUFFile,
     parallel_sources,
@@ -43,6 +44,14 @@ PRESETS = {
     "8b": dict(n_layers=32, d_model=4096, n_head=32, n_head_kv=8, d_ff=14336, n_vocab=128256,
                n_ctx=8192),
 }  # fmt: skip
+# `accelplane make-model --arch`: per architecture, its presets, the default one, and the
+# synthetic_sources keywords the command line may set
+MAKE_ARCHS: dict[str, tuple[dict[str, dict], str, tuple[str, ...]]] = {
+    "llama": (PRESETS, "small", ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx",
+                                 "n_expert", "n_expert_used", "seed", "rope_neox", "output_type")),
+    "bert": (bert.MODEL_PRESETS, "mini", ("n_layers", "d_model", "n_head", "d_ff", "n_vocab", "n_ctx", "seed",
+                                          "pooling")),
+}  # fmt: skip
 # logits vs the CPU plugin over every compared step; measured on this machine's plugins
 # (Q8_0 model, F16 cache): 1.6e-4 SYCL (CPU OpenCL), ~2e-4 Vulkan (lavapipe), 3e-4 Hexagon (emulated)
 NMSE_TOL = 1e-3
@@ -69,6 +78,9 @@ def make_with_bar(path: str | Path, jobs: int | None = None, **kw) -> None:
 
 
 def describe_model(f: GGUFFile) -> str:
+    """One line: the model's name, architecture, shapes, parameters, bytes and types."""
+    if f.get("general.architecture") == bert.ARCH:
+        return bert.describe(f)
     cfg = f.llama_config()
     types = sorted({t.type.name.lower() for t in f.tensors.values()})
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
