@@ -10,8 +10,9 @@ build of that tree, and use ``llama_tokenize`` / ``llama_detokenize`` as the ora
 
 ``write``: for each vocabulary of :data:`VOCABS` makes a trimmed copy, ``NAME.gguf`` in the
 output directory: every token that is not a normal one (control, byte, user-defined, ...) and
-every normal token whose text occurs in the test texts (:data:`TEXTS`), with the merges among
-them, in the original order (so the test texts tokenize as with the whole vocabulary, under new
+every normal token whose text occurs in the test texts (:data:`TEXTS`), the ids up to the
+model type's default special ids (BERT's CLS is 101 without a key), and the merges among them,
+in the original order (so the test texts tokenize as with the whole vocabulary, under new
 ids). It is made deterministically from the source file. Then ``refs.json`` gets, per vocabulary,
 llama.cpp's ids for each text under each (add_special, parse_special), its decoding of them,
 its BOS/EOS/end-of-generation ids, and the ids of the whole vocabulary (with the source file's
@@ -39,12 +40,12 @@ sys.path.insert(0, str(ROOT / "sdk"))
 
 from accelplane.errors import TokenizerError  # noqa: E402
 from accelplane.models.gguf import MetaValue, read_gguf, write_gguf  # noqa: E402
-from accelplane.models.tokenizer import UNICODE_TO_BYTE, Tokenizer  # noqa: E402
+from accelplane.models.tokenizer import _DEFAULT_IDS, UNICODE_TO_BYTE, Tokenizer  # noqa: E402
 
 # the vocabularies trimmed for the tests: SentencePiece, byte-level BPE with each pre-tokenizer
 # family, WordPiece
 VOCABS = ("llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2", "starcoder", "falcon", "deepseek-coder",
-          "deepseek-llm", "command-r", "mpt", "gpt-neox", "bert-bge")  # fmt: skip
+          "deepseek-llm", "gpt-neox", "bert-bge")  # fmt: skip
 # (add_special, parse_special) of each reference
 MODES = ((True, False), (False, False), (True, True), (False, True))
 
@@ -161,7 +162,9 @@ def trim(src: Path, texts: list[str]) -> dict[str, MetaValue]:
         t = t[1:] if model == "bert" and t.startswith("▁") and len(t) > 1 else t
         return any(t in s for s in strs)
 
-    keep = [i for i, (t, ty) in enumerate(zip(toks, types, strict=False)) if ty != 1 or occurs(t)]
+    # the ids up to the model type's default special ids stay, so the defaults still hold
+    low = max(_DEFAULT_IDS[model].values())
+    keep = [i for i, (t, ty) in enumerate(zip(toks, types, strict=False)) if i <= low or ty != 1 or occurs(t)]
     new_id = {old: new for new, old in enumerate(keep)}
     kept = {toks[i] for i in keep}
     out: dict[str, MetaValue] = {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import operator
 import os
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +41,8 @@ from dataclasses import dataclass
 from enum import IntFlag
 from functools import cache, lru_cache
 from typing import Any
+
+import numpy as np
 
 from accelplane.errors import OutOfRangeError, TokenizerError
 
@@ -257,8 +260,8 @@ class Tokenizer:
         self._where = where
         model = _meta(md, "tokenizer.ggml.model", str, None, where)
         if model is None:
-            raise TokenizerError(f"{where}the model has no vocabulary (no tokenizer.ggml.model key): it "
-                                 "cannot tokenize text; give token ids instead")  # fmt: skip
+            raise TokenizerError(f"{where}the model has no vocabulary (no tokenizer.ggml.model key), so it "
+                                 "cannot tokenize text")  # fmt: skip
         if model not in _DEFAULT_IDS:
             raise TokenizerError(f"{where}tokenizer.ggml.model {model!r} is not supported (accelplane "
                                  f"tokenizes {', '.join(sorted(_DEFAULT_IDS))})")  # fmt: skip
@@ -615,8 +618,7 @@ class Tokenizer:
     def piece(self, tid: int, special: bool = False) -> bytes:
         """The bytes of token ``tid`` (llama_token_to_piece): a control or unknown token is
         empty unless ``special``."""
-        if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < self.n_vocab:
-            raise OutOfRangeError(f"token id {tid!r} is outside the vocabulary (0 .. {self.n_vocab - 1})")
+        tid = _token_id(tid, self.n_vocab)
         attr, text = self.attrs[tid], self.tokens[tid]
         if attr & _SPECIAL and not special:
             return b""
@@ -640,7 +642,7 @@ class Tokenizer:
         tokenizers that clean spaces, the space before ``? ! . ,`` and before some contractions."""
         out = bytearray()
         for k, t in enumerate(ids):
-            p = self.piece(int(t) if not isinstance(t, int) else t, special)
+            p = self.piece(_token_id(t, self.n_vocab), special)
             if k == 0 and self.add_space_prefix and p[:1] == b" ":
                 p = p[1:]
             out += p
@@ -661,6 +663,17 @@ class Tokenizer:
     def __repr__(self) -> str:
         pre = f" pre={self.pre!r}" if self.pre else ""
         return f"Tokenizer({self.model}{pre}, {self.n_vocab} tokens)"
+
+
+def _token_id(t: Any, n: int) -> int:
+    """``t`` as a token id (an int or numpy integer in [0, n)), else OutOfRangeError."""
+    try:
+        i = operator.index(t)
+    except TypeError:
+        i = None
+    if i is None or isinstance(t, bool | np.bool_) or not 0 <= i < n:
+        raise OutOfRangeError(f"token id {t!r} is not an integer in the vocabulary (0 .. {n - 1})")
+    return i
 
 
 class StreamDecoder:
