@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from accelplane.errors import ConfigError, OutOfRangeError, TokenizerError
-from accelplane.models.gguf import MetaValue, llama_metadata, make_model
+from accelplane.errors import ConfigError, GGUFError, OutOfRangeError, TokenizerError
+from accelplane.models.gguf import MetaValue, llama_metadata, make_model, read_gguf, write_gguf
 from accelplane.models.llama import LlamaConfig
 from accelplane.models.runner import generate_text
 from accelplane.models.sampling import Sampler
@@ -337,3 +337,39 @@ def test_run_prompt_needs_a_vocabulary(tmp_path, capsys):
     assert cli.main(["run", "--model", str(p), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no vocabulary" in err[0] and "--prompt" in err[0]
+
+
+# --- reading vocabularies ---------------------------------------------------------------------------
+def _vocab_file(tmp_path, tokens):
+    import gguf
+
+    V = gguf.GGUFValueType
+    p = tmp_path / "v.gguf"
+    write_gguf(p, {"general.architecture": MetaValue("llama", V.STRING),
+                   "tokenizer.ggml.model": MetaValue("llama", V.STRING),
+                   "tokenizer.ggml.tokens": MetaValue(tokens, V.ARRAY, V.STRING)}, [])  # fmt: skip
+    return p
+
+
+def test_string_arrays_read_as_the_gguf_package_reads_them(tmp_path):
+    import gguf
+
+    tokens = ["<unk>", "", "\u2581a", "日本", "🦙" * 50, *(f"t{i}" for i in range(300))]
+    p = _vocab_file(tmp_path, tokens)
+    stock = gguf.GGUFReader(p).fields["tokenizer.ggml.tokens"].contents()
+    assert read_gguf(p).metadata["tokenizer.ggml.tokens"].value == stock == tokens
+
+
+def test_a_cut_or_broken_string_in_a_vocabulary_names_the_key(tmp_path):
+    p = _vocab_file(tmp_path, ["aa", "bb", "cc"])
+    raw = p.read_bytes()
+    at = raw.index((2).to_bytes(8, "little") + b"bb")
+    key_at = raw.index(b"tokenizer.ggml.tokens") - 8
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(raw[:at] + (1 << 40).to_bytes(8, "little") + raw[at + 8 :])
+    with pytest.raises(GGUFError, match=f"metadata key 'tokenizer.ggml.tokens' at file offset {key_at}: "
+                                        f"truncated: needs file bytes \\[{at + 8}, "):  # fmt: skip
+        read_gguf(bad)
+    bad.write_bytes(raw[: at + 8] + b"\xff" + raw[at + 9 :])
+    with pytest.raises(GGUFError, match="'tokenizer.ggml.tokens' at file offset .*: a string is not UTF-8"):
+        read_gguf(bad)
