@@ -204,7 +204,9 @@ def references(path: Path, texts: list[str]) -> dict:
     o = LlamaCpp(path)
     try:
         ids = {f"{int(a)}{int(s)}": [o.tokenize(t, a, s) for t in texts] for a, s in MODES}
-        dec = {f"{int(s)}": [o.detokenize(x, False, s).hex() for x in ids["11"]] for s in (False, True)}
+        # the ids with and without BOS, decoded hiding and showing control tokens: MODE + SPECIAL
+        dec = {f"{m}{int(s)}": [o.detokenize(x, False, s).hex() for x in ids[m]]
+               for m in ("11", "01") for s in (False, True)}  # fmt: skip
         return {"ids": ids, "decode": dec, **o.special()}
     finally:
         o.close()
