@@ -533,7 +533,7 @@ class Tokenizer:
             res = [tid[word]]
         else:
             res = []
-            for s in self._bpe_merge(word):
+            for s in _bpe_merge(word, self.ranks):
                 t = tid.get(s)
                 if t is not None:
                     res.append(t)
@@ -543,39 +543,10 @@ class Tokenizer:
             self._bpe_cache[word] = res
         return res
 
-    def _bpe_merge(self, word: str) -> list[str]:
-        syms = list(word)
-        n = len(syms)
-        nxt, prv = list(range(1, n + 1)), list(range(-1, n - 1))
-        heap: list[tuple[int, int, int, str]] = []
-        ranks = self.ranks
-
-        def bigram(left: int, right: int) -> None:
-            if left < 0 or right >= n:
-                return
-            r = ranks.get((syms[left], syms[right]))
-            if r is not None:
-                heapq.heappush(heap, (r, left, right, syms[left] + syms[right]))
-
-        for i in range(1, n):
-            bigram(i - 1, i)
-        while heap:
-            _, left, right, text = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
-                continue
-            syms[left] = text
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] < n:
-                prv[nxt[right]] = left
-            bigram(prv[left], left)
-            bigram(left, nxt[left])
-        return [s for s in syms if s]
-
     def _wpm(self, text: str, out: list[int]) -> None:
         """WordPiece: greedy longest tokens of each word (llm_tokenizer_wpm_session)."""
         tid = self.token_to_id
-        for word in self._wpm_words(text):
+        for word in _wpm_words(text, self.lowercase, self.strip_accents):
             w = (_SPACE + word).encode("utf-8")
             n, start, i = len(w), len(out), 0
             while i < n:
@@ -590,29 +561,6 @@ class Tokenizer:
                     break
             if len(out) == start:
                 out.append(self._need("unk"))
-
-    def _wpm_words(self, text: str) -> list[str]:
-        words = [""]
-        for ch in text:
-            c = _first_nfd(ch) if self.strip_accents else ch
-            cat = _category(c)
-            if c in _WHITESPACE:
-                if words[-1]:
-                    words.append("")
-                continue
-            if c in ("\0", "\ufffd") or cat == "C":
-                continue
-            if self.strip_accents and cat == "M":
-                continue
-            s = _lower(c) if self.lowercase else c
-            if cat == "P" or (ord(c) < 0x7F and cat == "S") or _is_cjk(ord(c)):
-                if words[-1]:
-                    words.append("")
-                words[-1] = s
-                words.append("")
-            else:
-                words[-1] += s
-        return [w for w in words if w]
 
     # --- decoding -------------------------------------------------------------------------------
     def piece(self, tid: int, special: bool = False) -> bytes:
@@ -674,6 +622,62 @@ def _token_id(t: Any, n: int) -> int:
     if i is None or isinstance(t, bool | np.bool_) or not 0 <= i < n:
         raise OutOfRangeError(f"token id {t!r} is not an integer in the vocabulary (0 .. {n - 1})")
     return i
+
+
+def _bpe_merge(word: str, ranks: Mapping[tuple[str, str], int]) -> list[str]:
+    """The symbols of ``word`` after merging its pairs by rank, lowest first (the left one first
+    on a tie), as llm_tokenizer_bpe_session."""
+    syms = list(word)
+    n = len(syms)
+    nxt, prv = list(range(1, n + 1)), list(range(-1, n - 1))
+    heap: list[tuple[int, int, int, str]] = []
+
+    def bigram(left: int, right: int) -> None:
+        if left < 0 or right >= n:
+            return
+        r = ranks.get((syms[left], syms[right]))
+        if r is not None:
+            heapq.heappush(heap, (r, left, right, syms[left] + syms[right]))
+
+    for i in range(1, n):
+        bigram(i - 1, i)
+    while heap:
+        _, left, right, text = heapq.heappop(heap)
+        if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
+            continue
+        syms[left] = text
+        syms[right] = ""
+        nxt[left] = nxt[right]
+        if nxt[right] < n:
+            prv[nxt[right]] = left
+        bigram(prv[left], left)
+        bigram(left, nxt[left])
+    return [s for s in syms if s]
+
+
+def _wpm_words(text: str, lowercase: bool, strip_accents: bool) -> list[str]:
+    """llm_tokenizer_wpm_session::preprocess: the normalized words of ``text``."""
+    words = [""]
+    for ch in text:
+        c = _first_nfd(ch) if strip_accents else ch
+        cat = _category(c)
+        if c in _WHITESPACE:
+            if words[-1]:
+                words.append("")
+            continue
+        if c in ("\0", "\ufffd") or cat == "C":
+            continue
+        if strip_accents and cat == "M":
+            continue
+        s = _lower(c) if lowercase else c
+        if cat == "P" or (ord(c) < 0x7F and cat == "S") or _is_cjk(ord(c)):
+            if words[-1]:
+                words.append("")
+            words[-1] = s
+            words.append("")
+        else:
+            words[-1] += s
+    return [w for w in words if w]
 
 
 class StreamDecoder:
