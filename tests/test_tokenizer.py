@@ -182,6 +182,12 @@ def test_bad_vocabularies_are_typed_errors(kw, words):
     assert words in str(e.value)
 
 
+def test_plain_metadata_may_hold_numpy_values():
+    tok = Tokenizer.from_metadata(_md(**{"tokenizer.ggml.scores": np.zeros(4, np.float32),
+                                         "tokenizer.ggml.bos_token_id": np.uint32(3)}))  # fmt: skip
+    assert tok.bos == 3 and tok.encode("a") == [3, 3]
+
+
 def test_a_gguf_without_vocabulary_names_the_file(tmp_path):
     p = tmp_path / "m.gguf"
     make_model(p, n_layers=1, d_model=32, n_head=2, d_ff=32, n_vocab=64, wtype="f32", jobs=1)

@@ -226,6 +226,8 @@ def _meta(md: Mapping[str, Any], key: str, kind: type, default: Any = None, wher
     if v is None:
         return default
     v = getattr(v, "value", v)
+    if isinstance(v, np.generic | np.ndarray):  # plain metadata may hold numpy values
+        v = v.tolist()
     ok = (isinstance(v, bool) if kind is bool else isinstance(v, str) if kind is str
           else isinstance(v, int) and not isinstance(v, bool) if kind is int
           else isinstance(v, list | tuple))  # fmt: skip
