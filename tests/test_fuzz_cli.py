@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz_host import deadline
 
-TINY = dict(n_layers=1, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=256, n_ctx=256, wtype="q8_0")
+# n_vocab 300: room for make-model's byte vocabulary, so `run --prompt` tokenizes
+TINY = dict(n_layers=1, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=300, n_ctx=256, wtype="q8_0")
 JUNK = ["", "-", "--", "x", "-1", "0", "1e309", "nan", "ÿ", "--json", "-d", "\x00", "a\x00b", "a" * 300, "/",
         "(", "*"]
 
@@ -58,6 +59,7 @@ def _value(draw, kind: str, p: dict) -> str:
         "pooling": st.sampled_from(["none", "mean", "cls", "last"]),
         "norm": st.sampled_from(["-1", "0", "1", "2", "3"]),
         "arch": st.sampled_from(["llama", "bert"]),
+        "text": st.sampled_from(["Hello", "Grüße aus 東京 🦙", "", "<s>x</s>", "  \t\n"]),
     }[kind]
     bad = st.sampled_from(JUNK + [p["missing"], str(p["dir"]), p["bad"], "NOPE", "-5", "1.5", "[", "9" * 30])
     return draw(good if draw(st.integers(0, 3)) else bad)
@@ -67,7 +69,9 @@ def _value(draw, kind: str, p: dict) -> str:
 GRAMMAR = [
     (["devices"], {"--json": None, "--env": None}, []),
     (["run"], {"--model": "model", "-d": "device", "--split": "split", "--tokens": "count",
-               "--prompt-tokens": "pos", "--seed": "count", "--nmse-tol": "float", "--no-check": None},
+               "--prompt-tokens": "pos", "--seed": "count", "--nmse-tol": "float", "--no-check": None,
+               "--prompt": "text", "--temp": "float", "--top-k": "count", "--top-p": "float",
+               "--special": None},
      ["--model", "-d", "--tokens", "--prompt-tokens"]),
     (["bench", "model"], {"--model": "model", "-d": "device", "--pp": "count", "--tg": "count",
                           "--reps": "pos", "--split": "split", "--json": "path", "--profile": "count"},

@@ -55,6 +55,28 @@ def _positive(s: str) -> float:
     return v
 
 
+def _nonneg(s: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s}")
+    return v
+
+
+def _unit(s: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s}")
+    return v
+
+
 def _regex(s: str) -> str:
     try:
         re.compile(s)
@@ -415,9 +437,24 @@ def _model_args(sub, b) -> None:
     r.add_argument("--split", default="none", choices=["none", "layer", "tensor"],
                    help="none: all layers on the first device; layer: layers spread over the "
                         "devices; tensor: needs the meta device")  # fmt: skip
-    r.add_argument("--tokens", type=_int(0), default=32, help="decode steps (default 32)")
-    r.add_argument("--prompt-tokens", type=_int(1), default=32, help="prompt length (default 32)")
-    r.add_argument("--seed", type=_int(0), default=0, help="seed of the random prompt")
+    r.add_argument("--tokens", type=_int(0), default=32,
+                   help="decode steps (default 32); with --prompt, the most tokens generated")  # fmt: skip
+    r.add_argument("--prompt", help="text to continue: tokenized with the model's vocabulary, the "
+                   "generated text streams to stdout (everything else goes to stderr); generation "
+                   "stops at an end-of-generation token or after --tokens; no logits check")  # fmt: skip
+    r.add_argument("--special", action="store_true",
+                   help="--prompt: control tokens written in it (<|im_start|>, ...) are parsed as such")
+    r.add_argument("--temp", type=_nonneg, default=0.0,
+                   help="--prompt: sampling temperature (default 0: greedy)")  # fmt: skip
+    r.add_argument("--top-k", type=_int(0), default=None,
+                   help="--prompt with --temp > 0: keep the k most likely tokens (default 40; 0: all)")
+    r.add_argument("--top-p", type=_unit, default=None,
+                   help="--prompt with --temp > 0: keep the most likely tokens up to this probability "
+                        "(default 0.95; 1: all)")  # fmt: skip
+    r.add_argument("--prompt-tokens", type=_int(1), default=None,
+                   help="length of the random prompt without --prompt (default 32)")  # fmt: skip
+    r.add_argument("--seed", type=_int(0), default=0,
+                   help="seed of the random prompt, or of the sampling with --prompt --temp > 0")
     r.add_argument("--nmse-tol", type=_positive, default=None,
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
@@ -472,6 +509,21 @@ def _check_inputs(args) -> None:
         raise UsageError(f"--model {model}: no such file")
     if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
         raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
+    if args.cmd == "run":
+        _check_run(args)
+
+
+def _check_run(args) -> None:
+    """`run`: the text-mode options go with --prompt, sampling options with --temp > 0."""
+    text_only = [o for o, v in (("--special", args.special), ("--temp", args.temp), ("--top-k", args.top_k),
+                                ("--top-p", args.top_p)) if v]  # fmt: skip
+    if args.prompt is None and text_only:
+        need = "needs" if len(text_only) == 1 else "need"
+        raise UsageError(f"run: {', '.join(text_only)} {need} --prompt (text generation)")
+    if args.prompt is not None and args.prompt_tokens is not None:
+        raise UsageError("run: --prompt-tokens is the length of a random prompt; it cannot go with --prompt")
+    if args.prompt is not None and not args.temp and (args.top_k is not None or args.top_p is not None):
+        raise UsageError("run: --top-k and --top-p need --temp > 0 (--temp 0 is greedy)")
 
 
 def _dispatch(args, extra: list[str]) -> int:
