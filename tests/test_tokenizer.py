@@ -95,7 +95,9 @@ def test_whole_vocabulary_matches_llama_cpp(name, request):
     if not d:
         pytest.skip("no --llama-vocabs DIR (llama.cpp's models/ directory) given")
     path = Path(d) / f"ggml-vocab-{name}.gguf"
-    full = REFS["vocabs"][name]["full"]
+    full = REFS["vocabs"][name].get("full")
+    if full is None:
+        pytest.skip(f"{name}: cut from another model's vocabulary (tools/tokenizer_refs.py VOCABS)")
     if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != full["sha256"]:
         pytest.skip(f"{path}: absent, or not the file the references were made from")
     tok = Tokenizer.from_gguf(path)
@@ -113,7 +115,7 @@ _TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
 def test_decode_undoes_encode(toks, text):
     """Lossless vocabularies give the text back: SentencePiece with byte fallback (one leading
     space is the prefix it adds), byte-level BPE that does not clean spaces."""
-    for name in ("llama-spm", "qwen2", "deepseek-coder"):
+    for name in ("phi-3", "qwen2", "deepseek-coder"):
         tok = toks[name]
         assert tok.decode(tok.encode(text, add_special=False)) == text, name
 
@@ -144,7 +146,7 @@ def test_control_tokens_parsed_only_when_asked(toks):
     im_start = tok.token_to_id["<|im_start|>"]
     assert tok.encode("<|im_start|>user", add_special=False, parse_special=True)[0] == im_start
     assert im_start not in tok.encode("<|im_start|>user", add_special=False, parse_special=False)
-    spm = toks["llama-spm"]
+    spm = toks["phi-3"]
     assert spm.encode("<s>x", parse_special=True)[:2] == [spm.bos, spm.bos]
     assert spm.encode("<s>x", parse_special=False).count(spm.bos) == 1
 
@@ -197,7 +199,7 @@ def test_a_gguf_without_vocabulary_names_the_file(tmp_path):
 
 
 def test_bad_input_is_a_typed_error(toks):
-    tok = toks["llama-spm"]
+    tok = toks["phi-3"]
     with pytest.raises(TokenizerError, match="must be a str"):
         tok.encode(b"bytes")
     with pytest.raises(TokenizerError, match="lone surrogate"):
@@ -296,7 +298,7 @@ def test_generation_stops_at_end_of_generation(toks):
 
 
 def test_generation_stops_at_the_limit(toks):
-    tok = toks["llama-spm"]
+    tok = toks["phi-3"]
     t = tok.encode("a", add_special=False)[0]
     res = generate_text(_Scripted(tok.n_vocab, [t] * 5), tok, [tok.bos], 3, Sampler(temp=0.5, seed=1))
     assert res.tokens == [t, t, t] and res.eog is None

@@ -9,10 +9,10 @@ files of real models. Both commands need llama.cpp's Python binding (``llama_cpp
 build of that tree, and use ``llama_tokenize`` / ``llama_detokenize`` as the oracle.
 
 ``write``: for each vocabulary of :data:`VOCABS` makes a trimmed copy, ``NAME.gguf`` in the
-output directory: every token that is not a normal one (control, byte, user-defined, ...) and
-every normal token whose text occurs in the test texts (:data:`TEXTS`), the ids up to the
-model type's default special ids (BERT's CLS is 101 without a key), and the merges among them,
-in the original order (so the test texts tokenize as with the whole vocabulary, under new
+output directory (with the pre-tokenizer VOCABS gives it): every token that is not a normal one
+(control, byte, user-defined, ...) and every normal token whose text occurs in the test texts
+(:data:`TEXTS`), the ids up to the model type's default special ids (BERT's CLS is 101 without
+a key), and the merges among them, in the original order (so the test texts tokenize as with the whole vocabulary, under new
 ids). It is made deterministically from the source file. Then ``refs.json`` gets, per vocabulary,
 llama.cpp's ids for each text under each (add_special, parse_special), its decoding of them,
 its BOS/EOS/end-of-generation ids, and the ids of the whole vocabulary (with the source file's
@@ -42,10 +42,22 @@ from accelplane.errors import TokenizerError  # noqa: E402
 from accelplane.models.gguf import MetaValue, read_gguf, write_gguf  # noqa: E402
 from accelplane.models.tokenizer import _DEFAULT_IDS, UNICODE_TO_BYTE, Tokenizer  # noqa: E402
 
-# the vocabularies trimmed for the tests: SentencePiece, byte-level BPE with each pre-tokenizer
-# family, WordPiece
-VOCABS = ("llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2", "starcoder", "falcon", "deepseek-coder",
-          "deepseek-llm", "gpt-neox", "bert-bge")  # fmt: skip
+# the vocabularies trimmed for the tests (SentencePiece, byte-level BPE with each pre-tokenizer
+# family, WordPiece): name -> (the ggml-vocab-SOURCE.gguf it is cut from, the tokenizer.ggml.pre
+# it is given, None: its own). Only vocabularies of permissively licensed models (MIT, Apache-2.0)
+# are committed; the other pre-tokenizers run over one of them.
+VOCABS: dict[str, tuple[str, str | None]] = {
+    "phi-3": ("phi-3", None),  # SentencePiece with byte fallback (MIT)
+    "bert-bge": ("bert-bge", None),  # WordPiece (MIT)
+    "qwen2": ("qwen2", None),  # Apache-2.0
+    "gpt-2": ("gpt-2", None),  # MIT
+    "falcon": ("falcon", None),  # Apache-2.0
+    "gpt-neox": ("gpt-neox", None),  # Apache-2.0
+    "llama-bpe": ("qwen2", "llama-bpe"),  # Llama 3's pre-tokenizer over Qwen2's byte-level BPE
+    "starcoder": ("gpt-2", "starcoder"),
+    "deepseek-coder": ("gpt-2", "deepseek-coder"),
+    "deepseek-llm": ("gpt-2", "deepseek-llm"),
+}
 # (add_special, parse_special) of each reference
 MODES = ((True, False), (False, False), (True, True), (False, True))
 
@@ -217,13 +229,17 @@ def cmd_write(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     refs: dict = {"texts": TEXTS, "modes": [f"{int(a)}{int(s)}" for a, s in MODES], "vocabs": {}}
-    for name in VOCABS:
-        src = models / f"ggml-vocab-{name}.gguf"
+    for name, (source, pre) in VOCABS.items():
+        src = models / f"ggml-vocab-{source}.gguf"
         small = out / f"{name}.gguf"
-        write_gguf(small, trim(src, TEXTS), [])
+        md = trim(src, TEXTS)
+        if pre is not None:
+            md["tokenizer.ggml.pre"] = MetaValue(pre, md["tokenizer.ggml.pre"].type)
+        write_gguf(small, md, [])
         r = references(small, TEXTS)
-        full = references(src, TEXTS)
-        r["full"] = {"sha256": sha256(src), "ids": full["ids"], "eog": full["eog"]}
+        if pre is None:  # the whole vocabulary's ids, for tests given the real file
+            full = references(src, TEXTS)
+            r["full"] = {"sha256": sha256(src), "ids": full["ids"], "eog": full["eog"]}
         refs["vocabs"][name] = r
         n = len(read_gguf(small).metadata["tokenizer.ggml.tokens"].value)
         print(f"{name}: {n} tokens, {small.stat().st_size / 1024:.0f} KiB")
