@@ -1,8 +1,9 @@
 """accelplane.core.types: (de)quantization against ggml's reference and gguf-py.
 
-Q8_0/Q4_0 are compared byte for byte with gguf.quants (itself bit-exact with ggml); Q4_K/Q6_K
-with digests of ggml's C reference output (quantize_row_q*_ref) on a fixed input, and through
-round-trip error bounds. Dequantizers must be bit-identical to gguf.quants.dequantize.
+The types gguf.quants can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are compared byte for byte
+with it (itself bit-exact with ggml); every quantized type with digests of ggml's C reference
+output (quantize_row_q*_ref) on a fixed input, and through round-trip error bounds.
+Dequantizers must be bit-identical to gguf.quants.dequantize.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 T = GGMLType
-QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K]
+GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the types gguf.quants quantizes
+QUANT_TYPES = [*GGUF_QUANTIZES, T.Q4_K, T.Q6_K]
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 GQ = {t: gguf.GGMLQuantizationType(int(t)) for t in [*QUANT_TYPES, *FLOAT_TYPES]}
 
@@ -57,54 +59,80 @@ def random_blocks(t: GGMLType, n: int, seed: int) -> np.ndarray:
     """n random byte-valid blocks of t: finite f16 scales, random quants and scale bytes."""
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (n, t.type_size), dtype=np.uint8)
-
-    def f16(k: int) -> np.ndarray:
-        h = rng.integers(0, 1 << 16, (n, k), dtype=np.uint16)
+    for off in t.traits.f16_fields:  # checked against gguf by test_traits_match_gguf
+        h = rng.integers(0, 1 << 16, n, dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0xBFFF, h)  # inf/nan -> finite
-        return h.astype("<u2").view(np.uint8)
-
-    if t in (T.Q8_0, T.Q4_0):
-        b[:, 0:2] = f16(1)
-    elif t is T.Q4_K:
-        b[:, 0:4] = f16(2)
-    elif t is T.Q6_K:
-        b[:, 208:210] = f16(1)
+        b[:, off : off + 2] = h.astype("<u2").view(np.uint8).reshape(n, 2)
     return b
 
 
-# ---- Q8_0 / Q4_0 vs gguf-py --------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py: random scale bytes hold NaNs
+@pytest.mark.parametrize("t", list(T), ids=str)
+def test_traits_match_gguf(t: GGMLType) -> None:
+    """Ids and sizes are gguf's; a block's f16 fields are its scales: zeroed, the rest random,
+    every value dequantizes to 0 (with random bytes there, practically never)."""
+    gq = gguf.GGMLQuantizationType[t.name]
+    assert int(gq) == int(t)
+    assert gguf.GGML_QUANT_SIZES[gq] == (t.blck_size, t.type_size)
+    if not t.is_quantized:
+        return
+    b = np.random.default_rng(int(t)).integers(0, 256, (64, t.type_size), dtype=np.uint8)
+    assert np.any(gguf.quants.dequantize(b, gq) != 0)
+    for off in t.traits.f16_fields:
+        b[:, off : off + 2] = 0
+    np.testing.assert_array_equal(gguf.quants.dequantize(b, gq), 0)
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0])
+# ---- the types gguf-py quantizes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", GGUF_QUANTIZES, ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("nrows", [1, 3, 7])
-def test_q8_0_q4_0_match_gguf(t: GGMLType, seed: int, nrows: int) -> None:
+def test_quantize_matches_gguf(t: GGMLType, seed: int, nrows: int) -> None:
     for x in (gauss(seed, (nrows, 96)), edge_rows(seed, nrows, 320)):
         ours = quantize(t, x)
         assert ours.dtype == np.uint8 and ours.shape == (nrows, row_size(t, x.shape[1]))
         np.testing.assert_array_equal(ours, gguf.quants.quantize(x, GQ[t]))
 
 
+@st.composite
+def block_rows(draw: st.DrawFn, blck: int) -> np.ndarray:
+    """Rows of 1..3 blocks at one magnitude (1e-30 .. 1e20: tiny, subnormal-scaled and
+    f16-overflowing scales), some rows all zero or constant, some blocks sparse."""
+    nrows, nb = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    x = draw(hnp.arrays(np.float32, (nrows, nb * blck),
+                        elements=st.floats(-1, 1, width=32, allow_subnormal=False)))  # fmt: skip
+    x = x * np.float32(draw(st.sampled_from([1e-30, 1e-12, 1e-4, 1.0, 3.0, 1e4, 1e8, 1e20])))
+    for r in range(nrows):
+        kind = draw(st.sampled_from(["as is", "zero", "constant", "sparse"]))
+        if kind == "zero":
+            x[r] = 0
+        elif kind == "constant":
+            x[r] = x[r, 0]
+        elif kind == "sparse":
+            x[r, draw(st.integers(0, nb * blck - 1)) :] = 0
+    return x + np.float32(0)  # -0.0 -> +0.0: gguf differs from ggml on blocks of -0.0
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py: f16 overflow of d
-@settings(max_examples=60, deadline=None)
-@given(
-    t=st.sampled_from([T.Q8_0, T.Q4_0]),
-    x=hnp.arrays(
-        np.float32,
-        st.tuples(st.integers(1, 4), st.integers(1, 3).map(lambda k: 32 * k)),
-        elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False),
-    ),
-)
-def test_q8_0_q4_0_match_gguf_hypothesis(t: GGMLType, x: np.ndarray) -> None:
-    x = x + np.float32(0)  # -0.0 -> +0.0: gguf differs from ggml on all(-0.0) Q4_0 blocks
+@settings(max_examples=150, deadline=None)
+@given(t=st.sampled_from(GGUF_QUANTIZES), data=st.data())
+def test_quantize_matches_gguf_hypothesis(t: GGMLType, data: st.DataObject) -> None:
+    x = data.draw(block_rows(t.blck_size))
     np.testing.assert_array_equal(quantize(t, x), gguf.quants.quantize(x, GQ[t]))
 
 
 def test_zero_blocks_match_ggml() -> None:
-    # ggml's Q4_0 scans |x| from max = +0, so d = +0 / -8 = -0 (0x8000), also for -0.0 input
+    # ggml's Q4_0/Q5_0 scan |x| from max = +0, so d = +0 / -8 = -0 (0x8000), also for -0.0
+    # input; Q4_1/Q5_1 keep the first element as the min: m = -0 for a block of -0.0
     for z in (np.zeros((1, 32), np.float32), np.full((1, 32), -0.0, np.float32)):
+        m = b"\x00\x80" if np.signbit(z[0, 0]) else b"\x00\x00"
         assert quantize(T.Q4_0, z).tobytes() == b"\x00\x80" + bytes([0x88] * 16)
         assert quantize(T.Q8_0, z).tobytes() == bytes(34)
+        assert quantize(T.Q4_1, z).tobytes() == bytes(2) + m + bytes(16)
+        assert quantize(T.Q5_0, z).tobytes() == b"\x00\x80" + bytes([0xFF] * 4) + bytes(16)
+        assert quantize(T.Q5_1, z).tobytes() == bytes(2) + m + bytes(20)
         assert quantize(T.Q6_K, np.zeros((1, 256), np.float32)).tobytes() == bytes(210)
 
 
@@ -149,6 +177,9 @@ GOLDEN_SHA256 = {
     T.Q4_0: "885011c1e1a6c561a6f5c9c58724dfe4d4da391c87567090b92c4e8b93975283",
     T.Q4_K: "3ca62f3a6888e345aa0f48734663de943b932d031954ef3d52f4d9b401100f3c",
     T.Q6_K: "70733d1dbd51e5f91759ab47a4fefb8137df896d47bc6940171e527e334c5824",
+    T.Q4_1: "8b1c506f8220295b61da576a4c03b138bd2aa4c2d6e2b1a1795ded337ada1c36",
+    T.Q5_0: "52b2cbf04f95173d26ee6badcd8f5aec3118d75edc7b282eed6a2f27021897e6",
+    T.Q5_1: "b1f1d12b1cc97407f8fc0c22665c149569e038a09303c6e4db93f5db18abd927",
 }
 
 
@@ -162,8 +193,9 @@ def test_quantize_matches_ggml_reference_digest(t: GGMLType) -> None:
 
 
 # rel. RMS error on N(0,1) data: ggml's ref algorithm gets ~0.071 (Q4_K), ~0.0177 (Q6_K),
-# ~0.086 (Q4_0), ~0.0053 (Q8_0)
-REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056}
+# ~0.086 (Q4_0), ~0.0053 (Q8_0), ~0.080 (Q4_1), ~0.044 (Q5_0), ~0.038 (Q5_1)
+REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056, T.Q4_1: 0.085,
+                 T.Q5_0: 0.047, T.Q5_1: 0.042}  # fmt: skip
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES)
@@ -271,7 +303,7 @@ def test_float_types_round_to_nearest_even_like_ggml() -> None:
 
 def test_quantize_accepts_other_float_dtypes() -> None:
     x64 = np.random.default_rng(7).standard_normal((2, 256))
-    for t in (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q6_K):
+    for t in (T.F16, T.BF16, *QUANT_TYPES):
         np.testing.assert_array_equal(quantize(t, x64), quantize(t, x64.astype(np.float32)))
     x16 = x64.astype(np.float16)
     np.testing.assert_array_equal(quantize(T.F16, x16).view("<f2"), x16)
@@ -329,4 +361,4 @@ def test_type_errors() -> None:
     with pytest.raises(TypeMismatchError):
         dequantize(T.Q8_0, 12345, 32)
     with pytest.raises(TypeMismatchError):
-        quantize("q5_0", np.zeros((1, 32), np.float32))
+        quantize("iq2_xxs", np.zeros((1, 32), np.float32))

@@ -13,6 +13,9 @@ from .layout import X8Type
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}  # element type → the kernels' C type
 HALF_TYPES = ("float", "__half")  # kernels compiled for F32 and F16 only
 THREADS = 256  # block size of the grid-stride kernels
+# the GGUF block types the kernels decode (the catalog, accelplane.core.ops.QUANT, has more: those
+# are declined by support.py)
+QUANT = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
 # the kernel type ids of quantized data the kernels dequantize (kernels/common.cuh: deq32): GGUF's
 # and the x8 layouts
 QUANT_IDS = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, *X8Type)

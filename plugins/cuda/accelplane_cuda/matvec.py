@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from accelplane.core.ops import FLOAT, QUANT, VIEW_OPS, Op
+from accelplane.core.ops import FLOAT, VIEW_OPS, Op
 from accelplane.core.types import GGMLType as T
 
 from . import compiler, gemm, layout, rows
-from .args import QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
+from .args import QUANT, QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
 from .layout import X8Type, type_id
 
 MAXN = 8  # activation rows the mat-vec kernels take (kernels/matvec.cu: MMV_MAXN)

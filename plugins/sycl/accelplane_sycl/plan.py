@@ -310,10 +310,15 @@ _BUILDERS: dict[Op, Callable[[Plan, Tensor], None]] = {
 }  # fmt: skip
 # view ops compute nothing; Op.NONE is left out (without a view source it would be a copy)
 SUPPORTED_OPS = frozenset(_BUILDERS) | (VIEW_OPS - {Op.NONE})
+# the types kernels/common.cl loads and stores (the catalog has more block types)
+TYPES = frozenset({T.F32, T.F16, T.BF16, T.I32, T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
 
 
 def supports(t: Tensor) -> bool:
-    """The op has a kernel here (for UNARY: the ggml unary op has a code in elementwise.cl)."""
+    """The op has a kernel here (for UNARY: the ggml unary op has a code in elementwise.cl) and
+    its kernel knows every type it reads and writes."""
+    if t.op not in VIEW_OPS and any(x is not None and x.type not in TYPES for x in (t, *t.src)):
+        return False
     if t.op is Op.UNARY:
         return t.op_params[0] in _UNARY_OP_CODE
     return t.op in SUPPORTED_OPS

@@ -2,14 +2,17 @@
 
 Type ids are GGUF's on-disk ids. Quantized layouts are byte-exact with ggml-common.h:
 
-=====  =====  =====  ==========================================================
-type   block  bytes  layout
-=====  =====  =====  ==========================================================
-Q4_0   32     18     d:f16, qs[16] (low nibbles = elements 0..15, high = 16..31)
-Q8_0   32     34     d:f16, qs[32] int8
-Q4_K   256    144    d:f16, dmin:f16, scales[12] (6-bit packed), qs[128]
-Q6_K   256    210    ql[128], qh[64], scales[16] int8, d:f16
-=====  =====  =====  ==========================================================
+======  =====  =====  ==============================================================
+type    block  bytes  layout
+======  =====  =====  ==============================================================
+Q4_0    32     18     d:f16, qs[16] (low nibbles = elements 0..15, high = 16..31)
+Q4_1    32     20     d:f16, m:f16, qs[16] (value d*q + m)
+Q5_0    32     22     d:f16, qh:u32 (bit i = 5th bit of element i), qs[16]
+Q5_1    32     24     d:f16, m:f16, qh:u32, qs[16]
+Q8_0    32     34     d:f16, qs[32] int8
+Q4_K    256    144    d:f16, dmin:f16, scales[12] (6-bit packed), qs[128]
+Q6_K    256    210    ql[128], qh[64], scales[16] int8, d:f16
+======  =====  =====  ==============================================================
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ QK4_0 = 32
 QK8_0 = 32
 QK_K = 256
 K_SCALE_SIZE = 12
+# IQ4_NL / IQ4_XS levels (ggml-common.h: kvalues_iq4nl)
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 class GGMLType(IntEnum):
@@ -34,6 +39,9 @@ class GGMLType(IntEnum):
     F32 = 0
     F16 = 1
     Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q6_K = 14
@@ -66,13 +74,15 @@ class GGMLType(IntEnum):
 
 @dataclass(frozen=True)
 class TypeTraits:
-    """Size facts of one type: ``blck_size`` elements take ``type_size`` bytes."""
+    """Size facts of one type: ``blck_size`` elements take ``type_size`` bytes; a block type's
+    ``f16_fields`` are the byte offsets of its f16 scale fields in a block."""
 
     name: str
     blck_size: int
     type_size: int
     is_quantized: bool
     np_dtype: np.dtype | None  # element dtype of non-block types; None for quant types
+    f16_fields: tuple[int, ...] = ()
 
 
 def _bf16_dtype() -> np.dtype:
@@ -96,10 +106,13 @@ class _LazyTraits(dict):
                 T.F16: TypeTraits("f16", 1, 2, False, np.dtype(np.float16)),
                 T.BF16: TypeTraits("bf16", 1, 2, False, _bf16_dtype()),
                 T.I32: TypeTraits("i32", 1, 4, False, np.dtype(np.int32)),
-                T.Q4_0: TypeTraits("q4_0", QK4_0, 18, True, None),
-                T.Q8_0: TypeTraits("q8_0", QK8_0, 34, True, None),
-                T.Q4_K: TypeTraits("q4_K", QK_K, 144, True, None),
-                T.Q6_K: TypeTraits("q6_K", QK_K, 210, True, None),
+                T.Q4_0: TypeTraits("q4_0", QK4_0, 18, True, None, (0,)),
+                T.Q4_1: TypeTraits("q4_1", 32, 20, True, None, (0, 2)),
+                T.Q5_0: TypeTraits("q5_0", 32, 22, True, None, (0,)),
+                T.Q5_1: TypeTraits("q5_1", 32, 24, True, None, (0, 2)),
+                T.Q8_0: TypeTraits("q8_0", QK8_0, 34, True, None, (0,)),
+                T.Q4_K: TypeTraits("q4_K", QK_K, 144, True, None, (0, 2)),
+                T.Q6_K: TypeTraits("q6_K", QK_K, 210, True, None, (208,)),
             }
         )
 
@@ -229,19 +242,95 @@ def _quantize_q8_0(xb: np.ndarray) -> np.ndarray:
     return out
 
 
+def _absmax_first(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(amax, max) along ``axis``: the greatest |x| and the signed value of its first element,
+    as ggml's ``if (ax > amax) { amax = ax; max = x; }`` scan from ``amax = max = 0``."""
+    ax = np.abs(x)
+    first = np.expand_dims(ax.argmax(axis=axis), axis)
+    amax = np.take_along_axis(ax, first, axis).squeeze(axis)
+    mx = np.take_along_axis(x, first, axis).squeeze(axis)
+    return amax, np.where(amax > 0, mx, _F32(0))  # the scan's max starts at +0
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 [n, 32] of 0..15 -> [n, 16]: element j in the low nibble of byte j, j + 16 high."""
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_pack_nibbles`: uint8 [n, 16] -> [n, 32]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """``d ? 1.0f/d : 0.0f``."""
+    return np.where(d != 0, _F32(1) / d, _F32(0))
+
+
 def _quantize_q4_0(xb: np.ndarray) -> np.ndarray:
     """float32 [n, 32] -> uint8 [n, 18] (quantize_row_q4_0_ref)."""
     n = xb.shape[0]
-    ax = np.abs(xb)
-    first = ax.argmax(axis=1)  # first element of greatest |x|, as ggml's strict '<' scan
-    mx = xb[np.arange(n), first]
-    mx = np.where(ax[np.arange(n), first] > 0, mx, _F32(0))  # ggml's max starts at +0
-    d = mx / _F32(-8)
-    inv = np.where(d != 0, _F32(1) / d, _F32(0))
-    q = np.minimum(np.trunc(xb * inv[:, None] + _F32(8.5)).astype(np.int8), 15).astype(np.uint8)
+    d = _absmax_first(xb, 1)[1] / _F32(-8)
+    q = np.minimum(np.trunc(xb * _inverse(d)[:, None] + _F32(8.5)).astype(np.int8), 15).astype(np.uint8)
     out = np.empty((n, 18), np.uint8)
     out[:, :2] = _fp16_bits(d).view(np.uint8).reshape(-1, 2)
-    out[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
+    out[:, 2:] = _pack_nibbles(q)
+    return out
+
+
+def _quantize_q5_0(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 32] -> uint8 [n, 22] (quantize_row_q5_0_ref)."""
+    n = xb.shape[0]
+    d = _absmax_first(xb, 1)[1] / _F32(-16)
+    q = np.minimum(np.trunc(xb * _inverse(d)[:, None] + _F32(16.5)).astype(np.int8), 31).astype(np.uint8)
+    out = np.empty((n, 22), np.uint8)
+    out[:, :2] = _fp16_bits(d).view(np.uint8).reshape(-1, 2)
+    out[:, 2:6] = _high_bits(q)
+    out[:, 6:] = _pack_nibbles(q & 0x0F)
+    return out
+
+
+def _high_bits(q: np.ndarray) -> np.ndarray:
+    """uint8 [n, 32] of 0..31 -> the little-endian u32 [n, 4 bytes] whose bit i is q[i]'s bit 4."""
+    return np.packbits(q >> 4, axis=1, bitorder="little")
+
+
+def _min_max_first(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(min, max) of each row, each the first element of its value (ggml's strict scans, which
+    keep the first of equal signed zeros)."""
+    rows = np.arange(xb.shape[0])
+    return xb[rows, xb.argmin(axis=1)], xb[rows, xb.argmax(axis=1)]
+
+
+def _quantize_min_32(xb: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 / Q5_1: (d:f16 bits, m:f16 bits, q = (x - min) / d + 0.5 truncated, float32)."""
+    mn, mx = _min_max_first(xb)
+    d = (mx - mn) / _F32(nmax)
+    q = np.trunc((xb - mn[:, None]) * _inverse(d)[:, None] + _F32(0.5))
+    return _fp16_bits(d), _fp16_bits(mn), q
+
+
+def _quantize_q4_1(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 32] -> uint8 [n, 20] (quantize_row_q4_1_ref)."""
+    n = xb.shape[0]
+    d16, m16, q = _quantize_min_32(xb, 15)
+    out = np.empty((n, 20), np.uint8)
+    out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
+    out[:, 2:4] = m16.view(np.uint8).reshape(n, 2)
+    out[:, 4:] = _pack_nibbles(np.minimum(q.astype(np.int8), 15).astype(np.uint8))
+    return out
+
+
+def _quantize_q5_1(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 32] -> uint8 [n, 24] (quantize_row_q5_1_ref)."""
+    n = xb.shape[0]
+    d16, m16, q = _quantize_min_32(xb, 31)
+    q = q.astype(np.uint8)
+    out = np.empty((n, 24), np.uint8)
+    out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
+    out[:, 2:4] = m16.view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = _high_bits(q)
+    out[:, 8:] = _pack_nibbles(q & 0x0F)
     return out
 
 
@@ -252,9 +341,29 @@ def _dequantize_q8_0(b: np.ndarray) -> np.ndarray:
 
 def _dequantize_q4_0(b: np.ndarray) -> np.ndarray:
     d = _f16_to_f32(b[:, :2])
-    qs = b[:, 2:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
+    q = _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
     return d[:, None] * q.astype(np.float32)
+
+
+def _dequantize_q4_1(b: np.ndarray) -> np.ndarray:
+    d, m = _f16_to_f32(b[:, 0:2]), _f16_to_f32(b[:, 2:4])
+    return d[:, None] * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m[:, None]
+
+
+def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 5-bit quants (uint8 [n, 32]) from qh [n, 4 bytes] and qs [n, 16]."""
+    return _unpack_nibbles(qs) | (np.unpackbits(qh, axis=1, bitorder="little") << 4)
+
+
+def _dequantize_q5_0(b: np.ndarray) -> np.ndarray:
+    d = _f16_to_f32(b[:, :2])
+    q = _q5_values(b[:, 2:6], b[:, 6:]).astype(np.int8) - np.int8(16)
+    return d[:, None] * q.astype(np.float32)
+
+
+def _dequantize_q5_1(b: np.ndarray) -> np.ndarray:
+    d, m = _f16_to_f32(b[:, 0:2]), _f16_to_f32(b[:, 2:4])
+    return d[:, None] * _q5_values(b[:, 4:8], b[:, 8:]).astype(np.float32) + m[:, None]
 
 
 # ---- Q4_K --------------------------------------------------------------------------------
@@ -473,6 +582,9 @@ def _chunked(fn: Callable[[np.ndarray], np.ndarray], size: int) -> Callable[[np.
 _QUANTIZERS = {
     GGMLType.Q8_0: _quantize_q8_0,
     GGMLType.Q4_0: _quantize_q4_0,
+    GGMLType.Q4_1: _quantize_q4_1,
+    GGMLType.Q5_0: _quantize_q5_0,
+    GGMLType.Q5_1: _quantize_q5_1,
     GGMLType.Q4_K: _chunked(_quantize_q4_k_chunk, _Q4_K_CHUNK),
     GGMLType.Q6_K: _chunked(_quantize_q6_k_chunk, _Q6_K_CHUNK),
 }
@@ -480,6 +592,9 @@ _QUANTIZERS = {
 _DEQUANTIZERS = {
     GGMLType.Q8_0: _dequantize_q8_0,
     GGMLType.Q4_0: _dequantize_q4_0,
+    GGMLType.Q4_1: _dequantize_q4_1,
+    GGMLType.Q5_0: _dequantize_q5_0,
+    GGMLType.Q5_1: _dequantize_q5_1,
     GGMLType.Q4_K: _dequantize_q4_k,
     GGMLType.Q6_K: _dequantize_q6_k,
 }

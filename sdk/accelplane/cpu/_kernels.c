@@ -66,6 +66,12 @@ static inline uint16_t ld_u16(const uint8_t *p) {
     return v;
 }
 
+static inline uint32_t ld_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 static inline float ld_f16(const uint8_t *p) { return g_f16[ld_u16(p)]; }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -94,10 +100,31 @@ static int type_info(int type, int64_t *blk, int64_t *bsz) {
     case AP_T_F16: *blk = 1; *bsz = 2; return 1;
     case AP_T_BF16: *blk = 1; *bsz = 2; return 1;
     case AP_T_Q4_0: *blk = 32; *bsz = 18; return 1;
+    case AP_T_Q4_1: *blk = 32; *bsz = 20; return 1;
+    case AP_T_Q5_0: *blk = 32; *bsz = 22; return 1;
+    case AP_T_Q5_1: *blk = 32; *bsz = 24; return 1;
     case AP_T_Q8_0: *blk = 32; *bsz = 34; return 1;
     case AP_T_Q4_K: *blk = 256; *bsz = 144; return 1;
     case AP_T_Q6_K: *blk = 256; *bsz = 210; return 1;
     default: return 0;
+    }
+}
+
+/* How the AVX2 path quantizes the activations a weight type is dotted with: not at all (float
+ * weights), int8 blocks of 32 with per-block sums (ggml's Q8_0/Q8_1), or one scale per 256 with
+ * sums of each 16 (ggml's Q8_K). */
+enum { ACT_FLOAT, ACT_Q32, ACT_QK };
+
+static int act_kind(int type) {
+    switch (type) {
+    case AP_T_Q4_0:
+    case AP_T_Q4_1:
+    case AP_T_Q5_0:
+    case AP_T_Q5_1:
+    case AP_T_Q8_0: return ACT_Q32;
+    case AP_T_Q4_K:
+    case AP_T_Q6_K: return ACT_QK;
+    default: return ACT_FLOAT;
     }
 }
 
@@ -128,6 +155,41 @@ static void deq_q4_0_pt(const uint8_t *s, int64_t nb, float *y) {
         }
     }
 }
+
+static void deq_q4_1_pt(const uint8_t *s, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, s += 20, y += QK) {
+        const float d = ld_f16(s), m = ld_f16(s + 2);
+        const uint8_t *q = s + 4;
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)(q[j] & 0xF) * d + m;
+            y[j + 16] = (float)(q[j] >> 4) * d + m;
+        }
+    }
+}
+
+/* Q5_0 / Q5_1: element j's fifth bit is bit j of the little-endian qh word */
+static void deq_q5_pt(const uint8_t *s, int64_t nb, float *y, int64_t bsz) {
+    const int has_min = bsz == 24;
+    for (int64_t i = 0; i < nb; i++, s += bsz, y += QK) {
+        const float d = ld_f16(s), m = has_min ? ld_f16(s + 2) : 0.0f;
+        const uint32_t qh = ld_u32(s + 2 + 2 * has_min);
+        const uint8_t *q = s + 6 + 2 * has_min;
+        for (int j = 0; j < 16; j++) {
+            const int x0 = (q[j] & 0xF) | (int)(((qh >> j) & 1) << 4);
+            const int x1 = (q[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+            if (has_min) {
+                y[j] = (float)x0 * d + m;
+                y[j + 16] = (float)x1 * d + m;
+            } else {
+                y[j] = (float)(x0 - 16) * d;
+                y[j + 16] = (float)(x1 - 16) * d;
+            }
+        }
+    }
+}
+
+static void deq_q5_0_pt(const uint8_t *s, int64_t nb, float *y) { deq_q5_pt(s, nb, y, 22); }
+static void deq_q5_1_pt(const uint8_t *s, int64_t nb, float *y) { deq_q5_pt(s, nb, y, 24); }
 
 static void deq_q8_0_pt(const uint8_t *s, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, s += 34, y += QK) {
@@ -181,6 +243,9 @@ static deq_fn deq_portable(int type) {
     case AP_T_F16: return deq_f16_pt;
     case AP_T_BF16: return deq_bf16_pt;
     case AP_T_Q4_0: return deq_q4_0_pt;
+    case AP_T_Q4_1: return deq_q4_1_pt;
+    case AP_T_Q5_0: return deq_q5_0_pt;
+    case AP_T_Q5_1: return deq_q5_1_pt;
     case AP_T_Q8_0: return deq_q8_0_pt;
     case AP_T_Q4_K: return deq_q4_K_pt;
     case AP_T_Q6_K: return deq_q6_K_pt;
@@ -323,7 +388,7 @@ static AP_AVX2 void quant_rows(const act_t *a, int type, const float *x, int64_t
     (void)N;
     const int64_t K = a->K;
     for (int64_t n = n0; n < n1; n++) {
-        if (type == AP_T_Q4_K || type == AP_T_Q6_K)
+        if (act_kind(type) == ACT_QK)
             quant_ak(x + n * xs, K, a->q + n * K, a->d + n * a->nd, a->bs + n * (K / 16));
         else
             quant_a32(x + n * xs, K, a->q + n * K, a->d + n * a->nd, a->c + n * a->nd);
@@ -348,10 +413,43 @@ AP_INLINE AP_AVX2 __m256i q4_unpack(const uint8_t *qs) {
                             _mm256_set1_epi8(0x0F));
 }
 
-/* Q4_0: sum (q - 8) * d * x = d * (sum q * x) - 8 * d * sum(x): q (0..15) is unsigned, as
- * vpmaddubsw wants, and the offset uses the precomputed d_x * sum(q_x) of each x block. */
-AP_INLINE AP_AVX2 void dot_q4_0(const int nr, int64_t nb, const uint8_t *w, const act_t *a,
-                                int64_t r0, float *out) {
+/* 32 x 5-bit quants: the nibbles of qs (as q4_unpack) with bit j of the little-endian qh word
+ * as element j's fifth bit (ggml's bytes_from_bits_32) */
+AP_INLINE AP_AVX2 __m256i q5_unpack(const uint8_t *qs, const uint8_t *qh) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32((int)ld_u32(qh)), shuf);
+    bits = _mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    bits = _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(q4_unpack(qs), _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+}
+
+/* The 32-element block types with unsigned quants q (0..15 or 0..31), value d * q + c per block:
+ * Q4_0 c = -8 d, Q4_1 c = m, Q5_0 c = -16 d, Q5_1 c = m. Against an activation block (scale dx,
+ * quants qx): sum (d q + c) dx qx = d dx (sum q qx) + c (dx sum qx), the last factor being the
+ * precomputed a->c; c = cmul * (the f16 at coff). Called with a constant type, these fold. */
+AP_INLINE int u32_bsz(int type) {
+    return type == AP_T_Q4_0 ? 18 : type == AP_T_Q4_1 ? 20 : type == AP_T_Q5_0 ? 22 : 24;
+}
+AP_INLINE int u32_coff(int type) { return type == AP_T_Q4_0 || type == AP_T_Q5_0 ? 0 : 2; }
+AP_INLINE float u32_cmul(int type) {
+    return type == AP_T_Q4_0 ? -8.0f : type == AP_T_Q5_0 ? -16.0f : 1.0f;
+}
+AP_INLINE AP_AVX2 __m256i u32_quants(int type, const uint8_t *blk) {
+    switch (type) {
+    case AP_T_Q4_0: return q4_unpack(blk + 2);
+    case AP_T_Q4_1: return q4_unpack(blk + 4);
+    case AP_T_Q5_0: return q5_unpack(blk + 6, blk + 2);
+    default: return q5_unpack(blk + 8, blk + 4);
+    }
+}
+
+/* q (unsigned, as vpmaddubsw wants) against nr activation rows; d dx of 4 blocks at a time from
+ * one vcvtph2ps, the correction accumulated apart and applied once */
+AP_INLINE AP_AVX2 void dot_u32(const int type, const int nr, int64_t nb, const uint8_t *w,
+                               const act_t *a, int64_t r0, float *out) {
+    const int64_t bsz = u32_bsz(type);
+    const int coff = u32_coff(type);
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xq[NR_MAX];
     const float *xd[NR_MAX], *xc[NR_MAX];
@@ -366,15 +464,16 @@ AP_INLINE AP_AVX2 void dot_q4_0(const int nr, int64_t nb, const uint8_t *w, cons
     }
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
-        const uint8_t *blk = w + b * 18;
-        const __m128 dw = ld_f16x4(blk, 18);
+        const uint8_t *blk = w + b * bsz;
+        const __m128 dw = ld_f16x4(blk, bsz);
+        const __m128 cw = coff ? ld_f16x4(blk + coff, bsz) : dw;
         __m256 sc[NR_MAX];
         for (int r = 0; r < nr; r++) {
             sc[r] = _mm256_castps128_ps256(_mm_mul_ps(dw, _mm_loadu_ps(xd[r] + b)));
-            corr[r] = _mm_fmadd_ps(dw, _mm_loadu_ps(xc[r] + b), corr[r]);
+            corr[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(xc[r] + b), corr[r]);
         }
         for (int j = 0; j < 4; j++) {
-            const __m256i qv = q4_unpack(blk + 18 * j + 2);
+            const __m256i qv = u32_quants(type, blk + bsz * j);
             const __m256i idx = _mm256_set1_epi32(j);
             for (int r = 0; r < nr; r++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + (b + j) * QK));
@@ -386,30 +485,38 @@ AP_INLINE AP_AVX2 void dot_q4_0(const int nr, int64_t nb, const uint8_t *w, cons
     }
     float tail[NR_MAX] = {0};
     for (; b < nb; b++) {
-        const uint8_t *blk = w + b * 18;
-        const float dw = ld_f16_x(blk);
-        const __m256i qv = q4_unpack(blk + 2);
+        const uint8_t *blk = w + b * bsz;
+        const float dw = ld_f16_x(blk), cw = coff ? ld_f16_x(blk + coff) : dw;
+        const __m256i qv = u32_quants(type, blk);
         for (int r = 0; r < nr; r++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + b * QK));
             const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
             acc[r][0] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(s),
                                         acc[r][0]);
-            tail[r] += dw * xc[r][b];
+            tail[r] += cw * xc[r][b];
         }
     }
     for (int r = 0; r < nr; r++) {
         __m128 c = _mm_add_ps(corr[r], _mm_movehl_ps(corr[r], corr[r]));
         c = _mm_add_ss(c, _mm_movehdup_ps(c));
-        out[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])) -
-                 8.0f * (_mm_cvtss_f32(c) + tail[r]);
+        out[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])) +
+                 u32_cmul(type) * (_mm_cvtss_f32(c) + tail[r]);
     }
 }
 
-/* Q4_0 mat-vec, two weight rows against one activation row (as dot2_q8_0: two memory streams
- * per thread, the activation block loaded once for both). Each block's scale comes from a
- * broadcast load of a small stack array (a load-port op) instead of a lane permute. */
-AP_INLINE AP_AVX2 void dot2_q4_0(int64_t nb, const uint8_t *w0, const uint8_t *w1,
-                                 const uint8_t *p0, const uint8_t *p1, const act_t *a, float *out) {
+#define dot_q4_0(...) dot_u32(AP_T_Q4_0, __VA_ARGS__)
+#define dot_q4_1(...) dot_u32(AP_T_Q4_1, __VA_ARGS__)
+#define dot_q5_0(...) dot_u32(AP_T_Q5_0, __VA_ARGS__)
+#define dot_q5_1(...) dot_u32(AP_T_Q5_1, __VA_ARGS__)
+
+/* The mat-vec of these types, two weight rows against one activation row (as dot2_q8_0: two
+ * memory streams per thread, the activation block loaded once for both). Each block's scale
+ * comes from a broadcast load of a small stack array (a load-port op) instead of a lane
+ * permute. */
+AP_INLINE AP_AVX2 void dot2_u32(const int type, int64_t nb, const uint8_t *w0, const uint8_t *w1,
+                                const uint8_t *p0, const uint8_t *p1, const act_t *a, float *out) {
+    const int64_t bsz = u32_bsz(type);
+    const int coff = u32_coff(type);
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->q;
     const float *xd = a->d, *xc = a->c;
@@ -417,24 +524,30 @@ AP_INLINE AP_AVX2 void dot2_q4_0(int64_t nb, const uint8_t *w0, const uint8_t *w
     __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     __m128 corr0 = _mm_setzero_ps(), corr1 = _mm_setzero_ps();
     float s0[4], s1[4];
-#define Q4_DOT(QS, XV) \
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q4_unpack(QS), XV), ones))
+#define U32_DOT(BLK, XV) \
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u32_quants(type, BLK), XV), ones))
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
-        _mm_prefetch((const char *)(p0 + b * 18), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p0 + b * 18 + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + b * 18), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + b * 18 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p0 + b * bsz), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p0 + b * bsz + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + b * bsz), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + b * bsz + 64), _MM_HINT_T0);
+        if (bsz > 18) { /* 4 blocks of 80..96 bytes may touch a third line */
+            _mm_prefetch((const char *)(p0 + b * bsz + 4 * bsz - 1), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p1 + b * bsz + 4 * bsz - 1), _MM_HINT_T0);
+        }
         const __m128 xd4 = _mm_loadu_ps(xd + b), xc4 = _mm_loadu_ps(xc + b);
-        const __m128 dw0 = ld_f16x4(w0 + b * 18, 18), dw1 = ld_f16x4(w1 + b * 18, 18);
+        const __m128 dw0 = ld_f16x4(w0 + b * bsz, bsz), dw1 = ld_f16x4(w1 + b * bsz, bsz);
+        const __m128 cw0 = coff ? ld_f16x4(w0 + b * bsz + coff, bsz) : dw0;
+        const __m128 cw1 = coff ? ld_f16x4(w1 + b * bsz + coff, bsz) : dw1;
         _mm_storeu_ps(s0, _mm_mul_ps(dw0, xd4));
         _mm_storeu_ps(s1, _mm_mul_ps(dw1, xd4));
-        corr0 = _mm_fmadd_ps(dw0, xc4, corr0);
-        corr1 = _mm_fmadd_ps(dw1, xc4, corr1);
+        corr0 = _mm_fmadd_ps(cw0, xc4, corr0);
+        corr1 = _mm_fmadd_ps(cw1, xc4, corr1);
         for (int j = 0; j < 4; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
-            const __m256 p0v = Q4_DOT(w0 + (b + j) * 18 + 2, xv);
-            const __m256 p1v = Q4_DOT(w1 + (b + j) * 18 + 2, xv);
+            const __m256 p0v = U32_DOT(w0 + (b + j) * bsz, xv);
+            const __m256 p1v = U32_DOT(w1 + (b + j) * bsz, xv);
             acc0[j & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(s0 + j), p0v, acc0[j & 1]);
             acc1[j & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(s1 + j), p1v, acc1[j & 1]);
         }
@@ -442,21 +555,28 @@ AP_INLINE AP_AVX2 void dot2_q4_0(int64_t nb, const uint8_t *w0, const uint8_t *w
     float t0 = 0.0f, t1 = 0.0f;
     for (; b < nb; b++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const float d0 = ld_f16_x(w0 + b * 18), d1 = ld_f16_x(w1 + b * 18);
-        const __m256 p0v = Q4_DOT(w0 + b * 18 + 2, xv), p1v = Q4_DOT(w1 + b * 18 + 2, xv);
+        const float d0 = ld_f16_x(w0 + b * bsz), d1 = ld_f16_x(w1 + b * bsz);
+        const float c0 = coff ? ld_f16_x(w0 + b * bsz + coff) : d0;
+        const float c1 = coff ? ld_f16_x(w1 + b * bsz + coff) : d1;
+        const __m256 p0v = U32_DOT(w0 + b * bsz, xv), p1v = U32_DOT(w1 + b * bsz, xv);
         acc0[0] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0v, acc0[0]);
         acc1[0] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[b]), p1v, acc1[0]);
-        t0 += d0 * xc[b];
-        t1 += d1 * xc[b];
+        t0 += c0 * xc[b];
+        t1 += c1 * xc[b];
     }
-#undef Q4_DOT
+#undef U32_DOT
     corr0 = _mm_add_ps(corr0, _mm_movehl_ps(corr0, corr0));
     corr1 = _mm_add_ps(corr1, _mm_movehl_ps(corr1, corr1));
     const float c0 = _mm_cvtss_f32(_mm_add_ss(corr0, _mm_movehdup_ps(corr0))) + t0;
     const float c1 = _mm_cvtss_f32(_mm_add_ss(corr1, _mm_movehdup_ps(corr1))) + t1;
-    out[0] = hsum_ps(_mm256_add_ps(acc0[0], acc0[1])) - 8.0f * c0;
-    out[1] = hsum_ps(_mm256_add_ps(acc1[0], acc1[1])) - 8.0f * c1;
+    out[0] = hsum_ps(_mm256_add_ps(acc0[0], acc0[1])) + u32_cmul(type) * c0;
+    out[1] = hsum_ps(_mm256_add_ps(acc1[0], acc1[1])) + u32_cmul(type) * c1;
 }
+
+#define dot2_q4_0(...) dot2_u32(AP_T_Q4_0, __VA_ARGS__)
+#define dot2_q4_1(...) dot2_u32(AP_T_Q4_1, __VA_ARGS__)
+#define dot2_q5_0(...) dot2_u32(AP_T_Q5_0, __VA_ARGS__)
+#define dot2_q5_1(...) dot2_u32(AP_T_Q5_1, __VA_ARGS__)
 
 /* Q8_0: signed x signed via vpmaddubsw as |w| (unsigned) times x carrying w's sign */
 AP_INLINE AP_AVX2 void dot_q8_0(const int nr, int64_t nb, const uint8_t *w, const act_t *a,
@@ -837,6 +957,12 @@ DEF_ROWS_Q(rows_q4_0_n, dot_q4_0, 18, QK)
     }
 
 DEF_ROWS_Q_PAIRS(rows_q4_0, rows_q4_0_n, dot2_q4_0)
+DEF_ROWS_Q(rows_q4_1_n, dot_q4_1, 20, QK)
+DEF_ROWS_Q_PAIRS(rows_q4_1, rows_q4_1_n, dot2_q4_1)
+DEF_ROWS_Q(rows_q5_0_n, dot_q5_0, 22, QK)
+DEF_ROWS_Q_PAIRS(rows_q5_0, rows_q5_0_n, dot2_q5_0)
+DEF_ROWS_Q(rows_q5_1_n, dot_q5_1, 24, QK)
+DEF_ROWS_Q_PAIRS(rows_q5_1, rows_q5_1_n, dot2_q5_1)
 DEF_ROWS_Q(rows_q8_0_n, dot_q8_0, 34, QK)
 DEF_ROWS_Q_PAIRS(rows_q8_0, rows_q8_0_n, dot2_q8_0)
 
@@ -992,7 +1118,7 @@ static deq_fn deq_avx2(int type) {
     case AP_T_Q8_0: return deq_q8_0_x;
     case AP_T_Q4_K: return deq_q4_K_x;
     case AP_T_Q6_K: return deq_q6_K_x;
-    default: return NULL;
+    default: return deq_portable(type); /* the compiler's vectorization of the portable loops */
     }
 }
 
@@ -1079,6 +1205,9 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
             rows_bf16(c->w, c->ws, m0, m1, c->K, c->x, c->xs, c->N, c->y, c->ys);
             return;
         case AP_T_Q4_0: rows_q4_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
+        case AP_T_Q4_1: rows_q4_1(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
+        case AP_T_Q5_0: rows_q5_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
+        case AP_T_Q5_1: rows_q5_1(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q8_0: rows_q8_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q4_K: rows_q4_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q6_K: rows_q6_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
@@ -1125,8 +1254,8 @@ int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, 
 #if AP_X86
     act_t a;
     c.a = &a;
-    const int k_quant = type == AP_T_Q4_K || type == AP_T_Q6_K;
-    const int quant_x = isa == AP_ISA_AVX2 && (k_quant || type == AP_T_Q4_0 || type == AP_T_Q8_0);
+    const int k_quant = act_kind(type) == ACT_QK;
+    const int quant_x = isa == AP_ISA_AVX2 && act_kind(type) != ACT_FLOAT;
     if (quant_x) {
         a.K = K;
         a.nd = k_quant ? K / QKK : K / QK;

@@ -13,6 +13,9 @@
 #define AP_T_F32 0
 #define AP_T_F16 1
 #define AP_T_Q4_0 2
+#define AP_T_Q4_1 3
+#define AP_T_Q5_0 6
+#define AP_T_Q5_1 7
 #define AP_T_Q8_0 8
 #define AP_T_Q4_K 12
 #define AP_T_Q6_K 14

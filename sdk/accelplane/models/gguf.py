@@ -19,8 +19,9 @@ Metadata uses llama.cpp's keys (``general.architecture = "llama"``, ``llama.bloc
 
 Synthetic weights (:func:`make_model`): deterministic per (seed, tensor name); matrices are
 N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.01). F32/F16/BF16,
-Q8_0 and Q4_0 quantize those values with :func:`accelplane.core.types.quantize` (byte-exact with
-ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are written directly as
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 quantize those values with
+:func:`accelplane.core.types.quantize` (byte-exact with ggml), in row chunks so big matrices
+stay fast. Q4_K and Q6_K blocks are written directly as
 random *valid* blocks of the same spread (random quants, positive random sub-block scales,
 a d/dmin pair that centres the values), because their reference quantizers' scale searches
 are too slow for a ~1B model in numpy; the values are still well-formed K-quant data that
@@ -46,7 +47,7 @@ from accelplane.errors import GGUFError, ShapeError
 from accelplane.models.llama import LlamaConfig, WeightSpec
 
 T = GGMLType
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K)
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
 ROPE_NEOX_KEY = "accelplane.rope.neox"
@@ -615,7 +616,9 @@ def save_gguf(path: str | os.PathLike, f: GGUFFile) -> None:
 
 
 # --- synthetic models ------------------------------------------------------------------------------
-_FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q8_0: 7, T.Q4_K: 15, T.Q6_K: 18, T.BF16: 32}
+# llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*; the K-quants as their _M mixes)
+_FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.Q4_K: 15,
+               T.Q6_K: 18, T.BF16: 32}  # fmt: skip
 _CHUNK_ELEMENTS = 1 << 21  # rows generated and quantized per chunk (keeps temporaries in cache)
 
 

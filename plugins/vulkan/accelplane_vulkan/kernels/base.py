@@ -20,7 +20,8 @@ from ..tuning import Tuning
 
 T = GGMLType
 FLOAT = frozenset({T.F32, T.F16, T.BF16})
-QUANT = frozenset({T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})
+QUANT = frozenset({T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})  # the block types common.glsl decodes
+TYPES = FLOAT | QUANT | {T.I32}  # every type a shader reads or writes
 NEEDS_16BIT = FLOAT - {T.F32} | QUANT  # read or written through 16-bit storage
 NO_MASK = 0xFFFFFFFF
 
