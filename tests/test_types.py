@@ -22,7 +22,7 @@ from hypothesis.extra import numpy as hnp
 
 T = GGMLType
 GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the types gguf.quants quantizes
-QUANT_TYPES = [*GGUF_QUANTIZES, T.Q4_K, T.Q6_K]
+QUANT_TYPES = [*GGUF_QUANTIZES, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 GQ = {t: gguf.GGMLQuantizationType(int(t)) for t in [*QUANT_TYPES, *FLOAT_TYPES]}
 
@@ -96,20 +96,24 @@ def test_quantize_matches_gguf(t: GGMLType, seed: int, nrows: int) -> None:
         np.testing.assert_array_equal(ours, gguf.quants.quantize(x, GQ[t]))
 
 
+ALL_MAGNITUDES = (1e-30, 1e-12, 1e-4, 1.0, 3.0, 1e4, 1e8, 1e20)  # tiny, f16-subnormal, f16-overflowing
+
+
 @st.composite
-def block_rows(draw: st.DrawFn, blck: int) -> np.ndarray:
-    """Rows of 1..3 blocks at one magnitude (1e-30 .. 1e20: tiny, subnormal-scaled and
-    f16-overflowing scales), some rows all zero or constant, some blocks sparse."""
+def block_rows(draw: st.DrawFn, blck: int, magnitudes: tuple[float, ...] = ALL_MAGNITUDES) -> np.ndarray:
+    """Rows of 1..3 blocks at one of ``magnitudes``, some rows all zero or constant (a quarter
+    of the magnitude or more), some blocks sparse."""
     nrows, nb = draw(st.integers(1, 4)), draw(st.integers(1, 3))
     x = draw(hnp.arrays(np.float32, (nrows, nb * blck),
                         elements=st.floats(-1, 1, width=32, allow_subnormal=False)))  # fmt: skip
-    x = x * np.float32(draw(st.sampled_from([1e-30, 1e-12, 1e-4, 1.0, 3.0, 1e4, 1e8, 1e20])))
+    scale = np.float32(draw(st.sampled_from(magnitudes)))
+    x = x * scale
     for r in range(nrows):
         kind = draw(st.sampled_from(["as is", "zero", "constant", "sparse"]))
         if kind == "zero":
             x[r] = 0
         elif kind == "constant":
-            x[r] = x[r, 0]
+            x[r] = np.float32(draw(st.sampled_from([-1.0, -0.25, 0.25, 0.6, 1.0]))) * scale
         elif kind == "sparse":
             x[r, draw(st.integers(0, nb * blck - 1)) :] = 0
     return x + np.float32(0)  # -0.0 -> +0.0: gguf differs from ggml on blocks of -0.0
@@ -180,6 +184,9 @@ GOLDEN_SHA256 = {
     T.Q4_1: "8b1c506f8220295b61da576a4c03b138bd2aa4c2d6e2b1a1795ded337ada1c36",
     T.Q5_0: "52b2cbf04f95173d26ee6badcd8f5aec3118d75edc7b282eed6a2f27021897e6",
     T.Q5_1: "b1f1d12b1cc97407f8fc0c22665c149569e038a09303c6e4db93f5db18abd927",
+    T.Q2_K: "8bea258e0419ef3af8e03abb0c02cbe3d93d200ce3d2789b800536c77c69e248",
+    T.Q3_K: "38285e10e4f169422eb2ff9207d330bcadcbea5c52fc09d5c2c00542fa9d668e",
+    T.Q5_K: "92bf9e1041bb6a29c22f31b010657f03acbd706814be48ac52024a205e5930cc",
 }
 
 
@@ -193,9 +200,19 @@ def test_quantize_matches_ggml_reference_digest(t: GGMLType) -> None:
 
 
 # rel. RMS error on N(0,1) data: ggml's ref algorithm gets ~0.071 (Q4_K), ~0.0177 (Q6_K),
-# ~0.086 (Q4_0), ~0.0053 (Q8_0), ~0.080 (Q4_1), ~0.044 (Q5_0), ~0.038 (Q5_1)
+# ~0.086 (Q4_0), ~0.0053 (Q8_0), ~0.080 (Q4_1), ~0.044 (Q5_0), ~0.038 (Q5_1), ~0.30 (Q2_K),
+# ~0.152 (Q3_K), ~0.037 (Q5_K)
 REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056, T.Q4_1: 0.085,
-                 T.Q5_0: 0.047, T.Q5_1: 0.042}  # fmt: skip
+                 T.Q5_0: 0.047, T.Q5_1: 0.042, T.Q2_K: 0.32, T.Q3_K: 0.16, T.Q5_K: 0.039}  # fmt: skip
+# worst |error| of an element over the greatest |x| of its block (block_rows at magnitudes 1 to
+# 100): the step bound for the 32-blocks (Q4_0 d = 1/8, Q4_1 (max-min)/30 <= 1/15, Q5_0 1/16,
+# Q5_1 1/31, Q8_0 1/254, each with its f16 rounding), and for the K-quants' scale searches
+# ~1.15x the worst of 3000 random rows each (Q2_K 0.65, Q3_K 0.28, Q4_K 0.12, Q5_K 0.068,
+# Q6_K 0.025); plus F16_SLACK for blocks of tiny values, whose f16 scales are subnormal: their
+# rounding (<= 2**-25) times the largest scale x quant product (63 * 31 * 2)
+F16_SLACK = 2.5e-4
+BLOCK_ERR_BOUND = {T.Q4_0: 0.13, T.Q4_1: 0.07, T.Q5_0: 0.065, T.Q5_1: 0.035, T.Q8_0: 0.005, T.Q2_K: 0.75,
+                   T.Q3_K: 0.32, T.Q4_K: 0.14, T.Q5_K: 0.08, T.Q6_K: 0.03}  # fmt: skip
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES)
@@ -210,7 +227,22 @@ def test_round_trip_error(t: GGMLType, seed: int) -> None:
     np.testing.assert_array_equal(bits(y), bits(gguf.quants.dequantize(q, GQ[t])))
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
+@settings(max_examples=120, deadline=None)
+@given(t=st.sampled_from(QUANT_TYPES), data=st.data())
+def test_round_trip_bound_hypothesis(t: GGMLType, data: st.DataObject) -> None:
+    """Through gguf's dequantizer: every element within BLOCK_ERR_BOUND of its block's largest
+    |x|, all-zero rows exactly zero, and our dequantizer gives the same bits."""
+    x = data.draw(block_rows(t.blck_size, magnitudes=(1.0, 3.0, 100.0)))
+    q = quantize(t, x)
+    y = gguf.quants.dequantize(q, GQ[t])
+    np.testing.assert_array_equal(bits(dequantize(t, q, x.shape[1])), bits(y))
+    np.testing.assert_array_equal(y[~x.any(axis=1)], 0)
+    err = np.abs(y - x).reshape(-1, t.blck_size)
+    amax = np.abs(x).reshape(-1, t.blck_size).max(axis=1, keepdims=True)
+    assert np.all(err <= BLOCK_ERR_BOUND[t] * amax + F16_SLACK), f"{t.name}: {float(np.max(err - amax * BLOCK_ERR_BOUND[t]))}"
+
+
+@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_k_quant_edge_rows(t: GGMLType) -> None:
     x = edge_rows(3, 5, 512)
     q = quantize(t, x)
@@ -224,7 +256,7 @@ def test_k_quant_edge_rows(t: GGMLType) -> None:
 
 def test_chunking_does_not_change_bytes() -> None:
     x = gauss(5, (600, 256))  # 600 blocks: more than one vectorized chunk
-    for t in (T.Q4_K, T.Q6_K):
+    for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
         whole = quantize(t, x)
         parts = np.concatenate([quantize(t, x[i : i + 7]) for i in range(0, 600, 7)])
         np.testing.assert_array_equal(whole, parts)

@@ -10,7 +10,10 @@ Q4_1    32     20     d:f16, m:f16, qs[16] (value d*q + m)
 Q5_0    32     22     d:f16, qh:u32 (bit i = 5th bit of element i), qs[16]
 Q5_1    32     24     d:f16, m:f16, qh:u32, qs[16]
 Q8_0    32     34     d:f16, qs[32] int8
+Q2_K    256    84     scales[16] (4-bit scale | 4-bit min << 4), qs[64], d:f16, dmin:f16
+Q3_K    256    110    hmask[32], qs[64], scales[12] (6-bit packed), d:f16
 Q4_K    256    144    d:f16, dmin:f16, scales[12] (6-bit packed), qs[128]
+Q5_K    256    176    d:f16, dmin:f16, scales[12] (6-bit packed), qh[32], qs[128]
 Q6_K    256    210    ql[128], qh[64], scales[16] int8, d:f16
 ======  =====  =====  ==============================================================
 """
@@ -43,7 +46,10 @@ class GGMLType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
+    Q5_K = 13
     Q6_K = 14
     I32 = 26
     BF16 = 30
@@ -111,7 +117,10 @@ class _LazyTraits(dict):
                 T.Q5_0: TypeTraits("q5_0", 32, 22, True, None, (0,)),
                 T.Q5_1: TypeTraits("q5_1", 32, 24, True, None, (0, 2)),
                 T.Q8_0: TypeTraits("q8_0", QK8_0, 34, True, None, (0,)),
+                T.Q2_K: TypeTraits("q2_K", QK_K, 84, True, None, (80, 82)),
+                T.Q3_K: TypeTraits("q3_K", QK_K, 110, True, None, (108,)),
                 T.Q4_K: TypeTraits("q4_K", QK_K, 144, True, None, (0, 2)),
+                T.Q5_K: TypeTraits("q5_K", QK_K, 176, True, None, (0, 2)),
                 T.Q6_K: TypeTraits("q6_K", QK_K, 210, True, None, (208,)),
             }
         )
@@ -166,8 +175,7 @@ def np_dtype(t: GGMLType) -> np.dtype:
 _F32 = np.float32
 _GROUP_MAX_EPS = _F32(1e-15)
 _NEAREST_INT_MAGIC = _F32(12582912.0)  # 1.5 * 2**23
-_Q4_K_CHUNK = 256  # blocks per vectorized chunk of the K-quant searches (keeps arrays in cache)
-_Q6_K_CHUNK = 256
+_K_CHUNK = 256  # blocks per vectorized chunk of the K-quant searches (keeps arrays in cache)
 
 
 def _nearest_int(v: np.ndarray) -> np.ndarray:
@@ -366,13 +374,14 @@ def _dequantize_q5_1(b: np.ndarray) -> np.ndarray:
     return d[:, None] * _q5_values(b[:, 4:8], b[:, 8:]).astype(np.float32) + m[:, None]
 
 
-# ---- Q4_K --------------------------------------------------------------------------------
+# ---- K-quants with a min: Q2_K, Q4_K, Q5_K -------------------------------------------------
 
 
 def _make_qkx2_quants(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's make_qkx2_quants (use_mad=false) over the columns of x [n, S] with weights w.
+    """ggml's make_qkx2_quants over the columns of x [n, S] with weights w (errors summed as
+    w * |diff| with ``use_mad``, else w * diff**2).
 
     Returns (scale [S], the_min [S], L [n, S] float32 in 0..nmax).
     """
@@ -384,11 +393,13 @@ def _make_qkx2_quants(
     degenerate = mx == mn
     fmax = _F32(nmax)
 
+    def error(diff: np.ndarray) -> np.ndarray:
+        return _seqsum(w * (np.abs(diff) if use_mad else diff * diff))
+
     iscale = fmax / (mx - mn)
     scale = _F32(1) / iscale
     L = _nearest_int_f32(iscale * (x - mn), 0, nmax)
-    diff = scale * L + mn - x
-    best = _seqsum(w * (diff * diff))
+    best = error(scale * L + mn - x)
     sums = np.empty((x.shape[0], 3, x.shape[1]), np.float32)
     for step in range(nstep + 1):
         iscale = (_F32(rmin) + _F32(rdelta) * _F32(step) + fmax) / (mx - mn)
@@ -403,8 +414,7 @@ def _make_qkx2_quants(
         pos = this_min > 0
         this_min = np.where(pos, _F32(0), this_min)
         this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-        diff = this_scale * laux + this_min - x
-        cur = _seqsum(w * (diff * diff))
+        cur = error(this_scale * laux + this_min - x)
         upd = (D > 0) & (cur < best) & ~degenerate
         np.copyto(L, laux, where=upd)
         best = np.where(upd, cur, best)
@@ -415,22 +425,42 @@ def _make_qkx2_quants(
     return scale, -mn, L
 
 
-def _quantize_q4_k_chunk(xb: np.ndarray) -> np.ndarray:
-    """float32 [n, 256] -> uint8 [n, 144] (quantize_row_q4_K_ref)."""
+def _positive_max(v: np.ndarray) -> np.ndarray:
+    """Row maxima as ggml scans them, ``if (v > max) max = v`` from 0: NaNs (from overflowing
+    x*x) are skipped, and the result is at least +0."""
+    m = np.fmax.reduce(v, axis=1)
+    return np.where(m > 0, m, _F32(0))
+
+
+def _absmax_value(v: np.ndarray) -> np.ndarray:
+    """The value of greatest |v| of each row, first of equals, NaNs skipped, +0 if none is > 0
+    (ggml's ``if (fabsf(v) > amax) { amax = fabsf(v); max = v; }`` from 0)."""
+    a = np.abs(v)
+    a[np.isnan(a)] = 0
+    first = a.argmax(axis=1)
+    rows = np.arange(v.shape[0])
+    return np.where(a[rows, first] > 0, v[rows, first], _F32(0))
+
+
+def _f16_value(h: np.ndarray) -> np.ndarray:
+    """float32 values of f16 bits (uint16)."""
+    return h.view("<f2").astype(np.float32)
+
+
+def _quantize_k_min(xb: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K (quantize_row_q4_K_ref, quantize_row_q5_K_ref): float32 [n, 256] -> (the
+    16 bytes of d, dmin and the 6-bit scales and mins [n, 16], quants uint8 [n, 8, 32] in
+    0..nmax, sub-block by sub-block)."""
     n = xb.shape[0]
     s = n * 8
     x = np.ascontiguousarray(xb.reshape(s, 32).T)  # [32, sub-block]
     av_x = np.sqrt(_seqsum(x * x) / _F32(32))
     w = av_x + np.abs(x)
-    scales, mins, L = _make_qkx2_quants(x, w, 15, -1.0, 0.1, 20)
+    scales, mins, L = _make_qkx2_quants(x, w, nmax, rmin, 0.1, nstep)
     scales = scales.reshape(n, 8)
     mins = mins.reshape(n, 8)
 
-    # ggml scans with `if (v > max) max = v` from 0: NaNs (from overflowing x*x) are skipped
-    max_scale = np.fmax.reduce(scales, axis=1)
-    max_scale = np.where(max_scale > 0, max_scale, _F32(0))
-    max_min = np.fmax.reduce(mins, axis=1)
-    max_min = np.where(max_min > 0, max_min, _F32(0))
+    max_scale, max_min = _positive_max(scales), _positive_max(mins)
     inv_scale = np.where(max_scale > 0, _F32(63) / max_scale, _F32(0))
     inv_min = np.where(max_min > 0, _F32(63) / max_min, _F32(0))
     ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.uint8), 63)
@@ -438,20 +468,56 @@ def _quantize_q4_k_chunk(xb: np.ndarray) -> np.ndarray:
     d16 = _fp16_bits(max_scale / _F32(63))
     dmin16 = _fp16_bits(max_min / _F32(63))
 
-    d = (d16.view("<f2").astype(np.float32)[:, None] * ls.astype(np.float32)).reshape(s)
-    dm = (dmin16.view("<f2").astype(np.float32)[:, None] * lm.astype(np.float32)).reshape(s)
-    L2 = _nearest_int_f32((x + dm) / d, 0, 15)
+    d = (_f16_value(d16)[:, None] * ls.astype(np.float32)).reshape(s)
+    dm = (_f16_value(dmin16)[:, None] * lm.astype(np.float32)).reshape(s)
+    L2 = _nearest_int_f32((x + dm) / d, 0, nmax)
     np.copyto(L, L2, where=d != 0)  # ggml keeps the search's L where d == 0
-    q = L.astype(np.uint8).T.reshape(n, 4, 2, 32)
 
-    out = np.empty((n, 144), np.uint8)
-    out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
-    out[:, 2:4] = dmin16.view(np.uint8).reshape(n, 2)
-    out[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
-    out[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
-    out[:, 12:16] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
-    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
-    return out
+    head = np.empty((n, 16), np.uint8)
+    head[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
+    head[:, 2:4] = dmin16.view(np.uint8).reshape(n, 2)
+    head[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    head[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    head[:, 12:16] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
+    return head, L.astype(np.uint8).T.reshape(n, 8, 32)
+
+
+def _pack_sub_nibbles(q: np.ndarray) -> np.ndarray:
+    """Quants [n, 8, 32] of 0..15 -> [n, 128]: sub-blocks 2j and 2j + 1 in the low and high
+    nibbles of bytes 32j .. 32j + 31."""
+    q = q.reshape(q.shape[0], 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], 128)
+
+
+def _unpack_sub_nibbles(qs: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_pack_sub_nibbles`: [n, 128] -> [n, 8, 32]."""
+    q = qs.reshape(qs.shape[0], 4, 1, 32)
+    return np.concatenate([q & 0x0F, q >> 4], axis=2).reshape(qs.shape[0], 8, 32)
+
+
+_BIT = np.arange(8, dtype=np.uint8)
+
+
+def _bit_planes(bits: np.ndarray) -> np.ndarray:
+    """bits [n, 8, 32] of 0/1 -> [n, 32]: bit j of byte l is bits[:, j, l] (Q3_K's hmask, Q5_K's qh)."""
+    return (bits << _BIT[None, :, None]).sum(axis=1, dtype=np.uint8)
+
+
+def _unbit_planes(b: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_bit_planes`: [n, 32] -> [n, 8, 32]."""
+    return (b[:, None, :] >> _BIT[None, :, None]) & 1
+
+
+def _quantize_q4_k_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 144] (quantize_row_q4_K_ref)."""
+    head, q = _quantize_k_min(xb, 15, -1.0, 20)
+    return np.concatenate([head, _pack_sub_nibbles(q)], axis=1)
+
+
+def _quantize_q5_k_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 176] (quantize_row_q5_K_ref)."""
+    head, q = _quantize_k_min(xb, 31, -0.5, 15)
+    return np.concatenate([head, _bit_planes(q >> 4), _pack_sub_nibbles(q & 0x0F)], axis=1)
 
 
 def _q4_k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -462,16 +528,157 @@ def _q4_k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def _dequantize_q4_k(b: np.ndarray) -> np.ndarray:
+def _dequantize_k_min(b: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K values d*scale*q - dmin*min of quants q [n, 8, 32] (float32)."""
     n = b.shape[0]
     d = _f16_to_f32(b[:, 0:2])
     dmin = _f16_to_f32(b[:, 2:4])
     sc, m = _q4_k_scale_min(b[:, 4:16])
-    qs = b[:, 16:].reshape(n, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)
     dsc = (d[:, None] * sc.astype(np.float32))[:, :, None]
     dm = (dmin[:, None] * m.astype(np.float32))[:, :, None]
     return (dsc * q - dm).reshape(n, QK_K)
+
+
+def _dequantize_q4_k(b: np.ndarray) -> np.ndarray:
+    return _dequantize_k_min(b, _unpack_sub_nibbles(b[:, 16:]).astype(np.float32))
+
+
+def _dequantize_q5_k(b: np.ndarray) -> np.ndarray:
+    q = _unpack_sub_nibbles(b[:, 48:]) | (_unbit_planes(b[:, 16:48]) << 4)
+    return _dequantize_k_min(b, q.astype(np.float32))
+
+
+def _pack_crumbs(L: np.ndarray) -> np.ndarray:
+    """2-bit quants [n, 256] -> [n, 64] (Q2_K, Q3_K): byte 32h + l holds elements 128h + l,
+    + 32, + 64, + 96 in bits 0-1, 2-3, 4-5, 6-7."""
+    q = L.reshape(L.shape[0], 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(L.shape[0], 64)
+
+
+def _unpack_crumbs(qs: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_pack_crumbs`: [n, 64] -> [n, 256]."""
+    q = qs.reshape(qs.shape[0], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (q & 3).reshape(qs.shape[0], QK_K)
+
+
+def _quantize_q2_k_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 84] (quantize_row_q2_K_ref)."""
+    n = xb.shape[0]
+    s = n * 16
+    x = np.ascontiguousarray(xb.reshape(s, 16).T)  # [16, sub-block]
+    scales, mins, L = _make_qkx2_quants(x, np.abs(x), 3, -0.5, 0.1, 15, use_mad=True)
+    scales = scales.reshape(n, 16)
+    mins = mins.reshape(n, 16)
+    max_scale, max_min = _positive_max(scales), _positive_max(mins)
+    has_s, has_m = max_scale > 0, max_min > 0
+    # 4-bit scales and mins, not clipped (ggml's `scales[j] = l`, then `|= l << 4`, as bytes)
+    ls = np.where(has_s[:, None], _nearest_int(np.where(has_s, _F32(15) / max_scale, 0)[:, None] * scales), 0)
+    lm = np.where(has_m[:, None], _nearest_int(np.where(has_m, _F32(15) / max_min, 0)[:, None] * mins), 0)
+    sc = ((ls & 0xFF) | ((lm << 4) & 0xFF)).astype(np.uint8)
+    d16 = _fp16_bits(np.where(has_s, max_scale / _F32(15), _F32(0)))
+    dmin16 = _fp16_bits(np.where(has_m, max_min / _F32(15), _F32(0)))
+
+    d = (_f16_value(d16)[:, None] * (sc & 0x0F).astype(np.float32)).reshape(s)
+    dm = (_f16_value(dmin16)[:, None] * (sc >> 4).astype(np.float32)).reshape(s)
+    L2 = _nearest_int_f32((x + dm) / d, 0, 3)
+    np.copyto(L, L2, where=d != 0)  # ggml keeps the search's L where d == 0
+
+    out = np.empty((n, 84), np.uint8)
+    out[:, 0:16] = sc
+    out[:, 16:80] = _pack_crumbs(L.astype(np.uint8).T.reshape(n, QK_K))
+    out[:, 80:82] = d16.view(np.uint8).reshape(n, 2)
+    out[:, 82:84] = dmin16.view(np.uint8).reshape(n, 2)
+    return out
+
+
+def _dequantize_q2_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    d, dmin = _f16_to_f32(b[:, 80:82]), _f16_to_f32(b[:, 82:84])
+    dl = (d[:, None] * (sc & 0x0F).astype(np.float32))[:, :, None]
+    ml = (dmin[:, None] * (sc >> 4).astype(np.float32))[:, :, None]
+    q = _unpack_crumbs(b[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+# ---- Q3_K --------------------------------------------------------------------------------
+
+
+def _make_q3_quants(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_q3_quants(16, 4, x, L, do_rmse=true) over the columns of x [16, S]: the
+    coordinate descent on L, element by element, 5 passes (a pass that changes nothing leaves
+    the state for the next pass the same, so ggml's early exit changes no result).
+
+    Returns (scale [S], L [16, S] float32 in 0..7; 0 for all-zero columns).
+    """
+    amax, mx = _absmax_first(x, 0)
+    zero = amax < _GROUP_MAX_EPS
+    L = _nearest_int_f32((_F32(-4) / mx) * x, -4, 3)
+    w = x * x
+    wx = w * x
+    sumlx = _seqsum(wx * L)
+    suml2 = _seqsum((w * L) * L)
+    for _ in range(5):
+        for i in range(x.shape[0]):
+            li = L[i]
+            slx = sumlx - wx[i] * li
+            sl2 = suml2 - (w[i] * li) * li
+            new = _nearest_int_f32((x[i] * sl2) / slx, -4, 3)
+            slx_new = slx + wx[i] * new
+            sl2_new = sl2 + (w[i] * new) * new
+            upd = (slx > 0) & (new != li) & (sl2_new > 0)
+            upd &= (slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new
+            L[i] = np.where(upd, new, li)
+            sumlx = np.where(upd, slx_new, sumlx)
+            suml2 = np.where(upd, sl2_new, suml2)
+    scale = np.where(suml2 > 0, sumlx / suml2, _F32(0))
+    L += _F32(4)
+    L[:, zero] = 0
+    return np.where(zero, _F32(0), scale), L
+
+
+def _quantize_q3_k_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 110] (quantize_row_q3_K_ref)."""
+    n = xb.shape[0]
+    s = n * 16
+    x = np.ascontiguousarray(xb.reshape(s, 16).T)  # [16, sub-block]
+    scales, L = _make_q3_quants(x)
+    scales = scales.reshape(n, 16)
+    max_scale = _absmax_value(scales)
+    nz = max_scale != 0
+    iscale = _F32(-32) / max_scale
+    # ggml's `int8_t l = nearest_int(..)`: the int is cut to 8 bits before the clamp
+    l6 = np.clip(_nearest_int(iscale[:, None] * scales).astype(np.int8).astype(np.int32), -32, 31) + 32
+    l6 = np.where(nz[:, None], l6, 0).astype(np.uint8)
+    d16 = _fp16_bits(np.where(nz, _F32(1) / iscale, _F32(0)))
+
+    d = (_f16_value(d16)[:, None] * (l6.astype(np.float32) - _F32(32))).reshape(s)
+    L2 = _nearest_int_f32(x / d, -4, 3) + _F32(4)
+    np.copyto(L, L2, where=d != 0)  # ggml keeps the search's L where d == 0
+    q = L.astype(np.uint8).T.reshape(n, QK_K)
+    high = q >> 2  # 1 for 4..7
+
+    out = np.empty((n, 110), np.uint8)
+    out[:, 0:32] = _bit_planes(high.reshape(n, 8, 32))
+    out[:, 32:96] = _pack_crumbs(q & 3)
+    top = (l6 >> 4).reshape(n, 4, 4)  # [j // 4, j % 4]
+    out[:, 96:104] = (l6[:, 0:8] & 0x0F) | ((l6[:, 8:16] & 0x0F) << 4)
+    out[:, 104:108] = top[:, 0] | (top[:, 1] << 2) | (top[:, 2] << 4) | (top[:, 3] << 6)
+    out[:, 108:110] = d16.view(np.uint8).reshape(n, 2)
+    return out
+
+
+def _dequantize_q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sb = b[:, 96:108]
+    d = _f16_to_f32(b[:, 108:110])
+    low = np.concatenate([sb[:, 0:8] & 0x0F, sb[:, 0:8] >> 4], axis=1)
+    top = (sb[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)) & 3
+    sc = (low | (top.reshape(n, 16) << 4)).astype(np.int8) - np.int8(32)
+    dl = (d[:, None] * sc.astype(np.float32))[:, :, None]
+    offset = ((_unbit_planes(b[:, 0:32]).reshape(n, QK_K) ^ 1) << 2).astype(np.int8)  # 4 unless hmask
+    q = _unpack_crumbs(b[:, 32:96]).astype(np.int8) - offset
+    return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
 
 
 # ---- Q6_K --------------------------------------------------------------------------------
@@ -585,8 +792,11 @@ _QUANTIZERS = {
     GGMLType.Q4_1: _quantize_q4_1,
     GGMLType.Q5_0: _quantize_q5_0,
     GGMLType.Q5_1: _quantize_q5_1,
-    GGMLType.Q4_K: _chunked(_quantize_q4_k_chunk, _Q4_K_CHUNK),
-    GGMLType.Q6_K: _chunked(_quantize_q6_k_chunk, _Q6_K_CHUNK),
+    GGMLType.Q2_K: _chunked(_quantize_q2_k_chunk, _K_CHUNK),
+    GGMLType.Q3_K: _chunked(_quantize_q3_k_chunk, _K_CHUNK),
+    GGMLType.Q4_K: _chunked(_quantize_q4_k_chunk, _K_CHUNK),
+    GGMLType.Q5_K: _chunked(_quantize_q5_k_chunk, _K_CHUNK),
+    GGMLType.Q6_K: _chunked(_quantize_q6_k_chunk, _K_CHUNK),
 }
 
 _DEQUANTIZERS = {
@@ -595,7 +805,10 @@ _DEQUANTIZERS = {
     GGMLType.Q4_1: _dequantize_q4_1,
     GGMLType.Q5_0: _dequantize_q5_0,
     GGMLType.Q5_1: _dequantize_q5_1,
+    GGMLType.Q2_K: _dequantize_q2_k,
+    GGMLType.Q3_K: _dequantize_q3_k,
     GGMLType.Q4_K: _dequantize_q4_k,
+    GGMLType.Q5_K: _dequantize_q5_k,
     GGMLType.Q6_K: _dequantize_q6_k,
 }
 

@@ -94,6 +94,21 @@ static inline void q4k_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
+/* Q3_K's 16 6-bit scales, 32 subtracted, from its 12 bytes (ggml's kmask unpacking): low nibbles
+ * of bytes 0..7 (scales 0..7) and their high nibbles (8..15); the top two bits of scale j are
+ * bits 2(j/4) of byte 8 + j%4. */
+static inline void q3k_scales(const uint8_t *p, int8_t sc[16]) {
+    uint32_t aux[4];
+    memcpy(aux, p, 12);
+    const uint32_t tmp = aux[2], m2 = 0x0f0f0f0fu, m1 = 0x03030303u;
+    aux[2] = ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4);
+    aux[3] = ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4);
+    aux[0] = (aux[0] & m2) | (((tmp >> 0) & m1) << 4);
+    aux[1] = (aux[1] & m2) | (((tmp >> 2) & m1) << 4);
+    memcpy(sc, aux, 16);
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(sc[j] - 32);
+}
+
 static int type_info(int type, int64_t *blk, int64_t *bsz) {
     switch (type) {
     case AP_T_F32: *blk = 1; *bsz = 4; return 1;
@@ -104,7 +119,10 @@ static int type_info(int type, int64_t *blk, int64_t *bsz) {
     case AP_T_Q5_0: *blk = 32; *bsz = 22; return 1;
     case AP_T_Q5_1: *blk = 32; *bsz = 24; return 1;
     case AP_T_Q8_0: *blk = 32; *bsz = 34; return 1;
+    case AP_T_Q2_K: *blk = 256; *bsz = 84; return 1;
+    case AP_T_Q3_K: *blk = 256; *bsz = 110; return 1;
     case AP_T_Q4_K: *blk = 256; *bsz = 144; return 1;
+    case AP_T_Q5_K: *blk = 256; *bsz = 176; return 1;
     case AP_T_Q6_K: *blk = 256; *bsz = 210; return 1;
     default: return 0;
     }
@@ -122,7 +140,10 @@ static int act_kind(int type) {
     case AP_T_Q5_0:
     case AP_T_Q5_1:
     case AP_T_Q8_0: return ACT_Q32;
+    case AP_T_Q2_K:
+    case AP_T_Q3_K:
     case AP_T_Q4_K:
+    case AP_T_Q5_K:
     case AP_T_Q6_K: return ACT_QK;
     default: return ACT_FLOAT;
     }
@@ -214,6 +235,60 @@ static void deq_q4_K_pt(const uint8_t *s, int64_t nb, float *y) {
     }
 }
 
+static void deq_q2_K_pt(const uint8_t *s, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, s += 84) {
+        const float d = ld_f16(s + 80), dmin = ld_f16(s + 82);
+        const uint8_t *q = s + 16;
+        int is = 0;
+        /* 128 elements per 32 bytes of q: shift 2k takes elements 32k.., 16 per scale byte */
+        for (int h = 0; h < 2; h++, q += 32)
+            for (int shift = 0; shift < 8; shift += 2)
+                for (int half = 0; half < 2; half++, is++) {
+                    const float dl = d * (float)(s[is] & 0xF), ml = dmin * (float)(s[is] >> 4);
+                    for (int l = 0; l < 16; l++)
+                        *y++ = dl * (float)((q[16 * half + l] >> shift) & 3) - ml;
+                }
+    }
+}
+
+static void deq_q3_K_pt(const uint8_t *s, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, s += 110) {
+        const float d = ld_f16(s + 108);
+        int8_t sc[16];
+        q3k_scales(s + 96, sc);
+        const uint8_t *hm = s, *q = s + 32;
+        int is = 0, bit = 0;
+        /* as Q2_K, the third bit of element 32b + l (b = 0..7) in bit b of hmask[l] (set: no -4) */
+        for (int h = 0; h < 2; h++, q += 32)
+            for (int shift = 0; shift < 8; shift += 2, bit++)
+                for (int half = 0; half < 2; half++, is++) {
+                    const float dl = d * (float)sc[is];
+                    for (int l = 16 * half; l < 16 * half + 16; l++) {
+                        const int v = ((q[l] >> shift) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4);
+                        *y++ = dl * (float)v;
+                    }
+                }
+    }
+}
+
+static void deq_q5_K_pt(const uint8_t *s, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, s += 176) {
+        const float d = ld_f16(s), dmin = ld_f16(s + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(s + 4, sc, mn);
+        const uint8_t *qh = s + 16, *ql = s + 48;
+        /* as Q4_K, the fifth bit of sub-block j's element l in bit j of qh[l] */
+        for (int j = 0; j < 4; j++, ql += 32) {
+            const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
+            const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
+            for (int l = 0; l < 32; l++)
+                *y++ = d1 * (float)((ql[l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4)) - m1;
+            for (int l = 0; l < 32; l++)
+                *y++ = d2 * (float)((ql[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4)) - m2;
+        }
+    }
+}
+
 static void deq_q6_K_pt(const uint8_t *s, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, s += 210) {
         const float d = ld_f16(s + 208);
@@ -247,7 +322,10 @@ static deq_fn deq_portable(int type) {
     case AP_T_Q5_0: return deq_q5_0_pt;
     case AP_T_Q5_1: return deq_q5_1_pt;
     case AP_T_Q8_0: return deq_q8_0_pt;
+    case AP_T_Q2_K: return deq_q2_K_pt;
+    case AP_T_Q3_K: return deq_q3_K_pt;
     case AP_T_Q4_K: return deq_q4_K_pt;
+    case AP_T_Q5_K: return deq_q5_K_pt;
     case AP_T_Q6_K: return deq_q6_K_pt;
     default: return NULL;
     }
@@ -678,9 +756,15 @@ AP_INLINE AP_AVX2 void dot2_q8_0(int64_t nb, const uint8_t *w0, const uint8_t *w
     out[1] = hsum_ps(_mm256_add_ps(acc1[0], acc1[1]));
 }
 
-AP_INLINE AP_AVX2 void dot_q4_K(const int nr, int64_t nb, const uint8_t *w, const act_t *a,
-                                int64_t r0, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+/* Q4_K and Q5_K (the same but for a fifth bit, of sub-block j's element l in bit j of qh[l]):
+ * 8 sub-blocks of 32 with 6-bit scales and mins, value d*sc*q - dmin*mn. Against Q8_K
+ * activations: d dx sum_j sc_j (sum q qx) - dmin dx sum_j mn_j (sum qx), the sums of qx from
+ * the per-16 sums. Called with a constant type, these fold. */
+AP_INLINE AP_AVX2 void dot_k_min(const int type, const int nr, int64_t nb, const uint8_t *w,
+                                 const act_t *a, int64_t r0, float *out) {
+    const int q5 = type == AP_T_Q5_K;
+    const int64_t bsz = q5 ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
     const int8_t *xq[NR_MAX];
     const float *xd[NR_MAX];
     const int16_t *bs[NR_MAX];
@@ -694,7 +778,7 @@ AP_INLINE AP_AVX2 void dot_q4_K(const int nr, int64_t nb, const uint8_t *w, cons
         macc[r] = _mm_setzero_ps();
     }
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *blk = w + i * 144;
+        const uint8_t *blk = w + i * bsz;
         const float d = ld_f16_x(blk), dmin = ld_f16_x(blk + 2);
         /* unpack the 12 bytes of 6-bit scales/mins into 8 + 8 bytes (as ggml does) */
         uint32_t u[4];
@@ -707,13 +791,20 @@ AP_INLINE AP_AVX2 void dot_q4_K(const int nr, int64_t nb, const uint8_t *w, cons
         const __m256i scv = _mm256_broadcastsi128_si256(
             _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
         const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
-        const uint8_t *qs = blk + 16;
+        const uint8_t *qs = blk + (q5 ? 48 : 16);
+        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         __m256i sumi[NR_MAX];
         for (int r = 0; r < nr; r++) sumi[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i qb = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            const __m256i lo = _mm256_and_si256(qb, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+            __m256i lo = _mm256_and_si256(qb, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+            if (q5) { /* bit 2j (2j + 1) of each qh byte to bit 4 */
+                lo = _mm256_or_si256(lo, _mm256_and_si256(
+                                             _mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j), 4), m16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(
+                                             _mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j + 1), 4), m16));
+            }
             /* broadcast the int16 scales of sub-blocks 2j and 2j+1 (bytes 4j.. of scv) */
             const short pick_lo = (short)(((4 * j + 1) << 8) | (4 * j));
             const short pick_hi = (short)(((4 * j + 3) << 8) | (4 * j + 2));
@@ -744,6 +835,93 @@ AP_INLINE AP_AVX2 void dot_q4_K(const int nr, int64_t nb, const uint8_t *w, cons
         out[r] = hsum_ps(acc[r]) - _mm_cvtss_f32(m);
     }
 }
+
+#define dot_q4_K(...) dot_k_min(AP_T_Q4_K, __VA_ARGS__)
+#define dot_q5_K(...) dot_k_min(AP_T_Q5_K, __VA_ARGS__)
+
+/* The int16 scale pair of 32 quants whose first 16 have scale 2g and the rest 2g + 1 of the 8
+ * int16 scales in each lane of sch (as in the Q6_K and Q2_K/Q3_K kernels) */
+#define SC16_PAIR(sch, g)                                                                      \
+    _mm256_shuffle_epi8(sch, _mm256_set_m128i(                                                 \
+                                 _mm_set1_epi16((short)(((4 * (g) + 3) << 8) | (4 * (g) + 2))), \
+                                 _mm_set1_epi16((short)(((4 * (g) + 1) << 8) | (4 * (g))))))
+
+/* Q2_K (Q3_K): 16 sub-blocks of 16 with 2-bit quants (plus a third bit), 32 bytes of quants per
+ * 128 elements, shift 2s taking elements 32s..32s+31. Q2_K: value d*sc*q - dmin*mn, 4-bit scales
+ * and mins; against Q8_K activations d dx sum_j sc_j (sum q qx) - dmin dx sum_j mn_j (sum qx).
+ * Q3_K: value d*sc*(q + 4 hbit - 4), signed 6-bit scales; the -4 is taken as 4 sc_j sum(qx) up
+ * front (the quants stay unsigned for vpmaddubsw). Called with a constant type, these fold. */
+AP_INLINE AP_AVX2 void dot_k_low(const int type, const int nr, int64_t nb, const uint8_t *w,
+                                 const act_t *a, int64_t r0, float *out) {
+    const int q3 = type == AP_T_Q3_K;
+    const int64_t bsz = q3 ? 110 : 84;
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const int8_t *xq[NR_MAX];
+    const float *xd[NR_MAX];
+    const int16_t *bs[NR_MAX];
+    __m256 acc[NR_MAX], macc[NR_MAX];
+    for (int r = 0; r < nr; r++) {
+        xq[r] = a->q + (r0 + r) * a->K;
+        xd[r] = a->d + (r0 + r) * a->nd;
+        bs[r] = a->bs + (r0 + r) * (a->K / 16);
+        acc[r] = macc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *blk = w + i * bsz;
+        const uint8_t *qs = blk + (q3 ? 32 : 16);
+        const float d = ld_f16_x(blk + (q3 ? 108 : 80));
+        __m256i sc16, hm = _mm256_setzero_si256();
+        __m256i sumi[NR_MAX];
+        if (q3) {
+            int8_t sc[16];
+            q3k_scales(blk + 96, sc);
+            sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+            hm = _mm256_loadu_si256((const __m256i *)blk);
+            for (int r = 0; r < nr; r++) { /* -4 sum_j sc_j (sum of x over sub-block j) */
+                const __m256i b16 = _mm256_loadu_si256((const __m256i *)(bs[r] + i * 16));
+                sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                           _mm256_slli_epi32(_mm256_madd_epi16(sc16, b16), 2));
+            }
+        } else {
+            const __m128i scb = _mm_loadu_si128((const __m128i *)blk);
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(scb, m4));
+            const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scb, 4), m4));
+            const float dmin = ld_f16_x(blk + 82);
+            for (int r = 0; r < nr; r++) {
+                const __m256i b16 = _mm256_loadu_si256((const __m256i *)(bs[r] + i * 16));
+                macc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xd[r][i]),
+                                          _mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, b16)), macc[r]);
+                sumi[r] = _mm256_setzero_si256();
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            const __m256i sch = _mm256_broadcastsi128_si256(
+                h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+            for (int s = 0; s < 4; s++) {
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), m3);
+                if (q3) /* bit 4h + s of each hmask byte to bit 2 */
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(
+                                               _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one), 2));
+                const __m256i sp = SC16_PAIR(sch, s);
+                for (int r = 0; r < nr; r++) {
+                    const __m256i xv =
+                        _mm256_loadu_si256((const __m256i *)(xq[r] + i * QKK + 128 * h + 32 * s));
+                    sumi[r] = _mm256_add_epi32(
+                        sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sp));
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][i]), _mm256_cvtepi32_ps(sumi[r]),
+                                     acc[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum_ps(acc[r]) - (q3 ? 0.0f : hsum_ps(macc[r]));
+}
+
+#define dot_q2_K(...) dot_k_low(AP_T_Q2_K, __VA_ARGS__)
+#define dot_q3_K(...) dot_k_low(AP_T_Q3_K, __VA_ARGS__)
 
 AP_INLINE AP_AVX2 void dot_q6_K(const int nr, int64_t nb, const uint8_t *w, const act_t *a,
                                 int64_t r0, float *out) {
@@ -786,11 +964,8 @@ AP_INLINE AP_AVX2 void dot_q6_K(const int nr, int64_t nb, const uint8_t *w, cons
              * scale 2g for its first 16 elements (low lane) and 2g+1 for the rest (high lane) */
             const __m256i sch = _mm256_broadcastsi128_si256(
                 _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));
-#define SC6(g) _mm256_shuffle_epi8(sch, _mm256_set_m128i(                                   \
-                   _mm_set1_epi16((short)(((4 * (g) + 3) << 8) | (4 * (g) + 2))),             \
-                   _mm_set1_epi16((short)(((4 * (g) + 1) << 8) | (4 * (g))))))
-            const __m256i s0 = SC6(0), s1 = SC6(1), s2 = SC6(2), s3 = SC6(3);
-#undef SC6
+            const __m256i s0 = SC16_PAIR(sch, 0), s1 = SC16_PAIR(sch, 1);
+            const __m256i s2 = SC16_PAIR(sch, 2), s3 = SC16_PAIR(sch, 3);
             for (int r = 0; r < nr; r++) {
                 const int8_t *xb = xq[r] + i * QKK + 128 * h;
 #define P6(Q, OFF, S) _mm256_madd_epi16(                                                      \
@@ -966,7 +1141,10 @@ DEF_ROWS_Q_PAIRS(rows_q5_1, rows_q5_1_n, dot2_q5_1)
 DEF_ROWS_Q(rows_q8_0_n, dot_q8_0, 34, QK)
 DEF_ROWS_Q_PAIRS(rows_q8_0, rows_q8_0_n, dot2_q8_0)
 
+DEF_ROWS_Q(rows_q2_K, dot_q2_K, 84, QKK)
+DEF_ROWS_Q(rows_q3_K, dot_q3_K, 110, QKK)
 DEF_ROWS_Q(rows_q4_K, dot_q4_K, 144, QKK)
+DEF_ROWS_Q(rows_q5_K, dot_q5_K, 176, QKK)
 DEF_ROWS_Q(rows_q6_K, dot_q6_K, 210, QKK)
 
 #define DEF_ROWS_F(NAME, DOT, DOT2, ESZ)                                                       \
@@ -1209,7 +1387,10 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
         case AP_T_Q5_0: rows_q5_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q5_1: rows_q5_1(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q8_0: rows_q8_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
+        case AP_T_Q2_K: rows_q2_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
+        case AP_T_Q3_K: rows_q3_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q4_K: rows_q4_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
+        case AP_T_Q5_K: rows_q5_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q6_K: rows_q6_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         default: break;
         }

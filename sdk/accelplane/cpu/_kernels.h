@@ -17,7 +17,10 @@
 #define AP_T_Q5_0 6
 #define AP_T_Q5_1 7
 #define AP_T_Q8_0 8
+#define AP_T_Q2_K 10
+#define AP_T_Q3_K 11
 #define AP_T_Q4_K 12
+#define AP_T_Q5_K 13
 #define AP_T_Q6_K 14
 #define AP_T_BF16 30
 

@@ -63,7 +63,8 @@ T = GGMLType
 # (elements per block, bytes per block) of the types the kernels handle
 _BLOCK: Final[dict[GGMLType, tuple[int, int]]] = {
     t: (t.blck_size, t.type_size)
-    for t in (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K)
+    for t in (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
+              T.Q5_K, T.Q6_K)
 }
 SUPPORTED_TYPES: Final[tuple[GGMLType, ...]] = tuple(_BLOCK)
 
@@ -80,7 +81,10 @@ _CROSSOVER_N: Final[dict[GGMLType, int]] = {
     GGMLType.Q5_0: 160,
     GGMLType.Q5_1: 160,
     GGMLType.Q8_0: 128,
+    GGMLType.Q2_K: 256,
+    GGMLType.Q3_K: 256,
     GGMLType.Q4_K: 256,
+    GGMLType.Q5_K: 256,
     GGMLType.Q6_K: 256,
 }
 # the portable C kernel has no SIMD FMA or int8 dot: dequantize + BLAS wins from N = 2 on
