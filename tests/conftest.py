@@ -1,6 +1,11 @@
-"""The SDK's test suite: the fuzz tests' tally in the terminal summary."""
+"""The SDK's test suite: its markers, and the fuzz tests' tally in the terminal summary."""
 
 from __future__ import annotations
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "tox: runs tox (fresh environments from the package index); "
+                            "skipped where tox is not installed, an error in CI (CI set)")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

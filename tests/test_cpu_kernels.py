@@ -416,16 +416,57 @@ def test_norm_rows(op: int, w_rows: int) -> None:
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
 
 
-def test_soft_max_rows() -> None:
+@pytest.mark.parametrize("m32", [(1, 1), (1, 3), (2, 1), (2, 3)])
+def test_soft_max_rows(m32, isa) -> None:
+    """Mask planes broadcast over ne2 and ne3 by repetition; a mask with more rows than x uses
+    its first ne1; -inf masks whole key ranges; scores up to +-60 stress exp's range."""
+    m3, m2 = m32
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((2, 3, 5, 40)).astype(np.float32)  # mask rows repeat over 2 x 3
-    mask = _padded_rows(rng, 7, 40)
-    mask[:, 30:] = -np.inf
+    x = (rng.standard_normal((4, 6, 5, 40)) * 30).astype(np.float32)
+    mask = rng.standard_normal((m3, m2, 7, 40 + 5)).astype(np.float32)[..., :40]  # padded rows
+    mask[..., 30:] = -np.inf
+    mask[..., 0, :4] = -np.inf
     y = np.empty_like(x)
-    kernels.prepare_soft_max(x, y, 0.5, mask, 5)()
-    z = x.astype(np.float64) * 0.5 + mask[:5]
+    kernels.prepare_soft_max(x, y, 0.5, mask)()
+    z = x.astype(np.float64) * 0.5 + np.tile(mask[:, :, :5], (4 // m3, 6 // m2, 1, 1))
     e = np.exp(z - z.max(-1, keepdims=True))
     np.testing.assert_allclose(y, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+def test_exp_in_row_kernels_over_floats_range(isa) -> None:
+    """The inline exp of the row kernels, through SWIGLU (x / (1 + exp(-x)) * g): relative error of
+    a few ulps over the whole range where the result is a normal float, 0 and inf at the ends,
+    NaN kept."""
+    x = np.concatenate([np.linspace(-100, 100, 40001), [-np.inf, np.inf, 0.0, -0.0, 87.0, -87.0, 88.5]])
+    x = x.astype(np.float32).reshape(1, -1)
+    g = np.ones_like(x)
+    y = np.empty_like(x)
+    kernels.prepare_swiglu(x, g, y)()
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64)))
+    fin = np.isfinite(want) & (x > -88.7)  # below, exp(-x) overflows float32 and the result is -0
+    assert np.max(np.abs(y[fin] - want[fin]) / np.maximum(np.abs(want[fin]), 1e-38)) < 5e-7
+    assert np.all(y[(x < -88.8) & (x > -np.inf)] == 0) and y[0, -6] == np.inf  # (-inf / inf: NaN)
+    xn = np.array([[np.nan, 1.0]], np.float32)
+    yn = np.empty_like(xn)
+    kernels.prepare_swiglu(xn, np.ones_like(xn), yn)()
+    assert np.isnan(yn[0, 0]) and yn[0, 1] == pytest.approx(1 / (1 + np.exp(-1.0)), rel=1e-6)
+
+
+def test_gelu_erf_over_floats_range(isa) -> None:
+    """The exact GELU against float64 math.erfc: relative error under 1e-6 where |x| <= 9 (down to
+    results of 1e-18 in the negative tail), exact x for large x, 0 for very negative x, NaN
+    kept."""
+    import math
+
+    x = np.concatenate([np.linspace(-9, 9, 90001), [0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 1e30, -1e30]])
+    x = x.astype(np.float32)
+    y = kernels.gelu_erf(x)
+    want = np.array([0.5 * float(v) * math.erfc(-float(v) / math.sqrt(2)) for v in x])
+    m = np.abs(want) > 1e-37
+    assert np.max(np.abs(y[m] - want[m]) / np.abs(want[m])) < 1e-6
+    assert y[-4] == 30.0 and y[-2] == np.float32(1e30) and y[-1] == 0 and y[-3] == 0
+    assert np.isnan(kernels.gelu_erf(np.array([np.nan], np.float32))[0])
 
 
 def test_swiglu_rows() -> None:

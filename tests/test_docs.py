@@ -252,3 +252,20 @@ def test_diary_patterns(line: str, caught: bool) -> None:
 def test_session_is_a_diary_word_in_docs_only() -> None:
     assert not any(re.search(p, 'scope="session"', re.IGNORECASE) for p in DIARY_PATTERNS)
     assert any(re.search(p, "measured in this session", re.IGNORECASE) for p in DOC_ONLY_PATTERNS)
+
+
+def test_readme_examples_run(tmp_path):
+    """README's "Using it" code, as written: the scheduler route, then the single-backend route on
+    the same graph; both print the same first values."""
+    import sys
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 2, "README shows the scheduler route and the single-backend route"
+    first = blocks[0].replace("sched.free()\n", "")
+    code = first + blocks[1] + "print(np.asarray(y)[0, :4])\nsched.free()\n"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "MUL_MAT" in lines[1] and "UNARY" in lines[1], "placement names each node and its backend"
+    assert lines[0] == lines[2], "both routes compute the same values"

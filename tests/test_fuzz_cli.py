@@ -49,6 +49,7 @@ def _value(draw, kind: str, p: dict) -> str:
         "split": st.sampled_from(["none", "layer", "tensor"]),
         "wtype": st.sampled_from(["f32", "q8_0", "Q4_0", "q4_k"]),
         "sizes": st.sampled_from(["4K", "1M,64K"]),
+        "preset": st.sampled_from(["bert-tiny"]),
     }[kind]
     bad = st.sampled_from(JUNK + [p["missing"], str(p["dir"]), p["bad"], "NOPE", "-5", "1.5", "[", "9" * 30])
     return draw(good if draw(st.integers(0, 3)) else bad)
@@ -66,6 +67,9 @@ GRAMMAR = [
     (["bench", "ops"], {"-d": "device", "-p": "regex", "--time": "float", "--repeat": "pos",
                         "--json": "path", "--set": "split"}, ["-d", "-p", "--time"]),
     (["bench", "tp"], {"--sizes": "sizes", "-d": "device", "--peer-json": "path"}, []),
+    (["bench", "graph"], {"--preset": "preset", "-d": "device", "--reps": "pos", "--batch": "pos",
+                          "--seq": "pos", "--json": "path"},
+     ["--preset", "-d", "--reps", "--batch", "--seq"]),
     (["make-model"], {"--preset": "split", "--layers": "pos", "--d-model": "pos", "--wtype": "wtype",
                       "--jobs": "pos", "--vocab": "pos"}, []),
     (["ops"], {"--markdown": "path", "--json": None}, []),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from accelplane.core.graph import Context
 from accelplane.core.types import GGMLType
-from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
+from accelplane.errors import CheckResultsError, DeviceError, TypeMismatchError, UnsupportedOpError
 from accelplane.models.blocks import llama_layer, moe_layers
 from accelplane.oracle import reference
 from accelplane.runtime.alloc import alloc_tensors
@@ -176,6 +176,39 @@ def test_pinned_backend_that_cannot_run_fails(reg, monkeypatch):
 def test_last_backend_must_be_cpu(reg):
     with pytest.raises(DeviceError):
         Scheduler([reg.device("ASYNC0").new_backend()])
+
+
+def test_from_devices_falls_back_and_reports_placement(reg, monkeypatch):
+    """The host API's front door: Scheduler.from_devices puts the CPU last, a node the first
+    device declines runs on the CPU, placement() and get_tensor_backend() say where each node
+    ran after compute, and the result is the oracle's."""
+    import accelplane.runtime.registry as registry
+
+    monkeypatch.setattr(registry, "get_registry", lambda: reg)
+    dev = reg.device("ASYNC0")
+    monkeypatch.setitem(dev._fn, "supports_op", lambda device, op: op.op.name != "SIN")
+    default = Scheduler.from_devices()  # the test devices stand for accelerators
+    assert [b.device.name for b in default.backends] == ["ASYNC0", "ASYNC1", "CPU"]
+    default.free()
+    s = Scheduler.from_devices(["ASYNC0"])
+    assert [b.device.name for b in s.backends] == ["ASYNC0", "CPU"]
+    ctx = Context()
+    x = ctx.new_tensor(GGMLType.F32, (4, 8), "x").set_input()
+    y = ctx.scale(ctx.sin(ctx.scale(x, 2.0)), 3.0)
+    g = ctx.graph(y)
+    alloc_tensors([x], dev.buffer_type)  # inputs set before the scheduler allocates
+    v = np.random.default_rng(0).standard_normal((4, 8))
+    x.set(v)
+    s.compute(g)
+    placed = [(n.op.name, b.device.name) for n, b in s.placement()]
+    assert placed == [("SCALE", "ASYNC0"), ("SIN", "CPU"), ("SCALE", "ASYNC0")]
+    assert s.get_tensor_backend(y).device.name == "ASYNC0", "readable after compute"
+    np.testing.assert_allclose(y.get(), 3.0 * np.sin(2.0 * v.astype(np.float32)), rtol=1e-6)
+    owned = list(s.backends)
+    s.free()
+    assert all(b.freed for b in owned), "from_devices' backends are the scheduler's to free"
+    with pytest.raises(TypeMismatchError):
+        Scheduler.from_devices("ASYNC0")
 
 
 def test_eval_callback(reg):

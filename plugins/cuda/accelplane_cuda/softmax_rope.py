@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from accelplane.core.ops import ROPE_TYPE_NEOX, Op, rope_yarn_corr_dims
+from accelplane.core.ops import ROPE_TYPE_NEOX, Op, rope_params, rope_yarn_corr_dims
 from accelplane.core.types import GGMLType as T
 
 from . import compiler
@@ -20,8 +20,8 @@ FAMILY = compiler.family("softmax_rope", {
 def rotation(rope) -> list[int]:
     """kernels/common.cuh rope_cs's parameters for ROPE node ``rope``: freq_scale, ext_factor,
     attn_factor, YaRN's two correction dims and theta_scale, as double bits."""
-    (_, n_dims, _, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-     beta_fast, beta_slow) = rope.op_params  # fmt: skip
+    (n_dims, _, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = rope_params(rope)  # fmt: skip
     c0, c1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
     c1 = c1 if math.isfinite(c1) else -1e30
     return [f64(x) for x in (freq_scale, ext_factor, attn_factor, c0, c1, freq_base ** (-2.0 / n_dims))]

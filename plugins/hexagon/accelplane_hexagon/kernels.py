@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from accelplane.core.ops import ROPE_TYPE_NEOX, GluOp, Op, UnaryOp, rope_yarn_corr_dims
+from accelplane.core.ops import ROPE_TYPE_NEOX, GluOp, Op, UnaryOp, rope_params, rope_yarn_corr_dims
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 from accelplane.errors import ComputeError
@@ -56,8 +56,8 @@ def _mm_params(x: Tensor, w: Tensor, n_mm: int, acc_f16: bool, n_acc_rows: int, 
 
 
 def _rope_params(t: Tensor) -> dict:
-    (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-     beta_fast, beta_slow) = t.op_params[:10]  # fmt: skip
+    (n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = rope_params(t)  # fmt: skip
     if n_ctx_orig > 0:
         corr0, corr1 = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
     else:  # ggml's log(0) case: an empty correction range

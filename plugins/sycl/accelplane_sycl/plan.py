@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, Op, UnaryOp, rope_yarn_corr_dims
+from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, Op, UnaryOp, rope_params, rope_yarn_corr_dims
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 from accelplane.errors import ComputeError
@@ -255,8 +255,8 @@ class Plan:
 
     def _rope(self, n: Tensor) -> None:
         a, pos = n.src
-        (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-         beta_fast, beta_slow) = n.op_params[:10]  # fmt: skip
+        (n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+         beta_fast, beta_slow) = rope_params(n)  # fmt: skip
         corr = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
         mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale) if ext_factor != 0 else 1.0)
         extra = (n_dims, int(mode == ROPE_TYPE_NEOX) * 2, f32bits(freq_base), f32bits(freq_scale),

@@ -1,4 +1,4 @@
-"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model``.
+"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model | new-plugin``.
 
 Contract: a user error (a bad argument, an unwritable output path, a bad ACCELPLANE_*
 value, a malformed model file, an unknown device) prints one line ``accelplane: error: ...``
@@ -248,6 +248,18 @@ def cmd_bench(args) -> int:
 
         return cmd_bench_model(args)
     reg = accelplane.get_registry()
+    if args.what == "graph":
+        from accelplane.bench.graph import bench_graph, format_graph
+
+        cpu = [d for d, _ in reg.ranked() if d.type.value == "CPU"][:1]
+        devs = [reg.device(n) for n in args.device] if args.device else reg.accelerators() or cpu
+        rows = bench_graph(args.preset, devs, args.reps or 10, args.batch, args.seq, _progress)
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+        print(format_graph(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": bench.machine(), "results": rows}, indent=1))
+        return 0
     if args.what == "dispatch":
         for label, us in bench.bench_dispatch():
             print(f"{label:<45} {us:8.3f} us/call")
@@ -337,11 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a plugin that is installed but has no device (hardware or runtime absent) "
                         "prints 'skipped: no device: <reason>' and exits 0")  # fmt: skip
     b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "tp"],
+    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "graph", "tp"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
-                        "moe: expert prefetch; model: llama-bench pp/tg tokens/s; tp: tensor "
+                        "moe: expert prefetch; model: llama-bench pp/tg tokens/s; graph: a host-API "
+                        "graph (--preset) beside PyTorch; tp: tensor "
                         "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
                         "device to give it several backends)")  # fmt: skip
+    b.add_argument("--preset", default="bert-mini", choices=["bert-mini", "bert-tiny"],
+                   help="graph: the encoder's shapes (default bert-mini: 6 layers, d 384, 12 heads)")
+    b.add_argument("--batch", type=_int(1, 4096), default=16, help="graph: sequences per batch (default 16)")
+    b.add_argument("--seq", type=_int(1, 512), default=62, help="graph: tokens per sequence (default 62)")
     b.add_argument("--set", default="default", choices=["default", "matmul", "gemm", "small", "overhead"],
                    help="ops: case set (default: default)")  # fmt: skip
     b.add_argument("-p", "--pattern", type=_regex, help="regex on case names")
@@ -355,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "
                    "e.g. from python tools/cuda_peers.py --allreduce N --json FILE)")  # fmt: skip
     _model_args(sub, b)
+    from accelplane.cli import newplugin
+
+    newplugin.add_parser(sub)
     return p
 
 
@@ -363,7 +383,8 @@ def _model_args(sub, b) -> None:
     b.add_argument("--model", help="model: GGUF file (default: the synthetic model of `run`)")
     b.add_argument("--pp", type=_int(0), default=512, help="model: prompt tokens (default 512; 0 skips)")
     b.add_argument("--tg", type=_int(0), default=128, help="model: generated tokens (default 128; 0 skips)")
-    b.add_argument("--reps", type=_int(1), default=2, help="model: timed runs after a warm-up (default 2)")
+    b.add_argument("--reps", type=_int(1, 1 << 16), default=None,
+                   help="model, graph: timed runs after a warm-up (default: model 2, graph 10)")  # fmt: skip
     b.add_argument("--split", action="append", choices=["none", "layer", "tensor"],
                    help="model: split mode (repeatable; default none, plus layer over all "
                         "non-CPU devices when there are several); model: -d takes a comma list "
@@ -437,6 +458,10 @@ def _dispatch(args, extra: list[str]) -> int:
         from accelplane.cli.run import cmd_make_model
 
         return cmd_make_model(args)
+    if args.cmd == "new-plugin":
+        from accelplane.cli.newplugin import cmd_new_plugin
+
+        return cmd_new_plugin(args)
     return cmd_bench(args)
 
 

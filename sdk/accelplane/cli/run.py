@@ -126,7 +126,7 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
         import cProfile
 
         prof = cProfile.Profile()
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps, progress, prof)
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, progress, prof)
     if tty:
         sys.stderr.write("\r\033[K")
     print(format_bench(rows), file=out)

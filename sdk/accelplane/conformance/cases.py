@@ -325,8 +325,10 @@ def _mul_mat() -> Iterator[OpCase]:
             # (19, 3): a few activation rows (the mat-vec kernels' range), rows not a multiple
             # of a workgroup's, broadcast batches
             for m, n in ((16, 1), (17, 9), (33, 64), (1, 5), (19, 3)):
-                for batch in (((1, 1), (1, 1)), ((2, 1), (4, 3))) if (m, n) in ((16, 1), (19, 3)) else \
-                        (((1, 1), (1, 1)),):  # fmt: skip
+                # batches: none; a broadcast over b's (ratios 2 and 3); one weight matrix for
+                # every batch of b; the same batch dims on both
+                for batch in (((1, 1), (1, 1)), ((2, 1), (4, 3)), ((1, 1), (4, 3)), ((4, 3), (4, 3))) \
+                        if (m, n) in ((16, 1), (19, 3)) else (((1, 1), (1, 1)),):  # fmt: skip
                     for tb in (T.F32, T.F16, T.BF16) if (m, n) in ((17, 9), (19, 3)) else (T.F32,):
 
                         def build(ctx, ta=ta, tb=tb, k=k, m=m, n=n, batch=batch):
@@ -347,6 +349,15 @@ def _mul_mat() -> Iterator[OpCase]:
             return ctx.mul_mat(a, b)
 
         yield OpCase("MUL_MAT", {"type_a": ta, "k": k, "v": "noncont"}, build_nc, 5e-4)
+    # attention's products: both operands permuted views [.., heads, tokens, dim], batch dims equal
+    for ta in (T.F32, T.F16):
+
+        def build_att(ctx, ta=ta):
+            k_ = leaf(ctx, ta, (32, 7, 3, 2), "a", perm=(0, 2, 1, 3))
+            q_ = leaf(ctx, T.F32, (32, 5, 3, 2), "b", perm=(0, 2, 1, 3))
+            return ctx.mul_mat(k_, q_)
+
+        yield OpCase("MUL_MAT", {"type_a": ta, "v": "heads-permuted"}, build_att, 5e-4)
 
 
 def _mul_mat_id() -> Iterator[OpCase]:

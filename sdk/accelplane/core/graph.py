@@ -273,9 +273,9 @@ class Context:
         positions ``pos`` (I32, one per token). Mode 0 rotates pairs (x[2i], x[2i+1]); mode 2
         (NEOX) rotates (x[i], x[i+n_dims/2]); theta_i = pos * freq_base**(-2i/n_dims), with
         YaRN scaling (freq_scale, ext_factor, attn_factor, beta_fast/slow) as ggml.
-        op_params = (0, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor,
-        attn_factor, beta_fast, beta_slow)."""
-        params = (0, int(n_dims), int(mode), int(n_ctx_orig), float(freq_base),
+        op_params = ggml's: (0, n_dims, mode, 0, n_ctx_orig, freq_base, freq_scale, ext_factor,
+        attn_factor, beta_fast, beta_slow); ``accelplane.core.ops.rope_params`` reads them by name."""
+        params = (0, int(n_dims), int(mode), 0, int(n_ctx_orig), float(freq_base),
                   float(freq_scale), float(ext_factor), float(attn_factor),
                   float(beta_fast), float(beta_slow))  # fmt: skip
         return self._op(Op.ROPE, (a, pos), params)

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import NamedTuple
 
 from accelplane.core.types import GGMLType
 from accelplane.errors import ShapeError, TypeMismatchError
@@ -476,6 +477,28 @@ def op_bytes(t) -> int:
         if s is not None:
             n += s.nbytes
     return n
+
+
+class RopeParams(NamedTuple):
+    """A ROPE node's parameters by name. Its op_params are ggml's, position for position: (0,
+    n_dims, mode, n_ctx (unused, 0), n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+    beta_fast, beta_slow)."""
+
+    n_dims: int
+    mode: int
+    n_ctx_orig: int
+    freq_base: float
+    freq_scale: float
+    ext_factor: float
+    attn_factor: float
+    beta_fast: float
+    beta_slow: float
+
+
+def rope_params(t) -> RopeParams:
+    """The parameters of ROPE node ``t`` (read from its ggml-laid-out op_params)."""
+    p = t.op_params
+    return RopeParams(p[1], p[2], p[4], *p[5:11])
 
 
 def rope_yarn_corr_dims(

@@ -57,7 +57,9 @@ int ap_dequantize(int type, const void *w, int64_t w_stride, int64_t w_size, int
 
 /* Row kernels of the decode path (_rowops.c): float32 rows of n elements, row r at base +
  * r * stride (strides and sizes in elements). Norm: op 0 NORM, 1 RMS_NORM, 2 L2_NORM; with w,
- * times w's row r % wrows. Soft_max: softmax(x * scale + mask row r % mrows) per row. SWIGLU:
+ * times w's row r % wrows. Soft_max: softmax(x * scale + mask row) per row, row r being (i1, i2, i3)
+ * of x's [ne3][ne2][ne1] rows and its mask row mask + (i3 % m3) * ms3 + (i2 % m2) * ms2 + i1 * ms
+ * (ggml's broadcast of a mask over ne2, ne3). SWIGLU:
  * silu(x) * g. ROPE: rows [ntok][nhead] of hd, the first n_dims rotated by cs/sn [ntok][n_dims/2]
  * (pairs adjacent, or halves apart with neox), the rest copied. AP_ERANGE past any extent. */
 int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
@@ -65,7 +67,8 @@ int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, i
                  int64_t wrows, float eps);
 int ap_soft_max_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size, float *y,
                      int64_t ys, int64_t y_size, const float *mask, int64_t ms, int64_t m_size,
-                     int64_t mrows, float scale);
+                     int64_t ne1, int64_t ne2, int64_t m2, int64_t m3, int64_t ms2, int64_t ms3,
+                     float scale);
 int ap_swiglu_rows(int64_t nrows, int64_t n, const float *x, int64_t xs, int64_t x_size,
                    const float *g, int64_t gs, int64_t g_size, float *y, int64_t ys, int64_t y_size);
 int ap_rope_rows(int64_t ntok, int64_t nhead, int64_t hd, int64_t n_dims, int neox, const float *x,

@@ -425,19 +425,31 @@ def prepare_norm(
 
 
 def prepare_soft_max(
-    x: np.ndarray, y: np.ndarray, scale: float, mask: np.ndarray | None = None, mask_rows: int = 1
+    x: np.ndarray, y: np.ndarray, scale: float, mask: np.ndarray | None = None
 ) -> Callable[[], None] | None:
-    """y = softmax(x * scale + mask row r % mask_rows) per row; None where a layout is not the
-    row kernels' (``mask``: float32, its first ``mask_rows`` rows used)."""
+    """y = softmax(x * scale + mask) per row of x [ne3, ne2, ne1, n] (float32), the mask
+    [m3, m2, >= ne1, n] broadcast over ne2 and ne3 by repetition (ggml's); None where a layout is
+    not the row kernels'."""
+    if x.ndim != 4 or y.shape != x.shape:
+        return None
+    if mask is not None and (mask.ndim != 4 or mask.dtype != np.float32 or mask.size == 0):
+        return None
     xr, yr = rows_view(x), rows_view(y)
-    mr = rows_view(mask) if mask is not None else None
-    if xr is None or yr is None or xr.shape != yr.shape or (mask is not None and mr is None):
+    if xr is None or yr is None:
         return None
-    if mr is not None and (mr.shape[1] != xr.shape[1] or mr.shape[0] < mask_rows):
-        return None
-    nrows, n = xr.shape
-    mrows = mask_rows if mr is not None else 1
-    args = (nrows, n, *_rowarg(xr), *_rowarg(yr, True), *_rowarg(mr), mrows, float(scale))
+    ne3, ne2, ne1, n = x.shape
+    margs: tuple = (_ffi.NULL, 0, 0, 1, 1, 1, 1, 0, 0)
+    if mask is not None:
+        m3, m2, mr, mn = mask.shape
+        if mn != n or mr < ne1 or ne2 % m2 or ne3 % m3 or mask.strides[3] != 4 or min(mask.strides) < 0:
+            return None
+        if any(s % 4 for s in mask.strides):
+            return None
+        ms, ms2, ms3 = (mask.strides[k] // 4 for k in (2, 1, 0))
+        extent = sum((d - 1) * st for d, st in zip(mask.shape, mask.strides, strict=True)) + 4
+        first = mask if mask.flags.c_contiguous else mask[:1, :1, :1, :1]
+        margs = (_ffi.from_buffer("float[]", first), ms, extent // 4, ne1, ne2, m2, m3, ms2, ms3)
+    args = (xr.shape[0], n, *_rowarg(xr), *_rowarg(yr, True), *margs, float(scale))
     return _checked(_lib.ap_soft_max_rows, args, "soft_max rows")
 
 

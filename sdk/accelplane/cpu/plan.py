@@ -21,6 +21,7 @@ from accelplane.core.ops import (
     Op,
     SortOrder,
     UnaryOp,
+    rope_params,
     rope_yarn_corr_dims,
 )
 from accelplane.core.tensor import Tensor, strided_view
@@ -274,12 +275,10 @@ def _soft_max(t: Tensor, view: View) -> Step:
         slopes = _alibi_slopes(a.ne[2], max_bias)[None, :, None, None]
     else:
         slopes = None
-    simple_mask = mask is None or (mask.type == GGMLType.F32 and mask.ne[2] == mask.ne[3] == 1)
-    if a.type == t.type == GGMLType.F32 and max_bias == 0 and simple_mask:
+    if a.type == t.type == GGMLType.F32 and max_bias == 0 and (mask is None or mask.type == GGMLType.F32):
         from accelplane.cpu import kernels
 
-        m2 = view(mask)[0, 0] if mask is not None else None  # its rows repeat over ne2, ne3
-        fast = kernels.prepare_soft_max(av, dv, float(scale), m2, a.ne[1])
+        fast = kernels.prepare_soft_max(av, dv, float(scale), view(mask) if mask is not None else None)
         if fast is not None:
             return fast
 
@@ -300,8 +299,8 @@ _ROPE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (params, positio
 
 def _rope(t: Tensor, view: View) -> Step:
     a, pos = t.src
-    (_, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-     beta_fast, beta_slow) = t.op_params  # fmt: skip
+    (n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+     beta_fast, beta_slow) = rope_params(t)  # fmt: skip
     av, pv, dv = view(a), view(pos), view(t)
     half = n_dims // 2
     i = np.arange(half, dtype=np.float64)
@@ -359,6 +358,16 @@ def _rope(t: Tensor, view: View) -> Step:
     return step
 
 
+def _rows_2d(v: np.ndarray) -> np.ndarray | None:
+    """A [ne3, ne2, ne1, ne0] view as one [ne3*ne2*ne1, ne0] view of the same memory, when its
+    outer strides allow (rows evenly spaced), else None."""
+    s = v.strides
+    if (v.shape[1] == 1 or s[1] == s[2] * v.shape[2]) and (v.shape[0] == 1 or s[0] == s[1] * v.shape[1]):
+        return np.lib.stride_tricks.as_strided(v, (v.shape[0] * v.shape[1] * v.shape[2], v.shape[3]),
+                                               (s[2], s[3]))  # fmt: skip
+    return None
+
+
 def _mul_mat(t: Tensor, view: View) -> Step:
     a, b = t.src
     av, bv, dv = view(a), view(b), view(t)
@@ -366,7 +375,19 @@ def _mul_mat(t: Tensor, view: View) -> Step:
     wt = a.type
     jobs = [(av[i3 // r3, i2 // r2], bv[i3, i2], dv[i3, i2])
             for i3 in range(b.ne[3]) for i2 in range(b.ne[2])]  # fmt: skip
+    if a.ne[2] == a.ne[3] == 1 and len(jobs) > 1:
+        # one weight matrix for every batch: its rows against all activation rows in one product
+        x2, o2 = _rows_2d(bv), _rows_2d(dv)
+        if x2 is not None and o2 is not None:
+            jobs = [(av[0, 0], x2, o2)]
     if wt == GGMLType.F32 and b.type == GGMLType.F32:
+        if len(jobs) > 1 and r2 == r3 == 1:  # same batch dims: numpy loops over them in C
+            at = av.swapaxes(-1, -2)
+
+            def batched() -> None:
+                np.matmul(bv, at, out=dv)
+
+            return batched
         return lambda: [np.matmul(x, w.T, out=o) for w, x, o in jobs] and None
     from accelplane.cpu import kernels
 

@@ -227,8 +227,9 @@ class Specs:
 
     @hookspec
     def buffer_clear(self, buffer: Buffer, value: int) -> None:
-        """Fill the whole buffer with the byte ``value``. Fallback: set_tensor of a filled
-        array over the buffer."""
+        """Fill the whole buffer with the byte ``value``. Required when buft_is_host is
+        False (Buffer.clear raises DeviceError without it); fallback for host buffers: the
+        buffer_host_array is filled."""
 
     # --- backend / stream (ggml_backend_i) --------------------------------------------------------
     @hookspec
@@ -272,8 +273,9 @@ class Specs:
 
     @hookspec
     def graph_optimize(self, backend: Backend, graph: Graph) -> None:
-        """Optional reorder/fusion preparation, called once per scheduler split.
-        Fallback: nothing (the graph runs as built)."""
+        """Optional reorder/fusion preparation of ``graph`` before it is allocated, called
+        when the host calls Backend.graph_optimize(graph) (the Scheduler does not). Fallback:
+        nothing (the graph runs as built)."""
 
     @hookspec
     def event_record(self, backend: Backend, event: Event) -> None:

@@ -89,8 +89,7 @@ def pick_devices(reg, names: Sequence[str] | None) -> list[Device]:
             out += [reg.device(x.strip()) for x in n.split(",") if x.strip()]
         return list(dict.fromkeys(out))
     ranked = [d for d, _ in reg.ranked()]
-    accel = [d for d in ranked if d.type != DeviceType.CPU and not d.caps.emulated]
-    return accel or [d for d in ranked if d.type == DeviceType.CPU][:1] or ranked[:1]
+    return reg.accelerators() or [d for d in ranked if d.type == DeviceType.CPU][:1] or ranked[:1]
 
 
 def _cpu_of(reg) -> Device:

@@ -38,6 +38,7 @@ from accelplane.core.ops import (
     Op,
     SortOrder,
     UnaryOp,
+    rope_params,
     rope_yarn_corr_dims,
 )
 from accelplane.core.tensor import Tensor
@@ -433,7 +434,7 @@ def rope_cos_sin(
 
 def _rope(node, s):
     a, pos = s
-    _, n_dims, mode, n_ctx_orig, base, fscale, ext, attn, bfast, bslow = node.op_params[:10]
+    n_dims, mode, n_ctx_orig, base, fscale, ext, attn, bfast, bslow = rope_params(node)
     p = pos.reshape(-1)[: a.shape[1]]
     cos, sin = rope_cos_sin(p, n_dims, n_ctx_orig, base, fscale, ext, attn, bfast, bslow)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # positions run along ne2

@@ -355,6 +355,11 @@ class Registry:
         ranked = sorted(self.devices, key=lambda d: (emulated(d), order.get(d.type, 2)))
         return [(d, reason(d)) for d in ranked]
 
+    def accelerators(self) -> list[Device]:
+        """The devices default placement puts ahead of the CPU: :meth:`ranked`'s non-CPU devices
+        that are not emulated on the host's cores ([] on a machine without one)."""
+        return [d for d, _ in self.ranked() if d.type != DeviceType.CPU and not d.caps.emulated]
+
     def best_device(self) -> Device:
         """The first device of :meth:`ranked`."""
         ranked = self.ranked()

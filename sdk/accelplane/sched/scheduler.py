@@ -34,10 +34,18 @@ from accelplane import env
 from accelplane.core.graph import Graph
 from accelplane.core.ops import VIEW_OPS, Op, op_desc
 from accelplane.core.tensor import Tensor, TensorFlag, memory_owner, owners_to_keep
-from accelplane.errors import CheckResultsError, DeviceError, UnsupportedOpError
+from accelplane.errors import CheckResultsError, DeviceError, TypeMismatchError, UnsupportedOpError
 from accelplane.interface import DeviceType
 from accelplane.runtime.alloc import GraphAllocator
-from accelplane.runtime.backend import Backend, BufferType, BufferUsage, Event, tensor_copy, tensor_copy_async
+from accelplane.runtime.backend import (
+    Backend,
+    BufferType,
+    BufferUsage,
+    Device,
+    Event,
+    tensor_copy,
+    tensor_copy_async,
+)
 
 MAX_COPIES = 4
 EvalCallback = Callable[[Tensor, bool], bool]
@@ -158,6 +166,7 @@ class Scheduler(GraphRunner):
             for b in self.backends
         ]  # fmt: skip
         self.galloc = [GraphAllocator(bt) for bt in self.bufts]
+        self._owned: list[Backend] = []  # backends from_devices made, freed with the scheduler
         self.pins: dict[int, int] = {}
         self.eval_callback: EvalCallback | None = None
         self.stats = Stats()
@@ -176,15 +185,56 @@ class Scheduler(GraphRunner):
         self._debug = int(env.SCHED_DEBUG.get())
         self._check = env.CHECK_RESULTS.get()
 
+    @classmethod
+    def from_devices(cls, devices: Sequence[Device | str] | None = None, **kw) -> Scheduler:
+        """A scheduler over one new backend per device, in the given order, with the CPU device
+        last (appended when absent): a node the first device lacks runs on the next that has it.
+        ``devices`` (Device objects or names): default, the registry's accelerators
+        (:meth:`Registry.accelerators`: the default order without emulated devices), so on a
+        machine without one, the CPU alone. ``kw`` as the constructor's. The scheduler owns these
+        backends: :meth:`free` frees them."""
+        from accelplane.runtime.registry import get_registry
+
+        reg = get_registry()
+        if devices is None:
+            devs = reg.accelerators()
+        elif isinstance(devices, (str, Device)):
+            raise TypeMismatchError("devices must be a sequence of devices or names, e.g. ['CUDA0']")
+        else:
+            devs = [d if isinstance(d, Device) else reg.device(d) for d in devices]
+        cpus = [d for d in reg.devices if d.type == DeviceType.CPU]
+        if not devs or devs[-1].type != DeviceType.CPU:
+            if not cpus:
+                raise DeviceError("no CPU device registered: a scheduler needs one last (the cpu plugin)")
+            devs.append(cpus[0])
+        devs = list(dict.fromkeys(devs))
+        backends = [d.new_backend() for d in devs]
+        try:
+            sched = cls(backends, **kw)
+        except BaseException:
+            for b in backends:
+                b.free()
+            raise
+        sched._owned = backends
+        return sched
+
     # --- configuration -----------------------------------------------------------------------
     def set_tensor_backend(self, t: Tensor, backend: Backend) -> None:
         """Pin ``t`` to ``backend`` (never overridden by the assignment passes)."""
         self.pins[id(t)] = self._index(backend)
 
     def get_tensor_backend(self, t: Tensor) -> Backend | None:
-        p = self._allocated
+        """The backend ``t`` is assigned to in the graph last allocated or computed (before any:
+        its pin, if pinned), or None."""
+        p = self._allocated or self._computed
         i = p.assign.get(id(t)) if p else self.pins.get(id(t))
         return None if i is None else self.backends[i]
+
+    def placement(self) -> list[tuple[Tensor, Backend]]:
+        """Where the graph last allocated or computed runs: each of its nodes in graph order
+        with its backend (a view with the split it belongs to); [] before any graph."""
+        p = self._allocated or self._computed
+        return [] if p is None else [(n, self.backends[sp.backend]) for sp in p.splits for n in sp.nodes]
 
     def set_eval_callback(self, cb: EvalCallback | None) -> None:
         """``cb(t, True)`` asks whether the caller wants node t; if so the scheduler computes
@@ -552,6 +602,9 @@ class Scheduler(GraphRunner):
             g.free()
         self._key_memo.clear()  # it holds the leaves' buffers
         self._last_plan.clear()
+        for b in self._owned:
+            b.free()
+        self._owned = []
 
     def _key(self, graph: Graph) -> tuple:
         # re-plan when a leaf placed outside the scheduler moved (e.g. weights went to another

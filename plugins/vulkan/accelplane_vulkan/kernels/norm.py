@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from accelplane.core.ops import ROPE_TYPE_NEOX, Op, rope_yarn_corr_dims
+from accelplane.core.ops import ROPE_TYPE_NEOX, Op, rope_params, rope_yarn_corr_dims
 from accelplane.core.tensor import Tensor
 
 from .base import NO_MASK, Dispatch, elementwise, enb, eoffs, pack, rows
@@ -48,7 +48,7 @@ def soft_max(t: Tensor) -> list[Dispatch]:
 
 def rope(t: Tensor) -> list[Dispatch]:
     a, pos = t.src
-    _, n_dims, mode, n_ctx_orig, base, fscale, ext, attn, bfast, bslow = t.op_params[:10]
+    n_dims, mode, n_ctx_orig, base, fscale, ext, attn, bfast, bslow = rope_params(t)
     low, high = rope_yarn_corr_dims(n_dims, n_ctx_orig, base, bfast, bslow)
     if not math.isfinite(high):
         high = -1e30  # n_ctx_orig <= 0: an empty ramp, as ggml (the ramp is then 0 or 1)
