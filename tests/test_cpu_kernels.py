@@ -26,7 +26,7 @@ from accelplane.cpu import kernels  # noqa: E402
 from accelplane.errors import ConfigError, OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
 
 T = GGMLType
-QUANT = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 FLOAT = [T.F32, T.F16, T.BF16]
 ALL = QUANT + FLOAT
 BLOCK = {t: (t.blck_size, t.type_size) for t in QUANT}  # sizes: tests/test_types.py checks them
@@ -132,7 +132,7 @@ def test_mul_mat(t: GGMLType, kind: int, m: int, n: int, isa: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["packed", "strided_x", "f16_x", "strided_out", "many_rows"])
-@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.F16], ids=str)
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.IQ4_NL, T.IQ4_XS, T.F16], ids=str)
 def test_prepared_mul_mat(t: GGMLType, layout: str, isa: str) -> None:
     """A prepared product reads its operands' memory at every call (x rewritten in place between
     calls is seen), on the fast path and on the per-call fallbacks (x strided or not float32,

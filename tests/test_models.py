@@ -57,7 +57,7 @@ def models(tmp_path_factory):
     "wtype, d_model, d_ff",
     [("f32", 64, 96), ("f16", 64, 96), ("bf16", 64, 96), ("q8_0", 64, 96), ("q4_0", 64, 96),
      ("q4_1", 64, 96), ("q5_0", 64, 96), ("q5_1", 64, 96), ("q2_k", 256, 256), ("q3_k", 256, 256),
-     ("q4_k", 256, 256), ("q5_k", 256, 256), ("q6_k", 256, 256)],
+     ("q4_k", 256, 256), ("q5_k", 256, 256), ("q6_k", 256, 256), ("iq4_nl", 64, 96), ("iq4_xs", 256, 256)],
 )  # fmt: skip
 def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
     """make → read → save gives the same bytes; metadata and tensor bytes are what was written;

@@ -1,14 +1,16 @@
 """accelplane.core.types: (de)quantization against ggml's reference and gguf-py.
 
 The types gguf.quants can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are compared byte for byte
-with it (itself bit-exact with ggml); every quantized type with digests of ggml's C reference
-output (quantize_row_q*_ref) on a fixed input, and through round-trip error bounds.
+with it (itself bit-exact with ggml); every quantized type with ggml's C reference output
+(quantize_row_<type>_ref: digests on a fixed input, and the bytes of tests/data/ggml_quant_ref.npz,
+which tools/ggml_reference.py made through ggml's library), and through round-trip error bounds.
 Dequantizers must be bit-identical to gguf.quants.dequantize.
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import gguf
 import ml_dtypes
@@ -22,7 +24,8 @@ from hypothesis.extra import numpy as hnp
 
 T = GGMLType
 GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the types gguf.quants quantizes
-QUANT_TYPES = [*GGUF_QUANTIZES, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT_TYPES = [*GGUF_QUANTIZES, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]  # quantizers with a scale search
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 GQ = {t: gguf.GGMLQuantizationType(int(t)) for t in [*QUANT_TYPES, *FLOAT_TYPES]}
 
@@ -140,7 +143,7 @@ def test_zero_blocks_match_ggml() -> None:
         assert quantize(T.Q6_K, np.zeros((1, 256), np.float32)).tobytes() == bytes(210)
 
 
-# ---- Q4_K / Q6_K vs ggml's C reference ----------------------------------------------------
+# ---- every block type vs ggml's C reference ------------------------------------------------
 
 
 def golden_input() -> np.ndarray:
@@ -187,7 +190,20 @@ GOLDEN_SHA256 = {
     T.Q2_K: "8bea258e0419ef3af8e03abb0c02cbe3d93d200ce3d2789b800536c77c69e248",
     T.Q3_K: "38285e10e4f169422eb2ff9207d330bcadcbea5c52fc09d5c2c00542fa9d668e",
     T.Q5_K: "92bf9e1041bb6a29c22f31b010657f03acbd706814be48ac52024a205e5930cc",
+    T.IQ4_NL: "c54893e5ee99bca6edb70d2b9f54991a0d03d43c6358caf37c1e540358eb7678",  # see undefined_quants
+    T.IQ4_XS: "2a6bc7b1fa1af5beba31855736e8efa7ad03e5d9c1d255129ba081696e4bce94",
 }
+
+
+def undefined_quants(t: GGMLType, x: np.ndarray) -> np.ndarray:
+    """bool [rows, blocks]: the blocks whose quant bytes ggml's reference leaves undefined.
+    IQ4_NL's skips a block of |x| < 1e-15 (d = 0) without writing its quants buffer: the block
+    repeats the quants of the one before it, and before any other block of the row they are
+    whatever memory held (ours write 0; the digest above is of ggml's output with those 0)."""
+    if t != T.IQ4_NL:
+        return np.zeros((x.shape[0], x.shape[1] // t.blck_size), bool)
+    zero = np.abs(x).reshape(x.shape[0], -1, 32).max(axis=2) < 1e-15
+    return np.logical_and.accumulate(zero, axis=1)
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES)
@@ -199,20 +215,43 @@ def test_quantize_matches_ggml_reference_digest(t: GGMLType) -> None:
     assert hashlib.sha256(q.tobytes()).hexdigest() == GOLDEN_SHA256[t]
 
 
+GGML_REF = Path(__file__).parent / "data" / "ggml_quant_ref.npz"  # tools/ggml_reference.py wrote it
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+def test_quantize_matches_ggml_reference_file(t: GGMLType) -> None:
+    """Bytes of ggml's from_float_ref (quantize_row_<type>_ref) on edge-case rows, stored with
+    their input (undefined bytes aside); a mismatch names the first block that differs."""
+    with np.load(GGML_REF) as ref:
+        x, want = ref["x"], ref[t.traits.name].copy()
+    want.reshape(x.shape[0], -1, t.type_size)[undefined_quants(t, x), 2:] = 0  # IQ4_NL's d at 0..1
+    got = quantize(t, x)
+    assert got.shape == want.shape
+    blocks = (got != want).reshape(x.shape[0], -1, t.type_size).any(axis=2)
+    if blocks.any():
+        r, b = np.argwhere(blocks)[0]
+        raise AssertionError(f"{t.name}: {int(blocks.sum())} blocks differ, first row {r} block {b}: "
+                             f"{got[r].reshape(-1, t.type_size)[b].tobytes().hex()} != "
+                             f"{want[r].reshape(-1, t.type_size)[b].tobytes().hex()}")
+
+
 # rel. RMS error on N(0,1) data: ggml's ref algorithm gets ~0.071 (Q4_K), ~0.0177 (Q6_K),
 # ~0.086 (Q4_0), ~0.0053 (Q8_0), ~0.080 (Q4_1), ~0.044 (Q5_0), ~0.038 (Q5_1), ~0.30 (Q2_K),
-# ~0.152 (Q3_K), ~0.037 (Q5_K)
+# ~0.152 (Q3_K), ~0.037 (Q5_K), ~0.079 (IQ4_NL), ~0.077 (IQ4_XS)
 REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056, T.Q4_1: 0.085,
-                 T.Q5_0: 0.047, T.Q5_1: 0.042, T.Q2_K: 0.32, T.Q3_K: 0.16, T.Q5_K: 0.039}  # fmt: skip
+                 T.Q5_0: 0.047, T.Q5_1: 0.042, T.Q2_K: 0.32, T.Q3_K: 0.16, T.Q5_K: 0.039,
+                 T.IQ4_NL: 0.082, T.IQ4_XS: 0.08}  # fmt: skip
 # worst |error| of an element over the greatest |x| of its block (block_rows at magnitudes 1 to
 # 100): the step bound for the 32-blocks (Q4_0 d = 1/8, Q4_1 (max-min)/30 <= 1/15, Q5_0 1/16,
-# Q5_1 1/31, Q8_0 1/254, each with its f16 rounding), and for the K-quants' scale searches
+# Q5_1 1/31, Q8_0 1/254, each with its f16 rounding), and for the quantizers with a scale search
 # ~1.15x the worst of 3000 random rows each (Q2_K 0.65, Q3_K 0.28, Q4_K 0.12, Q5_K 0.068,
-# Q6_K 0.025); plus F16_SLACK for blocks of tiny values, whose f16 scales are subnormal: their
-# rounding (<= 2**-25) times the largest scale x quant product (63 * 31 * 2)
+# Q6_K 0.025, IQ4_NL 0.134, IQ4_XS 0.138); plus F16_SLACK for blocks of tiny values, whose f16
+# scales are subnormal: their rounding (<= 2**-25) times the largest scale x quant product
+# (63 * 31 * 2)
 F16_SLACK = 2.5e-4
 BLOCK_ERR_BOUND = {T.Q4_0: 0.13, T.Q4_1: 0.07, T.Q5_0: 0.065, T.Q5_1: 0.035, T.Q8_0: 0.005, T.Q2_K: 0.75,
-                   T.Q3_K: 0.32, T.Q4_K: 0.14, T.Q5_K: 0.08, T.Q6_K: 0.03}  # fmt: skip
+                   T.Q3_K: 0.32, T.Q4_K: 0.14, T.Q5_K: 0.08, T.Q6_K: 0.03, T.IQ4_NL: 0.155,
+                   T.IQ4_XS: 0.16}  # fmt: skip
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES)
@@ -239,11 +278,12 @@ def test_round_trip_bound_hypothesis(t: GGMLType, data: st.DataObject) -> None:
     np.testing.assert_array_equal(y[~x.any(axis=1)], 0)
     err = np.abs(y - x).reshape(-1, t.blck_size)
     amax = np.abs(x).reshape(-1, t.blck_size).max(axis=1, keepdims=True)
-    assert np.all(err <= BLOCK_ERR_BOUND[t] * amax + F16_SLACK), f"{t.name}: {float(np.max(err - amax * BLOCK_ERR_BOUND[t]))}"
+    excess = float(np.max(err - amax * BLOCK_ERR_BOUND[t]))
+    assert np.all(err <= BLOCK_ERR_BOUND[t] * amax + F16_SLACK), f"{t.name}: {excess}"
 
 
-@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
-def test_k_quant_edge_rows(t: GGMLType) -> None:
+@pytest.mark.parametrize("t", SEARCH_TYPES)
+def test_search_quant_edge_rows(t: GGMLType) -> None:
     x = edge_rows(3, 5, 512)
     q = quantize(t, x)
     y = dequantize(t, q, 512)
@@ -255,8 +295,8 @@ def test_k_quant_edge_rows(t: GGMLType) -> None:
 
 
 def test_chunking_does_not_change_bytes() -> None:
-    x = gauss(5, (600, 256))  # 600 blocks: more than one vectorized chunk
-    for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
+    x = gauss(5, (600, 256))  # more blocks than one vectorized chunk (256; IQ4_NL 4096 of 32)
+    for t in SEARCH_TYPES:
         whole = quantize(t, x)
         parts = np.concatenate([quantize(t, x[i : i + 7]) for i in range(0, 600, 7)])
         np.testing.assert_array_equal(whole, parts)

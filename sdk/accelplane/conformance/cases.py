@@ -22,7 +22,7 @@ from accelplane.core.types import GGMLType
 T = GGMLType
 Init = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]
 # the block types a weight may have (products, row gathers, dequantizing copies)
-QUANT = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+QUANT = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 
 
 @dataclass

@@ -15,6 +15,8 @@ Q3_K    256    110    hmask[32], qs[64], scales[12] (6-bit packed), d:f16
 Q4_K    256    144    d:f16, dmin:f16, scales[12] (6-bit packed), qs[128]
 Q5_K    256    176    d:f16, dmin:f16, scales[12] (6-bit packed), qh[32], qs[128]
 Q6_K    256    210    ql[128], qh[64], scales[16] int8, d:f16
+IQ4_NL  32     18     d:f16, qs[16] (value d * IQ4NL_VALUES[q])
+IQ4_XS  256    136    d:f16, scales_h:u16, scales_l[4] (6-bit scales - 32), qs[128]
 ======  =====  =====  ==============================================================
 """
 
@@ -51,6 +53,8 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     I32 = 26
     BF16 = 30
 
@@ -122,6 +126,8 @@ class _LazyTraits(dict):
                 T.Q4_K: TypeTraits("q4_K", QK_K, 144, True, None, (0, 2)),
                 T.Q5_K: TypeTraits("q5_K", QK_K, 176, True, None, (0, 2)),
                 T.Q6_K: TypeTraits("q6_K", QK_K, 210, True, None, (208,)),
+                T.IQ4_NL: TypeTraits("iq4_nl", 32, 18, True, None, (0,)),
+                T.IQ4_XS: TypeTraits("iq4_xs", QK_K, 136, True, None, (0,)),
             }
         )
 
@@ -777,6 +783,115 @@ def _dequantize_q6_k(b: np.ndarray) -> np.ndarray:
 # ---- public API --------------------------------------------------------------------------
 
 
+# ---- IQ4_NL / IQ4_XS ---------------------------------------------------------------------
+
+_IQ4_LEVELS = np.array(IQ4NL_VALUES, np.float32)
+
+
+def _iq4_index(v: np.ndarray) -> np.ndarray:
+    """ggml's best_index_int8(16, kvalues_iq4nl, v): the nearest level's index (uint8), the
+    upper one of a tie; the ends for v outside the levels."""
+    mu = np.clip(np.searchsorted(_IQ4_LEVELS, v, side="right"), 1, 15)
+    lower = (v - _IQ4_LEVELS[mu - 1]) < (_IQ4_LEVELS[mu] - v)
+    return (mu - lower).astype(np.uint8)
+
+
+def _iq4_sums(x: np.ndarray, w: np.ndarray, iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(L, sum w q x, sum w q q) of x [32, S] at inverse scale iscale [S] (sums in index order)."""
+    L = _iq4_index(iscale * x)
+    q = _IQ4_LEVELS[L]
+    wq = w * q
+    return L, _seqsum(wq * x), _seqsum(wq * q)
+
+
+def _iq4_search(x: np.ndarray, ntry: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """quantize_row_iq4_nl_impl's scale search (no importance weights: w = x*x) over the
+    columns of x [32, S]: a first scale from the signed max, then, for ntry > 0, inverse scales
+    (t - 127) / max for t in -ntry..ntry, keeping the best weighted fit.
+
+    Returns (scale [S], L [32, S] of the first scale, zero [S]: blocks of |x| < 1e-15, scale 0).
+    """
+    amax, mx = _absmax_first(x, 0)
+    zero = amax < _GROUP_MAX_EPS
+    w = x * x
+    lv0 = _IQ4_LEVELS[0]
+    d = (-mx) / lv0 if ntry > 0 else mx / lv0
+    L, sumqx, sumq2 = _iq4_sums(x, w, _F32(1) / d)
+    d = np.where(sumq2 > 0, sumqx / sumq2, _F32(0))
+    best = d * sumqx
+    for itry in range(-ntry, ntry + 1):
+        _, sumqx, sumq2 = _iq4_sums(x, w, _F32(itry + IQ4NL_VALUES[0]) / mx)
+        upd = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        d = np.where(upd, sumqx / sumq2, d)
+        best = np.where(upd, d * sumqx, best)
+    return np.where(zero, _F32(0), d), L, zero
+
+
+def _quantize_iq4_nl_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 32] -> uint8 [n, 18] (quantize_row_iq4_nl_ref: one scale per block, no
+    refinement); the quants of all-zero blocks are left 0 (see _quantize_iq4_nl)."""
+    n = xb.shape[0]
+    scale, L, zero = _iq4_search(np.ascontiguousarray(xb.T), -1)
+    L[:, zero] = 0
+    out = np.empty((n, 18), np.uint8)
+    out[:, :2] = _fp16_bits(scale).view(np.uint8).reshape(n, 2)
+    out[:, 2:] = _pack_nibbles(L.T)
+    return out
+
+
+def _quantize_iq4_nl(x3: np.ndarray) -> np.ndarray:
+    """float32 [rows, nb, 32] -> uint8 [rows * nb, 18]. ggml skips a block of |x| < 1e-15
+    (d = 0) without writing its quants buffer, so such a block repeats the quants of the block
+    before it in the row; before any other block of the row ggml's are undefined, ours 0."""
+    rows, nb = x3.shape[:2]
+    out = _chunked(_quantize_iq4_nl_chunk, 4096)(x3.reshape(-1, 32)).reshape(rows, nb, 18)
+    zero = np.abs(x3).max(axis=2) < _GROUP_MAX_EPS
+    if zero.any():
+        last = np.maximum.accumulate(np.where(zero, -1, np.arange(nb)), axis=1)
+        r, b = np.nonzero(zero & (last >= 0))
+        out[r, b, 2:] = out[r, last[r, b], 2:]
+    return out.reshape(rows * nb, 18)
+
+
+def _quantize_iq4_xs_chunk(xb: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> uint8 [n, 136] (quantize_row_iq4_xs_ref: quantize_iq4_xs without
+    importance weights, 7 refinement steps)."""
+    n = xb.shape[0]
+    s = n * 8
+    x = np.ascontiguousarray(xb.reshape(s, 32).T)  # [32, sub-block]
+    scales = _iq4_search(x, 7)[0].reshape(n, 8)
+    d = -_absmax_value(scales) / _F32(32)
+    ls = np.clip(_nearest_int(_inverse(d)[:, None] * scales), -32, 31)
+    dl = (d[:, None] * ls.astype(np.float32)).reshape(s)
+    L = _iq4_index(_inverse(dl) * x)  # the float d, not its f16 rounding, as ggml
+    ls = (ls + 32).astype(np.uint8)
+    out = np.empty((n, 136), np.uint8)
+    out[:, 0:2] = _fp16_bits(d).view(np.uint8).reshape(n, 2)
+    high = (ls >> 4).astype("<u2") << (2 * np.arange(8, dtype="<u2"))
+    out[:, 2:4] = high.sum(axis=1, dtype="<u2").view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
+    out[:, 8:] = _pack_nibbles(L.T).reshape(n, 128)
+    return out
+
+
+def _dequantize_iq4_nl(b: np.ndarray) -> np.ndarray:
+    return _f16_to_f32(b[:, :2])[:, None] * _IQ4_LEVELS[_unpack_nibbles(b[:, 2:])]
+
+
+def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """The 8 signed 6-bit sub-block scales (int8, 32 subtracted) of IQ4_XS blocks b."""
+    high = np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype="<u2"))
+    low = np.stack([b[:, 4:8] & 0x0F, b[:, 4:8] >> 4], axis=2).reshape(-1, 8)
+    return (low | ((high & 3).astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+
+
+def _dequantize_iq4_xs(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    dl = _f16_to_f32(b[:, :2])[:, None] * _iq4_xs_scales(b).astype(np.float32)
+    q = _IQ4_LEVELS[_unpack_nibbles(b[:, 8:].reshape(n * 8, 16))].reshape(n, 8, 32)
+    return (dl[:, :, None] * q).reshape(n, QK_K)
+
+
 def _chunked(fn: Callable[[np.ndarray], np.ndarray], size: int) -> Callable[[np.ndarray], np.ndarray]:
     """Apply a block quantizer to ``size`` blocks at a time (bounded temporaries)."""
 
@@ -797,6 +912,7 @@ _QUANTIZERS = {
     GGMLType.Q4_K: _chunked(_quantize_q4_k_chunk, _K_CHUNK),
     GGMLType.Q5_K: _chunked(_quantize_q5_k_chunk, _K_CHUNK),
     GGMLType.Q6_K: _chunked(_quantize_q6_k_chunk, _K_CHUNK),
+    GGMLType.IQ4_XS: _chunked(_quantize_iq4_xs_chunk, _K_CHUNK),
 }
 
 _DEQUANTIZERS = {
@@ -810,6 +926,8 @@ _DEQUANTIZERS = {
     GGMLType.Q4_K: _dequantize_q4_k,
     GGMLType.Q5_K: _dequantize_q5_k,
     GGMLType.Q6_K: _dequantize_q6_k,
+    GGMLType.IQ4_NL: _dequantize_iq4_nl,
+    GGMLType.IQ4_XS: _dequantize_iq4_xs,
 }
 
 
@@ -849,6 +967,8 @@ def quantize(t: GGMLType, x: np.ndarray) -> np.ndarray:
             blocks = arr.reshape(-1, t.blck_size)
             if blocks.shape[0] == 0:
                 out = np.empty((0, t.type_size), np.uint8)
+            elif t is GGMLType.IQ4_NL:  # its zero blocks depend on the row's blocks before them
+                out = _quantize_iq4_nl(arr.reshape(-1, ne0 // 32, 32))
             else:
                 out = _QUANTIZERS[t](blocks)
     return np.ascontiguousarray(out).reshape(*lead, rs)

@@ -22,6 +22,8 @@
 #define AP_T_Q4_K 12
 #define AP_T_Q5_K 13
 #define AP_T_Q6_K 14
+#define AP_T_IQ4_NL 20
+#define AP_T_IQ4_XS 23
 #define AP_T_BF16 30
 
 #define AP_ISA_PORTABLE 0

@@ -64,7 +64,7 @@ T = GGMLType
 _BLOCK: Final[dict[GGMLType, tuple[int, int]]] = {
     t: (t.blck_size, t.type_size)
     for t in (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
-              T.Q5_K, T.Q6_K)
+              T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 }
 SUPPORTED_TYPES: Final[tuple[GGMLType, ...]] = tuple(_BLOCK)
 
@@ -86,6 +86,8 @@ _CROSSOVER_N: Final[dict[GGMLType, int]] = {
     GGMLType.Q4_K: 256,
     GGMLType.Q5_K: 256,
     GGMLType.Q6_K: 256,
+    GGMLType.IQ4_NL: 160,
+    GGMLType.IQ4_XS: 256,
 }
 # the portable C kernel has no SIMD FMA or int8 dot: dequantize + BLAS wins from N = 2 on
 _PORTABLE_CROSSOVER_N: Final = 2

@@ -19,7 +19,7 @@ Metadata uses llama.cpp's keys (``general.architecture = "llama"``, ``llama.bloc
 
 Synthetic weights (:func:`make_model`): deterministic per (seed, tensor name); matrices are
 N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.01). F32/F16/BF16,
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K and Q5_K quantize those values with
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS quantize those values with
 :func:`accelplane.core.types.quantize` (byte-exact with ggml), in row chunks so big matrices
 stay fast. Q4_K and Q6_K blocks are written directly as
 random *valid* blocks of the same spread (random quants, positive random sub-block scales,
@@ -48,7 +48,7 @@ from accelplane.models.llama import LlamaConfig, WeightSpec
 
 T = GGMLType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
-                   T.Q5_K, T.Q6_K)  # fmt: skip
+                   T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)  # fmt: skip
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
 ROPE_NEOX_KEY = "accelplane.rope.neox"
@@ -619,7 +619,8 @@ def save_gguf(path: str | os.PathLike, f: GGUFFile) -> None:
 # --- synthetic models ------------------------------------------------------------------------------
 # llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*; the K-quants as their _M mixes)
 _FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.Q2_K: 10,
-               T.Q3_K: 12, T.Q4_K: 15, T.Q5_K: 17, T.Q6_K: 18, T.BF16: 32}  # fmt: skip
+               T.Q3_K: 12, T.Q4_K: 15, T.Q5_K: 17, T.Q6_K: 18, T.IQ4_NL: 25, T.IQ4_XS: 30,
+               T.BF16: 32}  # fmt: skip
 _CHUNK_ELEMENTS = 1 << 21  # rows generated and quantized per chunk (keeps temporaries in cache)
 
 
