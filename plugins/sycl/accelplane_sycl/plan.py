@@ -310,8 +310,9 @@ _BUILDERS: dict[Op, Callable[[Plan, Tensor], None]] = {
 }  # fmt: skip
 # view ops compute nothing; Op.NONE is left out (without a view source it would be a copy)
 SUPPORTED_OPS = frozenset(_BUILDERS) | (VIEW_OPS - {Op.NONE})
-# the types kernels/common.cl loads and stores (the catalog has more block types)
-TYPES = frozenset({T.F32, T.F16, T.BF16, T.I32, T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
+# the types kernels/common.cl loads and stores (a block type the catalog gains is declined until here)
+TYPES = frozenset({T.F32, T.F16, T.BF16, T.I32, T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q4_1, T.Q5_0, T.Q5_1,
+                   T.Q2_K, T.Q3_K, T.Q5_K, T.IQ4_NL, T.IQ4_XS})  # fmt: skip
 
 
 def supports(t: Tensor) -> bool:
