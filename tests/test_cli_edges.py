@@ -54,7 +54,7 @@ def one_line(err: str, *parts: str) -> None:
     (["run", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["make-model", "/nonexistent/dir/m.gguf"], ["directory /nonexistent/dir does not exist"]),
     (["make-model", "x.gguf", "--layers", "0"], ["--layers", "from 1 to"]),
-    (["make-model", "x.gguf", "--wtype", "q3_k"], ["--wtype", "invalid choice"]),
+    (["make-model", "x.gguf", "--wtype", "iq2_xxs"], ["--wtype", "invalid choice"]),
     (["ops", "--markdown", "/nonexistent/ops.md"], ["/nonexistent does not exist"]),
     (["bench", "ops", "--json", "/nonexistent/x.json"], ["--json /nonexistent/x.json"]),
     (["nosuchcommand"], ["invalid choice"]),
@@ -152,3 +152,24 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert err.strip().splitlines()[-1] == "accelplane: interrupted"
     assert "Traceback" not in err
     assert not (tmp_path / "big.gguf").exists(), "no partial model is left behind"
+
+
+def test_ops_markdown_has_a_row_per_block_type(capsys, monkeypatch, tmp_path):
+    """`ops --markdown` ends with a row for every block type of the catalog, counting the
+    conformance cases that name the type (counted here apart); the CPU plugin takes them all."""
+    from accelplane.conformance.cases import all_cases
+    from accelplane.core.ops import QUANT
+
+    monkeypatch.setenv("ACCELPLANE_PLUGINS", "cpu")
+    out = tmp_path / "ops.md"
+    rc, _, err = run(capsys, "ops", "--markdown", str(out))
+    assert rc == 0, err
+    text = out.read_text()
+    rows = dict(line.strip("|").split("|")[:2] for line in text.split("## Block types")[1].splitlines()
+                if line.startswith("| ") and "---" not in line and "type" not in line)  # fmt: skip
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert set(rows) == {t.name for t in QUANT}
+    cases = all_cases()
+    for t in QUANT:
+        n = sum(1 for c in cases if t in c.params.values())
+        assert n >= 4 and rows[t.name] == "yes", (t.name, n, rows[t.name])

@@ -786,12 +786,17 @@ def _dequantize_q6_k(b: np.ndarray) -> np.ndarray:
 # ---- IQ4_NL / IQ4_XS ---------------------------------------------------------------------
 
 _IQ4_LEVELS = np.array(IQ4NL_VALUES, np.float32)
+# the first level above f, for each integer f from -127 to 113, in 1..15: the levels are integers,
+# so the first level above v is the first above floor(v)
+_IQ4_ABOVE = np.searchsorted(_IQ4_LEVELS, np.arange(-127, 114, dtype=np.float32), side="right").clip(1, 15)
 
 
 def _iq4_index(v: np.ndarray) -> np.ndarray:
-    """ggml's best_index_int8(16, kvalues_iq4nl, v): the nearest level's index (uint8), the
-    upper one of a tie; the ends for v outside the levels."""
-    mu = np.clip(np.searchsorted(_IQ4_LEVELS, v, side="right"), 1, 15)
+    """ggml's best_index_int8(16, kvalues_iq4nl, v): between the levels either side of v, the
+    lower where v - lower < upper - v (float32), else the upper (uint8); the ends for v outside
+    the levels and the top one for NaN."""
+    f = np.nan_to_num(np.floor(v), nan=113.0, posinf=113.0, neginf=-127.0)
+    mu = _IQ4_ABOVE[np.clip(f, -127, 113).astype(np.intp) + 127]
     lower = (v - _IQ4_LEVELS[mu - 1]) < (_IQ4_LEVELS[mu] - v)
     return (mu - lower).astype(np.uint8)
 
