@@ -177,6 +177,9 @@ def np_dtype(t: GGMLType) -> np.dtype:
 # by step in float32, vectorized over blocks: C's left-to-right float expressions, sequential
 # float sums, ggml's ``nearest_int`` and fp32->fp16 rounding.  On finite input the bytes equal
 # ggml's reference output as built for x86-64 without FMA contraction (ggml-base's default).
+# They are also the bytes llama.cpp's llama-quantize writes without an importance matrix, for
+# every type but IQ4_NL, whose block scales llama-quantize refines (ggml_quantize_chunk) and the
+# reference quantizer does not (tools/llama_quantize_check.py compares the two).
 
 _F32 = np.float32
 _GROUP_MAX_EPS = _F32(1e-15)
