@@ -82,7 +82,7 @@ def overhead_case(n_nodes: int = 1000, ne0: int = 16) -> PerfCase:
 
 
 # weight types of published GGUF files beside those above (the matmul set's second part)
-MORE_QUANT = (T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K)
+MORE_QUANT = (T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 SETS: dict[str, Callable[[], list[PerfCase]]] = {
     "matmul": lambda: [matmul_case(t, 4096, n, 14336)
                        for n in (1, 512) for t in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K)]
