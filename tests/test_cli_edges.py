@@ -154,22 +154,23 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert not (tmp_path / "big.gguf").exists(), "no partial model is left behind"
 
 
-def test_ops_markdown_has_a_row_per_block_type(capsys, monkeypatch, tmp_path):
-    """`ops --markdown` ends with a row for every block type of the catalog, counting the
-    conformance cases that name the type (counted here apart); the CPU plugin takes them all."""
+def test_ops_markdown_has_a_row_per_block_type(capsys, tmp_path):
+    """`ops --markdown` ends with a row for every block type of the catalog; a type's row counts
+    the conformance cases that name the type (counted here apart), and the CPU plugin takes
+    them all."""
+    from accelplane.cli import support_matrix
     from accelplane.conformance.cases import all_cases
     from accelplane.core.ops import QUANT
 
-    monkeypatch.setenv("ACCELPLANE_PLUGINS", "cpu")
     out = tmp_path / "ops.md"
     rc, _, err = run(capsys, "ops", "--markdown", str(out))
     assert rc == 0, err
-    text = out.read_text()
-    rows = dict(line.strip("|").split("|")[:2] for line in text.split("## Block types")[1].splitlines()
-                if line.startswith("| ") and "---" not in line and "type" not in line)  # fmt: skip
-    rows = {k.strip(): v.strip() for k, v in rows.items()}
-    assert set(rows) == {t.name for t in QUANT}
+    table = out.read_text().split("## Block types")[1]
+    names = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")}
+    assert names - {"type", "---"} == {t.name for t in QUANT}
+    cols, _, by_type = support_matrix()
+    cpu = next(c for c in cols if c.startswith("cpu/"))
     cases = all_cases()
     for t in QUANT:
-        n = sum(1 for c in cases if t in c.params.values())
-        assert n >= 4 and rows[t.name] == "yes", (t.name, n, rows[t.name])
+        n = sum(1 for c in cases if any(type(v) is type(t) and v == t for v in c.params.values()))
+        assert n >= 4 and by_type[t.name][cpu] == (n, n), (t.name, n, by_type[t.name][cpu])
