@@ -9,14 +9,15 @@ files of real models. Both commands need llama.cpp's Python binding (``llama_cpp
 build of that tree, and use ``llama_tokenize`` / ``llama_detokenize`` as the oracle.
 
 ``write``: for each vocabulary of :data:`VOCABS` makes a trimmed copy, ``NAME.gguf`` in the
-output directory (with the pre-tokenizer VOCABS gives it): every token that is not a normal one
+output directory, with the pre-tokenizer VOCABS gives it: every token that is not a normal one
 (control, byte, user-defined, ...) and every normal token whose text occurs in the test texts
 (:data:`TEXTS`), the ids up to the model type's default special ids (BERT's CLS is 101 without
-a key), and the merges among them, in the original order (so the test texts tokenize as with the whole vocabulary, under new
-ids). It is made deterministically from the source file. Then ``refs.json`` gets, per vocabulary,
-llama.cpp's ids for each text under each (add_special, parse_special), its decoding of them,
-its BOS/EOS/end-of-generation ids, and the ids of the whole vocabulary (with the source file's
-SHA-256, for tests given the real file). The tests need neither llama.cpp nor the real files.
+a key), and the merges among them, in the original order (so the test texts tokenize as with
+the whole vocabulary, under new ids). It is made deterministically from the source file. Then
+``refs.json`` gets, per vocabulary, llama.cpp's ids for each text under each (add_special,
+parse_special), its decoding of them, its BOS/EOS/end-of-generation ids, and for a vocabulary
+under its own pre-tokenizer the ids of the whole vocabulary (with the source file's SHA-256,
+for tests given the real file). The tests need neither llama.cpp nor the real files.
 
 ``compare``: accelplane's tokenizer against llama.cpp on the whole vocabularies (default: every
 ``ggml-vocab-*.gguf`` accelplane supports), over the test texts, llama.cpp's own test texts

@@ -175,33 +175,47 @@ def cmd_devices(args) -> int:
     return 0
 
 
-def support_matrix() -> tuple[list[str], dict[str, dict[str, tuple[int, int]]]]:
-    """(device columns, {op: {device: (supported, cases)}}) over the conformance cases."""
+Matrix = dict[str, dict[str, tuple[int, int]]]  # row → {device column: (supported, cases)}
+
+
+def support_matrix() -> tuple[list[str], Matrix, Matrix]:
+    """(device columns, by op, by block type) over the conformance cases: a case counts in the
+    row of its op and in the row of each block type among its parameters."""
     import accelplane
     from accelplane.conformance.cases import all_cases
     from accelplane.conformance.runner import graph_supported
     from accelplane.core.graph import Context
+    from accelplane.core.types import GGMLType
 
     devs = accelplane.get_registry().devices
     cols = [f"{d.plugin.name}/{d.name}" for d in devs]
-    matrix: dict[str, dict[str, tuple[int, int]]] = {}
+    by_op: Matrix = {}
+    by_type: Matrix = {}
     for case in all_cases():
         ctx = Context()
         g = ctx.graph(case.build(ctx))
-        row = matrix.setdefault(case.op, {c: (0, 0) for c in cols})
-        for d, c in zip(devs, cols, strict=True):
-            ok = graph_supported(d, g)[0]
-            s, n = row[c]
-            row[c] = (s + ok, n + 1)
-    return cols, dict(sorted(matrix.items()))
+        oks = [graph_supported(d, g)[0] for d in devs]
+        types = {v.name for v in case.params.values() if isinstance(v, GGMLType) and v.is_quantized}
+        for matrix, key in [(by_op, case.op), *((by_type, t) for t in types)]:
+            row = matrix.setdefault(key, dict.fromkeys(cols, (0, 0)))
+            for c, ok in zip(cols, oks, strict=True):
+                s, n = row[c]
+                row[c] = (s + ok, n + 1)
+    order = {t.name: int(t) for t in GGMLType}
+    return cols, dict(sorted(by_op.items())), dict(sorted(by_type.items(), key=lambda kv: order[kv[0]]))
 
 
 def _cell(s: int, n: int) -> str:
     return "yes" if s == n else "no" if s == 0 else f"partial ({s}/{n})"
 
 
+def _md_table(first: str, cols: list[str], matrix: Matrix) -> list[str]:
+    lines = [f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    return lines + [f"| {k} | " + " | ".join(_cell(*r[c]) for c in cols) + " |" for k, r in matrix.items()]
+
+
 def cmd_ops(args) -> int:
-    cols, matrix = support_matrix()
+    cols, matrix, by_type = support_matrix()
     if args.json:
         print(json.dumps({op: {c: {"supported": s, "cases": n} for c, (s, n) in row.items()}
                           for op, row in matrix.items()}, indent=1))  # fmt: skip
@@ -212,9 +226,10 @@ def cmd_ops(args) -> int:
                  "case of the op is supported, `partial (s/n)` = s of n cases (types, shapes), "
                  "`no` = none. Support is what each plugin's `supports_op` answers; the "
                  "conformance suite proves every `yes`.", "",
-                 "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]  # fmt: skip
-        for op, row in matrix.items():
-            lines.append(f"| {op} | " + " | ".join(_cell(*row[c]) for c in cols) + " |")
+                 *_md_table("op", cols, matrix), "", "## Block types", "",
+                 "The cases that read or write each block type (MUL_MAT, MUL_MAT_ID, GET_ROWS, "
+                 "SET_ROWS, CPY), counted as above.", "",
+                 *_md_table("type", cols, by_type)]  # fmt: skip
         import accelplane
 
         missing = accelplane.get_registry().failures
@@ -488,7 +503,9 @@ def _model_args(sub, b) -> None:
     for flag, dest in _MAKE_INTS:
         lo = 0 if dest in ("n_expert", "n_expert_used", "seed") else 1
         m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
-    wtypes = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
+    from accelplane.core.types import GGMLType
+
+    wtypes = [t.name.lower() for t in GGMLType if t != GGMLType.I32]  # what make_model writes
     m.add_argument("--wtype", default="q8_0", type=str.lower, choices=wtypes, help="matrix type")
     m.add_argument("--output-type", type=str.lower, choices=wtypes,
                    help="output head type (default: --wtype)")  # fmt: skip

@@ -19,8 +19,9 @@ Metadata uses llama.cpp's keys (``general.architecture = "llama"``, ``llama.bloc
 
 Synthetic weights (:func:`make_model`): deterministic per (seed, tensor name); matrices are
 N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.01). F32/F16/BF16,
-Q8_0 and Q4_0 quantize those values with :func:`accelplane.core.types.quantize` (byte-exact with
-ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are written directly as
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS quantize those values with
+:func:`accelplane.core.types.quantize` (byte-exact with ggml), in row chunks so big matrices
+stay fast. Q4_K and Q6_K blocks are written directly as
 random *valid* blocks of the same spread (random quants, positive random sub-block scales,
 a d/dmin pair that centres the values), because their reference quantizers' scale searches
 are too slow for a ~1B model in numpy; the values are still well-formed K-quant data that
@@ -46,7 +47,8 @@ from accelplane.errors import GGUFError, ShapeError
 from accelplane.models.llama import LlamaConfig, WeightSpec
 
 T = GGMLType
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
+                   T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)  # fmt: skip
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
 ROPE_NEOX_KEY = "accelplane.rope.neox"
@@ -660,7 +662,10 @@ def save_gguf(path: str | os.PathLike, f: GGUFFile) -> None:
 
 
 # --- synthetic models ------------------------------------------------------------------------------
-FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q8_0: 7, T.Q4_K: 15, T.Q6_K: 18, T.BF16: 32}
+# llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*; the K-quants as their _M mixes)
+FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.Q2_K: 10,
+              T.Q3_K: 12, T.Q4_K: 15, T.Q5_K: 17, T.Q6_K: 18, T.IQ4_NL: 25, T.IQ4_XS: 30,
+              T.BF16: 32}  # fmt: skip
 _CHUNK_ELEMENTS = 1 << 21  # rows generated and quantized per chunk (keeps temporaries in cache)
 
 
