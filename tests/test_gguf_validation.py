@@ -258,7 +258,7 @@ def test_bad_dims(small, tmp_path, name, dims):
     "tid, needle",
     [(99, "has unknown tensor type id 99"), (4, "has unknown tensor type id 4"),
      (1 << 31, f"has unknown tensor type id {1 << 31}"),
-     (6, "has type Q5_0, which accelplane does not support (type id 6"),
+     (16, "has type IQ2_XXS, which accelplane does not support (type id 16"),
      (24, "has type I8, which accelplane does not support (type id 24")],
 )  # fmt: skip
 def test_unknown_or_unsupported_tensor_type(small, tmp_path, tid, needle):

@@ -56,7 +56,8 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize(
     "wtype, d_model, d_ff",
     [("f32", 64, 96), ("f16", 64, 96), ("bf16", 64, 96), ("q8_0", 64, 96), ("q4_0", 64, 96),
-     ("q4_k", 256, 256), ("q6_k", 256, 256)],
+     ("q4_1", 64, 96), ("q5_0", 64, 96), ("q5_1", 64, 96), ("q2_k", 256, 256), ("q3_k", 256, 256),
+     ("q4_k", 256, 256), ("q5_k", 256, 256), ("q6_k", 256, 256), ("iq4_nl", 64, 96), ("iq4_xs", 256, 256)],
 )  # fmt: skip
 def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
     """make → read → save gives the same bytes; metadata and tensor bytes are what was written;
@@ -135,7 +136,7 @@ def test_malformed_files(tmp_path, models):
         print(what, "ok")
     # unknown and unsupported tensor type ids
     off = _tensor_info_offset(good, "blk.0.attn_q.weight")
-    for tid, msg in ((99, "unknown tensor type id 99"), (6, "Q5_0, which accelplane does not support")):
+    for tid, msg in ((99, "unknown tensor type id 99"), (16, "IQ2_XXS, which accelplane does not support")):
         bad = bytearray(good)
         bad[off : off + 4] = tid.to_bytes(4, "little")
         with pytest.raises(GGUFError, match=f"blk.0.attn_q.weight.*{msg}|{msg}"):

@@ -99,3 +99,10 @@ class ConfigError(AccelplaneError, ValueError):
 
 class GGUFError(AccelplaneError):
     """A GGUF file is malformed, truncated or uses something accelplane does not support."""
+
+
+class TokenizerError(AccelplaneError, ValueError):
+    """A model's vocabulary cannot make a tokenizer (no ``tokenizer.ggml.*`` keys, a tokenizer
+    model or pre-tokenizer accelplane does not know, malformed arrays), or text cannot be
+    encoded with it (not valid Unicode, a byte no token covers); the message names the file
+    and the key."""

@@ -4,11 +4,10 @@ quantized weights dequantized to F16 once per run first (kernels/dequant.cu)."""
 from __future__ import annotations
 
 import numpy as np
-from accelplane.core.ops import QUANT
 from accelplane.core.types import GGMLType as T
 
 from . import compiler, rows
-from .args import QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
+from .args import QUANT, QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
 from .layout import type_id
 
 STAGED_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_staged

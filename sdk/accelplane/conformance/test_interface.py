@@ -59,8 +59,7 @@ def test_buffer_type_facts(ap_device):
     assert buft.alloc_size(t) >= t.nbytes
 
 
-@pytest.mark.parametrize("type_", [T.F32, T.F16, T.BF16, T.I32, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize("type_", list(T), ids=str)
 def test_set_get_roundtrip(ap_device, ap_rng, type_):
     ctx = Context()
     t = ctx.new_tensor_ne(type_, 512, 3, 2)

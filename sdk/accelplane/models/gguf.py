@@ -19,8 +19,9 @@ Metadata uses llama.cpp's keys (``general.architecture = "llama"``, ``llama.bloc
 
 Synthetic weights (:func:`make_model`): deterministic per (seed, tensor name); matrices are
 N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.01). F32/F16/BF16,
-Q8_0 and Q4_0 quantize those values with :func:`accelplane.core.types.quantize` (byte-exact with
-ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are written directly as
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS quantize those values with
+:func:`accelplane.core.types.quantize` (byte-exact with ggml), in row chunks so big matrices
+stay fast. Q4_K and Q6_K blocks are written directly as
 random *valid* blocks of the same spread (random quants, positive random sub-block scales,
 a d/dmin pair that centres the values), because their reference quantizers' scale searches
 are too slow for a ~1B model in numpy; the values are still well-formed K-quant data that
@@ -46,7 +47,8 @@ from accelplane.errors import GGUFError, ShapeError
 from accelplane.models.llama import LlamaConfig, WeightSpec
 
 T = GGMLType
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
+                   T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)  # fmt: skip
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
 ROPE_NEOX_KEY = "accelplane.rope.neox"
@@ -145,22 +147,35 @@ class GGUFFile:
             i = next(i for i in range(len(have) + 1) if f"blk.{i}.attn_norm.weight" not in have)
             raise GGUFError(f"{where}missing tensor 'blk.{i}.attn_norm.weight' required by the llama.* "
                             f"metadata (llama.block_count = {cfg.n_layers})")  # fmt: skip
-        specs = {s.name: s for s in cfg.weights()}
-        for name, t in self.tensors.items():
-            if name not in specs:
-                raise GGUFError(f"{where}tensor {_shown(name)} is not part of a llama model with this "
-                                f"configuration (unsupported tensor){t.at()}")  # fmt: skip
-        for name, s in specs.items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise GGUFError(f"{where}missing tensor {name!r} (shape {s.shape}) required by the "
-                                "llama.* metadata")  # fmt: skip
-            if tuple(t.shape) != tuple(s.shape):
-                raise GGUFError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, but the llama.* "
-                                f"metadata needs {tuple(s.shape)}{t.at()}")  # fmt: skip
-            if "norm" in name and not t.type.is_float:
-                raise GGUFError(f"{where}norm tensor {name!r} has type {t.type.name}; it must be "
-                                f"F32, F16 or BF16{t.at()}")  # fmt: skip
+        check_tensors(self, cfg.weights(), "llama", must_be_float=lambda s: "norm" in s.name)
+
+
+def check_tensors(f: GGUFFile, specs: Iterable[WeightSpec], arch: str, *,
+                  optional: frozenset[str] = frozenset(), ignored: frozenset[str] = frozenset(),
+                  must_be_float: Callable[[WeightSpec], bool] = lambda s: False) -> None:  # fmt: skip
+    """``f`` holds a tensor of each spec's shape (those named in ``optional`` may be absent), of a
+    float type where ``must_be_float(spec)``, and no other tensor (but those named in
+    ``ignored``); GGUFError naming the file, the tensor and its offset otherwise."""
+    where = f"{f.path}: " if f.path else ""
+    specs = {s.name: s for s in specs}
+    for name, t in f.tensors.items():
+        if name not in specs and name not in ignored:
+            raise GGUFError(f"{where}tensor {_shown(name)} is not part of a {arch} model with this "
+                            f"configuration (unsupported tensor){t.at()}")  # fmt: skip
+    for name, s in specs.items():
+        t = f.tensors.get(name)
+        if t is None:
+            if name in optional:
+                continue
+            raise GGUFError(f"{where}missing tensor {name!r} (shape {s.shape}) required by the "
+                            f"{arch}.* metadata")  # fmt: skip
+        if tuple(t.shape) != tuple(s.shape):
+            raise GGUFError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, but the {arch}.* "
+                            f"metadata needs {tuple(s.shape)}{t.at()}")  # fmt: skip
+        if must_be_float(s) and not t.type.is_float:
+            kind = "norm tensor" if "norm" in name else "tensor"
+            raise GGUFError(f"{where}{kind} {name!r} has type {t.type.name}; it must be "
+                            f"F32, F16 or BF16{t.at()}")  # fmt: skip
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -224,6 +239,7 @@ def _reader_class():
 
         def __init__(self, path: Path) -> None:
             self._kind, self._index, self._at, self._name = "header", 0, 0, None
+            self._mv, self.strings = None, {}  # see _string_array
             try:
                 super().__init__(path)
             except GGUFError:
@@ -284,9 +300,34 @@ def _reader_class():
                                 f"{sub.name} values does not fit in the {self.data.size - start} bytes left "
                                 "in the file")  # fmt: skip
             if sub == V.STRING:
-                return super()._get_field_parts(orig_offs, raw_type)
+                return self._string_array(orig_offs, raw_sub, n)
             values = self._get(start, self.gguf_scalar_to_np[sub], n[0])
             return 12 + int(values.nbytes), [raw_sub, n, values], [2], [V.ARRAY, sub]
+
+        def _string_array(self, orig_offs, raw_sub, n):
+            """An array of strings in one pass over the file (the stock reader makes two numpy
+            arrays per string, tens of times slower on a 128K-token vocabulary with its merges). The
+            strings' bytes go to ``self.strings[field offset]``; the parts hold one slice of the
+            file over all of them, so the field's size is still the sum of its parts."""
+            if self._mv is None:
+                self._mv = memoryview(self.data)
+            mv, size, start = self._mv, self.data.size, orig_offs + 12
+            o, out = start, []
+
+            def need(k: int) -> None:
+                if o + k > size:
+                    raise GGUFError(f"{self._where()}: truncated: needs file bytes [{o}, {o + k}), the file "
+                                    f"has {size}")  # fmt: skip
+
+            for _ in range(int(n[0])):
+                need(8)
+                k = int.from_bytes(mv[o : o + 8], "little")
+                o += 8
+                need(k)
+                out.append(bytes(mv[o : o + k]))
+                o += k
+            self.strings[self._at] = out
+            return o - orig_offs, [raw_sub, n, self.data[start:o]], [], [V.ARRAY, V.STRING]
 
         def _build_tensor_info(self, offs, count):
             align = self.fields.get("general.alignment")
@@ -404,8 +445,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             continue
         vt = f.types[0]
         sub = gguf.GGUFValueType(int(f.parts[3][0])) if vt == gguf.GGUFValueType.ARRAY else None
+        strs = r.strings.get(int(f.offset))
         try:
-            value = f.contents()
+            value = [x.decode("utf-8") for x in strs] if strs is not None else f.contents()
         except UnicodeDecodeError as e:
             raise GGUFError(f"{p}: metadata key {_shown(key)} at file offset {f.offset}: a string is not "
                             f"UTF-8 ({e})") from None  # fmt: skip
@@ -444,13 +486,18 @@ def _meta(md: Mapping[str, MetaValue], key: str, kind: type, default: Any = _MIS
     return kind(v)
 
 
+meta_value = _meta  # the public name: the other architectures' modules read their keys with it
+
+
 def config_from_metadata(md: Mapping[str, MetaValue],
                          tensors: Mapping[str, GGUFTensor] | None = None) -> LlamaConfig:  # fmt: skip
     """LlamaConfig from llama.cpp's keys. ``tensors`` supplies the vocabulary size when
     ``llama.vocab_size`` is absent (as llama.cpp does) and whether the output head is tied."""
     arch = _meta(md, "general.architecture", str)
+    if arch == "bert":
+        raise GGUFError("architecture 'bert' is an embedding model: run it with accelplane embed")
     if arch != "llama":
-        raise GGUFError(f"architecture {arch!r} is not supported (accelplane models: llama)")
+        raise GGUFError(f"architecture {arch!r} is not supported (accelplane models: llama, bert)")
     a = arch + "."
     d_model = _meta(md, a + "embedding_length", int)
     n_head = _meta(md, a + "attention.head_count", int)
@@ -615,7 +662,10 @@ def save_gguf(path: str | os.PathLike, f: GGUFFile) -> None:
 
 
 # --- synthetic models ------------------------------------------------------------------------------
-_FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q8_0: 7, T.Q4_K: 15, T.Q6_K: 18, T.BF16: 32}
+# llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*; the K-quants as their _M mixes)
+FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.Q2_K: 10,
+              T.Q3_K: 12, T.Q4_K: 15, T.Q5_K: 17, T.Q6_K: 18, T.IQ4_NL: 25, T.IQ4_XS: 30,
+              T.BF16: 32}  # fmt: skip
 _CHUNK_ELEMENTS = 1 << 21  # rows generated and quantized per chunk (keeps temporaries in cache)
 
 
@@ -652,9 +702,11 @@ def synthetic_tensor(spec: WeightSpec, ty: GGMLType, seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
     ne0 = spec.shape[-1]
     rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
-    if "norm" in spec.name:
+    if spec.name.endswith(".bias"):
+        mean, std = 0.0, 0.1
+    elif "norm" in spec.name:
         mean, std = 1.0, 0.1
-    elif spec.name == "token_embd.weight":
+    elif spec.name in ("token_embd.weight", "position_embd.weight", "token_types.weight"):
         mean, std = 0.0, 1.0
     else:
         mean, std = 0.0, 1.0 / np.sqrt(ne0)
@@ -672,7 +724,45 @@ def synthetic_tensor(spec: WeightSpec, ty: GGMLType, seed: int) -> np.ndarray:
     return out
 
 
-def synthetic_sources(
+def weight_sources(specs: Iterable[WeightSpec], wtype: GGMLType, seed: int,
+                   types: Mapping[str, GGMLType] | None = None) -> list[TensorSource]:  # fmt: skip
+    """One lazily produced :func:`synthetic_tensor` per spec: matrices of ``types[name]``, else
+    ``wtype``; the other weights F32. ShapeError for a type that cannot be written or rows that
+    are not whole blocks of it."""
+    srcs = []
+    for spec in specs:
+        ty = (types or {}).get(spec.name, wtype) if spec.matrix else T.F32
+        if ty not in SUPPORTED_TYPES:
+            raise ShapeError(f"{spec.name}: weight type {ty.name} is not supported")
+        if spec.shape[-1] % ty.blck_size:
+            raise ShapeError(f"{spec.name}: rows of {spec.shape[-1]} elements are not a multiple of "
+                             f"{ty.name}'s block size {ty.blck_size}")  # fmt: skip
+        make = functools.partial(synthetic_tensor, spec, ty, seed)  # picklable: worker processes
+        srcs.append(TensorSource(spec.name, ty, spec.shape, make))
+    return srcs
+
+
+def _bert_sources(**kw: Any):
+    from accelplane.models.bert import synthetic_sources as bert_sources
+
+    return bert_sources(**kw)
+
+
+def synthetic_sources(*, arch: str = "llama",
+                      **kw: Any) -> tuple[Any, dict[str, MetaValue], list[TensorSource]]:  # fmt: skip
+    """The config, metadata and (lazily produced) tensors of a synthetic model of ``arch``
+    (:data:`SYNTHETIC_ARCHS`); keywords as that architecture's maker takes them (llama's:
+    :func:`make_model`; bert's: :func:`accelplane.models.bert.synthetic_sources`)."""
+    maker = SYNTHETIC_ARCHS.get(arch)
+    if maker is None:
+        raise GGUFError(f"no synthetic {arch!r} model: architectures {', '.join(SYNTHETIC_ARCHS)}")
+    try:
+        return maker(**kw)
+    except TypeError as e:  # a keyword this architecture does not take
+        raise ShapeError(f"synthetic {arch} model: {e}") from None
+
+
+def llama_sources(
     *,
     n_layers: int = 2,
     d_model: int = 64,
@@ -702,20 +792,18 @@ def synthetic_sources(
     )  # fmt: skip
     wt = parse_type(wtype)
     types = {"token_embd.weight": parse_type(embd_type or wt), "output.weight": parse_type(output_type or wt)}
-    srcs = []
-    for spec in cfg.weights():
-        ty = types.get(spec.name, wt) if spec.matrix else T.F32
-        if ty not in SUPPORTED_TYPES:
-            raise ShapeError(f"{spec.name}: weight type {ty.name} is not supported")
-        if spec.shape[-1] % ty.blck_size:
-            raise ShapeError(f"{spec.name}: rows of {spec.shape[-1]} elements are not a multiple of "
-                             f"{ty.name}'s block size {ty.blck_size}")  # fmt: skip
-        make = functools.partial(synthetic_tensor, spec, ty, seed)  # picklable: worker processes
-        srcs.append(TensorSource(spec.name, ty, spec.shape, make))
-    md = llama_metadata(cfg, name or f"synthetic-llama-{wt.name.lower()}", _FILE_TYPES.get(wt))
+    srcs = weight_sources(cfg.weights(), wt, seed, types)
+    md = llama_metadata(cfg, name or f"synthetic-llama-{wt.name.lower()}", FILE_TYPES.get(wt))
     md[SEED_KEY] = MetaValue(int(seed), _gguf().GGUFValueType.UINT32)
     # the config as a reader of the file sees it (float32 epsilon, explicit n_rot)
     return config_from_metadata(md), md, srcs
+
+
+# general.architecture -> its synthetic model maker (config, metadata, sources)
+SYNTHETIC_ARCHS: dict[str, Callable[..., tuple[Any, dict[str, MetaValue], list[TensorSource]]]] = {
+    "llama": llama_sources,
+    "bert": _bert_sources,
+}
 
 
 class _Ahead:
@@ -767,17 +855,19 @@ def parallel_sources(srcs: list[TensorSource], jobs: int | None = None):
 
 
 def make_model(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None,
-               jobs: int | None = None, **kw: Any) -> LlamaConfig:  # fmt: skip
-    """Write a synthetic llama (or MoE llama with ``n_expert`` > 0) GGUF model to ``path`` and
-    return its config. Keywords: ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default
-    n_head), ``d_ff`` (default 4 d_model), ``n_vocab``, ``n_ctx`` (context_length), ``wtype``
-    (matrices; default Q8_0), ``embd_type`` and ``output_type`` (token embedding and head;
-    default wtype), ``n_expert``, ``n_expert_used``, ``rope_neox``, ``rope_base``, ``rms_eps``,
-    ``seed`` (weights are deterministic in it), ``name``. Norms and the router are F32.
-    ``progress(nbytes)`` after each tensor; ``jobs``: worker processes making the weights
-    (default: one per CPU; the file is the same for any number). Raises ShapeError when a row
-    length is not a multiple of a type's block size."""
-    cfg, md, srcs = synthetic_sources(**kw)
+               jobs: int | None = None, arch: str = "llama", **kw: Any) -> Any:  # fmt: skip
+    """Write a synthetic GGUF model of ``arch`` to ``path`` and return its config: a llama (or
+    MoE llama with ``n_expert`` > 0; a LlamaConfig), or a bert (a BertConfig; keywords as
+    :func:`accelplane.models.bert.synthetic_sources` takes them). llama's keywords:
+    ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default n_head), ``d_ff`` (default 4
+    d_model), ``n_vocab``, ``n_ctx`` (context_length), ``wtype`` (matrices; default Q8_0),
+    ``embd_type`` and ``output_type`` (token embedding and head; default wtype), ``n_expert``,
+    ``n_expert_used``, ``rope_neox``, ``rope_base``, ``rms_eps``, ``seed`` (weights are
+    deterministic in it), ``name``. Norms and the router are F32. ``progress(nbytes)`` after
+    each tensor; ``jobs``: worker processes making the weights (default: one per CPU; the file
+    is the same for any number). Raises ShapeError when a row length is not a multiple of a
+    type's block size, or a keyword is not one ``arch`` takes."""
+    cfg, md, srcs = synthetic_sources(arch=arch, **kw)
     with parallel_sources(srcs, jobs) as srcs:
         write_gguf(path, md, srcs, progress=progress)
     return cfg
@@ -790,7 +880,7 @@ def total_bytes(f: GGUFFile) -> int:
 __all__ = [
     "GGUFFile", "GGUFTensor", "MetaValue", "SUPPORTED_TYPES", "TensorSource", "config_from_metadata",
     "llama_metadata", "make_model", "parallel_sources", "read_gguf", "save_gguf", "synthetic_sources",
-    "synthetic_tensor",
+    "synthetic_tensor", "check_tensors", "meta_value", "weight_sources", "llama_sources", "SYNTHETIC_ARCHS",
     "total_bytes",
     "write_gguf",
 ]  # fmt: skip
