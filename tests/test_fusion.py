@@ -364,11 +364,11 @@ def test_product_rope_cache(why, monkeypatch):
 
 def test_product_rope_cache_in_a_llama_decode():
     """Every layer of a llama decode step with merged Q/K/V weights has the run."""
-    from accelplane.models.llama import LlamaConfig, LlamaModel
+    from accelplane.models.decoder import DecoderConfig, DecoderModel
 
     reg = cpu_and_async_registry(n_async=1, delay_us=0)
-    cfg = LlamaConfig(n_vocab=64, d_model=64, n_layers=2, n_head=4, n_head_kv=2, d_ff=96)
-    m = LlamaModel(cfg, [reg.device("CPU")], types={}, n_ctx=32, kv_pad=16)
+    cfg = DecoderConfig(n_vocab=64, d_model=64, n_layers=2, n_head=4, n_head_kv=2, d_ff=96)
+    m = DecoderModel(cfg, [reg.device("CPU")], types={}, n_ctx=32, kv_pad=16)
     try:
         g = m.step(1, 16).graph
         f = Fusion(g)

@@ -50,6 +50,8 @@ def _value(draw, kind: str, p: dict) -> str:
         "wtype": st.sampled_from(["f32", "q8_0", "Q4_0", "q4_k"]),
         "sizes": st.sampled_from(["4K", "1M,64K"]),
         "preset": st.sampled_from(["bert-tiny"]),
+        "arch": st.sampled_from(["llama", "qwen2", "qwen3", "gemma3"]),
+        "scaling": st.sampled_from(["none", "linear", "llama3"]),
     }[kind]
     bad = st.sampled_from(JUNK + [p["missing"], str(p["dir"]), p["bad"], "NOPE", "-5", "1.5", "[", "9" * 30])
     return draw(good if draw(st.integers(0, 3)) else bad)
@@ -71,7 +73,8 @@ GRAMMAR = [
                           "--seq": "pos", "--json": "path"},
      ["--preset", "-d", "--reps", "--batch", "--seq"]),
     (["make-model"], {"--preset": "split", "--layers": "pos", "--d-model": "pos", "--wtype": "wtype",
-                      "--jobs": "pos", "--vocab": "pos"}, []),
+                      "--jobs": "pos", "--vocab": "pos", "--arch": "arch", "--head-dim": "pos",
+                      "--sliding-window": "count", "--rope-scaling": "scaling", "--tied": None}, []),
     (["ops"], {"--markdown": "path", "--json": None}, []),
 ]  # fmt: skip
 SLOW_IF_VALID = {("bench", "tp"), ("make-model",), ("ops",)}  # only their error paths run

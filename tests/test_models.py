@@ -1,5 +1,6 @@
-"""accelplane.models: GGUF I/O (round trip, malformed files), the llama model against an
-independent float64 numpy forward pass, the KV cache against full recomputation, the CPU
+"""accelplane.models: GGUF I/O (round trip, malformed files), the decoder of every architecture
+against an independent float64 numpy forward pass (tests/decoder_ref.py), the KV cache against
+full recomputation, the CPU
 plugin against the asynchronous test device and every installed plugin, graph reuse across
 tokens, and `accelplane run` / `bench model` end to end."""
 
@@ -19,14 +20,27 @@ from accelplane.core.types import GGMLType, dequantize
 from accelplane.errors import ConfigError, DeviceError, GGUFError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
+from accelplane.models.decoder import SplitKind, SplitRole, WeightSpec
 from accelplane.models.gguf import MetaValue, synthetic_tensor
-from accelplane.models.llama import SplitKind, SplitRole, WeightSpec
 from accelplane.models.runner import NMSE_TOL
 from accelplane.oracle.compare import nmse
 from accelplane.testing.plugins import cpu_and_async_registry
 
+sys.path.insert(0, str(Path(__file__).parent))
+import decoder_ref  # noqa: E402
+
 TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128, n_ctx=256)
 MOE = dict(TINY, n_expert=4, n_expert_used=2)
+# what each architecture adds: Llama 3's rope factors; qwen2's biases; qwen3's Q/K norms with a
+# head size other than d_model / n_head, tied head; gemma3's sliding window (8 positions) in
+# five layers of six, linear rope scaling, soft-capping
+ARCH_MODELS = {
+    "llama3": dict(TINY, wtype="f32", rope_scaling="llama3", seed=3),
+    "qwen2": dict(TINY, arch="qwen2", wtype="f32", seed=4),
+    "qwen3": dict(TINY, arch="qwen3", wtype="f32", head_dim=32, tied=True, seed=5),
+    "gemma3": dict(TINY, arch="gemma3", wtype="f32", n_layers=6, sliding_window=8, logit_softcap=30.0,
+                   rope_scaling="linear", rope_factor=4.0, seed=6),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +57,9 @@ def models(tmp_path_factory):
     out = {}
     for name, kw in {
         "f32": dict(TINY, wtype="f32"),
-        "f32_neox": dict(TINY, wtype="f32", rope_neox=True, seed=3),
         "q8_0": dict(TINY, wtype="q8_0", seed=1),
         "moe": dict(MOE, wtype="f32", seed=2),
+        **ARCH_MODELS,
     }.items():
         out[name] = d / f"{name}.gguf"
         make_model(out[name], **kw)
@@ -73,7 +87,7 @@ def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
             assert t.shape == spec.shape
             assert t.type == (GGMLType[wtype.upper()] if spec.matrix else GGMLType.F32) or (
                 spec.name == "output.weight")  # fmt: skip
-            want = synthetic_tensor(spec, t.type, 7).reshape(-1)
+            want = synthetic_tensor(spec, t.type, 7, cfg).reshape(-1)
             assert np.array_equal(t.data, want), spec.name
         save_gguf(b, f)
     assert a.read_bytes() == b.read_bytes()
@@ -165,6 +179,65 @@ def test_malformed_files(tmp_path, models):
             read_gguf(tmp_path / "arch.gguf").llama_config()
 
 
+def _with(path: Path, out: Path, drop=(), tensors=None, **keys) -> Path:
+    """``path`` rewritten with metadata ``keys`` (name with dots as __; a MetaValue, or a value
+    with the type of the key it replaces), without the keys ``drop``, with ``tensors``."""
+    with read_gguf(path) as f:
+        md = {k: v for k, v in f.metadata.items() if k not in drop}
+        for k, v in keys.items():
+            k = k.replace("__", ".")
+            md[k] = v if isinstance(v, MetaValue) else MetaValue(v, md[k].type, md[k].sub_type)
+        write_gguf(out, md, list(f.tensors.values()) if tensors is None else tensors(f))
+    return out
+
+
+def test_architecture_metadata_as_llama_cpp_reads_it(tmp_path, models):
+    """Keys and tensors per architecture as llama.cpp's loader takes them, and a GGUFError
+    naming the key or tensor for what accelplane does not implement."""
+    V = gguf.GGUFValueType
+    u32 = lambda v: MetaValue(v, V.UINT32)  # noqa: E731
+    with read_gguf(models["gemma3"]) as f:
+        cfg = f.model_config()
+    assert cfg.swa_layers == (True,) * 5 + (False,) and cfg.n_swa == 8 and cfg.logit_softcap == 30.0
+    assert cfg.rope_scale == 0.25 and cfg.rope_base_swa == 10000.0 and cfg.embd_scale == 8.0
+    p = _with(models["gemma3"], tmp_path / "pattern.gguf", gemma3__attention__sliding_window_pattern=u32(2))
+    assert read_gguf(p).model_config().swa_layers == (True, False) * 3
+    flags = MetaValue([True, False, False, True, True, False], V.ARRAY, V.BOOL)
+    p = _with(models["gemma3"], tmp_path / "flags.gguf", gemma3__attention__sliding_window_pattern=flags)
+    assert read_gguf(p).model_config().swa_layers == tuple(flags.value)
+    p = _with(models["gemma3"], tmp_path / "noswa.gguf", drop=["gemma3.attention.sliding_window"])
+    assert not read_gguf(p).model_config().has_swa
+    with read_gguf(models["qwen3"]) as f:
+        q3 = f.model_config()
+    assert q3.head_dim == 32 and q3.qk_norm and q3.tied_output and q3.rope_neox
+    with read_gguf(models["qwen2"]) as f:
+        assert f.model_config().biases == {"attn_q", "attn_k", "attn_v"}
+    bad = {
+        "yarn": (dict(qwen2__rope__scaling__type=MetaValue("yarn", V.STRING)), "rope.scaling.type' = 'yarn'"),
+        "scaling": (dict(qwen2__rope__scaling__type=MetaValue("cubic", V.STRING)), "not a rope scaling type"),
+        "value_length": (dict(qwen2__attention__value_length=u32(8)), "differs from value_length"),
+        "per_layer": (dict(qwen2__attention__head_count_kv=MetaValue([2, 4], V.ARRAY, V.UINT32)),
+                      r"per-layer values \[2, 4\] differ"),
+        "n_rot": (dict(qwen2__rope__dimension_count=u32(8)), "rope.dimension_count 8 differs"),
+    }  # fmt: skip
+    for what, (keys, msg) in bad.items():
+        with pytest.raises(GGUFError, match=msg):
+            read_gguf(_with(models["qwen2"], tmp_path / f"{what}.gguf", **keys)).model_config()
+    with pytest.raises(GGUFError, match="missing metadata key 'qwen2.attention.layer_norm_rms_epsilon'"):
+        read_gguf(_with(models["qwen2"], tmp_path / "eps.gguf",
+                        drop=["qwen2.attention.layer_norm_rms_epsilon"])).model_config()  # fmt: skip
+    three = MetaValue([True, True, False], V.ARRAY, V.BOOL)
+    with pytest.raises(GGUFError, match="3 flags for 6 layers"):
+        read_gguf(_with(models["gemma3"], tmp_path / "flags3.gguf",
+                        gemma3__attention__sliding_window_pattern=three)).model_config()  # fmt: skip
+    # llama's rope factors are not another architecture's tensor
+    with read_gguf(models["llama3"]) as llama3:
+        p = _with(models["qwen2"], tmp_path / "rf.gguf",
+                  tensors=lambda f: [*f.tensors.values(), llama3.tensors["rope_freqs.weight"]])  # fmt: skip
+    with pytest.raises(GGUFError, match="'rope_freqs.weight' is not part of a qwen2 model"):
+        LlamaModel.from_gguf(p, [accelplane.device("CPU")])
+
+
 def test_fuzzed_headers_never_crash(tmp_path, models):
     """Truncations and byte flips anywhere in the header: GGUFError or a valid file, never
     another exception (nor a hang)."""
@@ -188,88 +261,18 @@ def test_fuzzed_headers_never_crash(tmp_path, models):
 
 
 # --- the model against an independent numpy forward pass ----------------------------------------------
-def _np_weights(path: Path) -> tuple[dict, dict]:
-    """float64 weights decoded by the gguf package (not accelplane), and the metadata."""
-    r = gguf.GGUFReader(path)
-    w = {}
-    for t in r.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        w[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(shape)
-    md = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    return w, md
-
-
-def _np_llama(w: dict, md: dict, tokens: np.ndarray) -> np.ndarray:
-    """The llama forward pass (all positions, no cache) in float64 numpy: logits [T, vocab]."""
-    d = md["llama.embedding_length"]
-    n_head, n_kv = md["llama.attention.head_count"], md["llama.attention.head_count_kv"]
-    eps, base = md["llama.attention.layer_norm_rms_epsilon"], md["llama.rope.freq_base"]
-    neox = md.get("accelplane.rope.neox", False)
-    n_exp, k_used = md.get("llama.expert_count", 0), md.get("llama.expert_used_count", 0)
-    hd, n = d // n_head, len(tokens)
-
-    def rms(x, g):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
-
-    def rope(x):  # x [T, heads, hd]
-        half = hd // 2
-        theta = np.arange(n)[:, None] * base ** (-2.0 * np.arange(half) / hd)
-        c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-        if neox:
-            a, b = x[..., :half], x[..., half:]
-            return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
-        y = np.empty_like(x)
-        a, b = x[..., 0::2], x[..., 1::2]
-        y[..., 0::2], y[..., 1::2] = a * c - b * s, a * s + b * c
-        return y
-
-    def silu(x):
-        return x / (1 + np.exp(-x))
-
-    x = w["token_embd.weight"][tokens]
-    causal = np.triu(np.ones((n, n), bool), 1)
-    for li in range(md["llama.block_count"]):
-        p = f"blk.{li}."
-        h = rms(x, w[p + "attn_norm.weight"])
-        q = rope((h @ w[p + "attn_q.weight"].T).reshape(n, n_head, hd))
-        k = rope((h @ w[p + "attn_k.weight"].T).reshape(n, n_kv, hd))
-        v = (h @ w[p + "attn_v.weight"].T).reshape(n, n_kv, hd)
-        att = np.empty((n, n_head, hd))
-        for head in range(n_head):
-            kv = head // (n_head // n_kv)
-            s = q[:, head] @ k[:, kv].T / np.sqrt(hd)
-            s[causal] = -np.inf
-            pr = np.exp(s - s.max(-1, keepdims=True))
-            att[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + att.reshape(n, d) @ w[p + "attn_output.weight"].T
-        h = rms(x, w[p + "ffn_norm.weight"])
-        if n_exp:
-            logits = h @ w[p + "ffn_gate_inp.weight"].T
-            pr = np.exp(logits - logits.max(-1, keepdims=True))
-            pr /= pr.sum(-1, keepdims=True)
-            y = np.zeros_like(h)
-            for t in range(n):
-                top = np.argsort(-pr[t], kind="stable")[:k_used]
-                for e, g in zip(top, pr[t, top] / pr[t, top].sum(), strict=True):
-                    gate = w[p + "ffn_gate_exps.weight"][e] @ h[t]
-                    up = w[p + "ffn_up_exps.weight"][e] @ h[t]
-                    y[t] += g * (w[p + "ffn_down_exps.weight"][e] @ (silu(gate) * up))
-        else:
-            y = (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[
-                p + "ffn_down.weight"].T  # fmt: skip
-        x = x + y
-    return rms(x, w["output_norm.weight"]) @ w["output.weight"].T
-
-
 @pytest.mark.parametrize(
     "name, cache, tol",
-    [("f32", "f32", 1e-9), ("f32_neox", "f32", 1e-9), ("moe", "f32", 1e-9), ("q8_0", "f16", 2e-4)],
-)
+    [("f32", "f32", 1e-9), ("moe", "f32", 1e-9), ("q8_0", "f16", 2e-4),
+     *((a, "f32", 1e-9) for a in ARCH_MODELS)],
+)  # fmt: skip
 def test_logits_match_numpy_float64(models, name, cache, tol):
-    """Prefill (all rows) and then decode steps, against the float64 numpy forward pass."""
-    w, md = _np_weights(models[name])
-    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], 10)
-    want = _np_llama(w, md, tokens)
+    """Prefill (all rows) and then decode steps, against the float64 numpy forward pass (from
+    the checkpoint's side: llama's rows unpermuted and rotate-half rope, gemma's 1 + w norms)."""
+    w, md = decoder_ref.read(models[name])
+    n = 12 if name == "gemma3" else 10  # past gemma3's window of 8
+    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], n)
+    want = decoder_ref.forward(w, md, tokens)
     m = LlamaModel.from_gguf(models[name], [accelplane.device("CPU")], n_ctx=32, kv_pad=16,
                              cache_type=cache)  # fmt: skip
     try:
@@ -281,6 +284,20 @@ def test_logits_match_numpy_float64(models, name, cache, tol):
     e = nmse(got, want)
     assert e < tol, (name, e)
     assert np.array_equal(pre.ids, want[:6].argmax(-1))
+
+
+def test_numpy_oracle_sees_the_conventions(models):
+    """The oracle is not blind to what it checks: without Llama 3's rope factors, or without
+    gemma's sliding window, it gives other logits."""
+    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], 12)
+    drops = {
+        "llama3": lambda w, md: ({k: v for k, v in w.items() if "rope" not in k}, md),
+        "gemma3": lambda w, md: (w, {**md, "gemma3.attention.sliding_window": 0}),
+    }
+    for name, drop in drops.items():
+        w, md = decoder_ref.read(models[name])
+        want = decoder_ref.forward(w, md, tokens)
+        assert nmse(decoder_ref.forward(*drop(w, md), tokens), want) > 1e-6, name
 
 
 def test_kv_cache_decode_equals_full_prefill(models):
@@ -413,8 +430,8 @@ def test_merge_skips_groups_of_mixed_types(reg, models):
     layer's Q/K/V unmerged; gate/up of one type still merge; the logits equal merge=False."""
     from accelplane.models.gguf import read_gguf
 
-    cfg = read_gguf(models["f32"]).llama_config()
-    w, _ = _np_weights(models["f32"])
+    cfg = read_gguf(models["f32"]).model_config()
+    w, _ = decoder_ref.read(models["f32"])
     types = {n: ("f32" if n.endswith("attn_v.weight") or w[n].ndim == 1 else "q8_0") for n in w}
     tokens = [3, 1, 4, 1, 5]
     out = []
@@ -423,7 +440,8 @@ def test_merge_skips_groups_of_mixed_types(reg, models):
         try:
             m.set_weights({n: v.astype(np.float32) for n, v in w.items()})
             if merge:
-                assert sorted(m.merged) == sorted(f"blk.{i}.ffn_gate_up" for i in range(TINY["n_layers"]))
+                want = [f"blk.{i}.ffn_gate_up.weight" for i in range(TINY["n_layers"])]
+                assert sorted(m.merged) == sorted(want)
             out.append(np.concatenate([m.eval([t]).logits for t in tokens]))
         finally:
             m.free()
@@ -435,15 +453,17 @@ def _nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sum((a - b) ** 2) / np.sum(b * b))
 
 
-def test_split_tensor_matches_split_none(reg, models):
+@pytest.mark.parametrize("name", ["f32", "llama3", "qwen2", "qwen3", "gemma3"])
+def test_split_tensor_matches_split_none(reg, models, name):
     """Tensor split over the two asynchronous test devices (meta device): the prefill's logits
-    for every token and a decode step through the split KV cache match split none."""
+    for every token and a decode step through the split KV cache match split none (biases split
+    with their projections, per-head norms, post norms of all-reduced sums, rope factors)."""
     cpu = reg.device("CPU")
     devs = [reg.device("ASYNC0"), reg.device("ASYNC1")]
     toks = [3, 17, 5, 125, 9, 1, 77, 4, 120, 33, 2, 8]
     outs = {}
     for split, d in (("none", devs[:1]), ("tensor", devs)):
-        m = LlamaModel.from_gguf(models["f32"], d, cpu=cpu, split=split)
+        m = LlamaModel.from_gguf(models[name], d, cpu=cpu, split=split)
         try:
             pre = m.eval(toks, all_logits=True)
             dec = m.eval([int(pre.ids[-1])])

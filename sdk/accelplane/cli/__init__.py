@@ -392,8 +392,9 @@ def _model_args(sub, b) -> None:
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
     b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
-    r = sub.add_parser("run", help="run a llama model (default: a small synthetic one) on the best "
-                       "devices, print tokens/s and check the logits against the CPU plugin")  # fmt: skip
+    r = sub.add_parser("run", help="run a GGUF model (llama, qwen2, qwen3, gemma3; default: a small "
+                       "synthetic llama) on the best devices, print tokens/s and check the logits against "
+                       "the CPU plugin")  # fmt: skip
     r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")
     r.add_argument("-d", "--device", action="append",
                    help="device(s) for the weights (comma list or repeat; default: every non-CPU "
@@ -407,8 +408,11 @@ def _model_args(sub, b) -> None:
     r.add_argument("--nmse-tol", type=_positive, default=None,
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
-    m = sub.add_parser("make-model", help="write a synthetic llama GGUF model (random weights)")
+    m = sub.add_parser("make-model", help="write a synthetic GGUF model (random weights), as llama.cpp's "
+                       "converter would write a checkpoint of the architecture")  # fmt: skip
     m.add_argument("out", help="output .gguf file")
+    m.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "gemma3"],
+                   help="architecture (default llama)")  # fmt: skip
     m.add_argument("--preset", default="small", choices=["tiny", "small", "1b", "8b"],
                    help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes; "
                         "8b = Llama-3-8B shapes)")  # fmt: skip
@@ -417,14 +421,22 @@ def _model_args(sub, b) -> None:
     for flag, dest in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
                        ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"),
                        ("--ctx", "n_ctx"), ("--experts", "n_expert"), ("--experts-used", "n_expert_used"),
+                       ("--head-dim", "head_dim"), ("--sliding-window", "sliding_window"),
                        ("--seed", "seed")):  # fmt: skip
-        lo = 0 if dest in ("n_expert", "n_expert_used", "seed") else 1
+        lo = 0 if dest in ("n_expert", "n_expert_used", "seed", "sliding_window") else 1
         m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
     wtypes = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
     m.add_argument("--wtype", default="q8_0", type=str.lower, choices=wtypes, help="matrix type")
     m.add_argument("--output-type", type=str.lower, choices=wtypes,
                    help="output head type (default: --wtype)")  # fmt: skip
-    m.add_argument("--neox", action="store_true", help="NEOX rope (llama.cpp uses normal for llama)")
+    m.add_argument("--tied", action="store_true", help="no output.weight: the head is the token embedding "
+                   "(gemma3 always)")  # fmt: skip
+    m.add_argument("--rope-base", type=_positive,
+                   help="rope frequency base (default: the architecture's usual one)")  # fmt: skip
+    m.add_argument("--rope-scaling", default="none", choices=["none", "linear", "llama3"],
+                   help="rope scaling: linear (rope.scaling.* keys), llama3 (llama: the rope_freqs tensor)")
+    m.add_argument("--rope-factor", type=_positive, default=8.0, help="rope scaling factor (default 8)")
+    m.add_argument("--logit-softcap", type=_positive, help="gemma3: final logit soft-capping")
 
 
 def _check_inputs(args) -> None:

@@ -16,8 +16,8 @@ from typing import TextIO
 import numpy as np
 
 from accelplane.bench.model import bench_configs, bench_model, format_bench, plot_bench
+from accelplane.models.decoder import check_split
 from accelplane.models.gguf import read_gguf
-from accelplane.models.llama import check_split
 from accelplane.models.runner import (
     PRESETS,
     _cpu_of,
@@ -43,8 +43,8 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     check_split(args.split)
     path = Path(args.model) if args.model else default_model_path()
     f = read_gguf(path)  # before the plugins load: a bad file fails at once
-    cfg = f.llama_config()
-    f.check_llama_tensors(cfg)
+    cfg = f.model_config()
+    f.check_tensors(cfg)
     reg = accelplane.get_registry()
     p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     p(f"model: {path}")
@@ -108,7 +108,7 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
     path = Path(args.model) if args.model else default_model_path()
     f = read_gguf(path)
-    f.check_llama_tensors(f.llama_config())
+    f.check_tensors(f.model_config())
     reg = accelplane.get_registry()
     print(f"model: {path}\n  {describe_model(f)}", file=out)
     for sp in args.split or []:
@@ -154,11 +154,15 @@ def cmd_make_model(args, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     kw = dict(PRESETS[args.preset])
     for k in ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
-              "n_expert_used", "seed"):  # fmt: skip
+              "n_expert_used", "head_dim", "sliding_window", "rope_base", "logit_softcap",
+              "seed"):  # fmt: skip
         v = getattr(args, k)
         if v is not None:
             kw[k] = v
-    kw.update(wtype=args.wtype, rope_neox=args.neox)
+    if args.arch == "gemma3" and "sliding_window" not in kw:
+        kw["sliding_window"] = min(512, kw["n_ctx"] // 4)  # Gemma 3 1B's window, short contexts a quarter
+    kw.update(arch=args.arch, wtype=args.wtype, tied=args.tied, rope_scaling=args.rope_scaling,
+              rope_factor=args.rope_factor)  # fmt: skip
     if args.output_type:
         kw["output_type"] = args.output_type
     make_with_bar(args.out, jobs=args.jobs, **kw)

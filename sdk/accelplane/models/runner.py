@@ -1,7 +1,7 @@
-"""Running a llama GGUF model on the devices this machine has, through the scheduler: the
-default synthetic model (made once and cached), device choice, loading with a progress bar,
-greedy generation and its teacher-forced replay (what ``accelplane run`` and ``accelplane
-bench model`` are built on)."""
+"""Running a GGUF model of a supported architecture on the devices this machine has, through the
+scheduler: the default synthetic model (made once and cached), device choice, loading with a
+progress bar, greedy generation and its teacher-forced replay (what ``accelplane run`` and
+``accelplane bench model`` are built on)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from accelplane.errors import ComputeError, DeviceError, ShapeError
 from accelplane.interface import DeviceType
+from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import (
     GGUFFile,
     parallel_sources,
@@ -23,7 +24,6 @@ from accelplane.models.gguf import (
     total_bytes,
     write_gguf,
 )
-from accelplane.models.llama import LlamaModel
 from accelplane.models.progress import Bar
 from accelplane.runtime.backend import Device
 from accelplane.runtime.plancache import cache_dir
@@ -32,7 +32,7 @@ from accelplane.runtime.plancache import cache_dir
 # anywhere, big enough that the matrix products dominate (7.3M parameters, 7.4 MiB in Q8_0)
 DEFAULT_MODEL = dict(n_layers=4, d_model=256, n_head=8, n_head_kv=4, d_ff=768, n_vocab=8192,
                      n_ctx=2048, wtype="q8_0", seed=0)  # fmt: skip
-GENERATOR_VERSION = 1  # bump when the synthetic weights change, so cached files are remade
+GENERATOR_VERSION = 2  # bump when the synthetic weights change, so cached files are remade
 # `accelplane make-model --preset`; 1b has TinyLlama-1.1B's shapes (the benchmark model), 8b
 # Llama-3-8B's (the multi-GPU benchmark model)
 PRESETS = {
@@ -69,13 +69,15 @@ def make_with_bar(path: str | Path, jobs: int | None = None, **kw) -> None:
 
 
 def describe_model(f: GGUFFile) -> str:
-    cfg = f.llama_config()
+    cfg = f.model_config()
     types = sorted({t.type.name.lower() for t in f.tensors.values()})
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     moe = f", {cfg.n_expert} experts ({cfg.n_expert_used} used)" if cfg.is_moe else ""
-    return (f"{f.get('general.name', f.path.name if f.path else '?')}: llama, {cfg.n_layers} layers, "
-            f"d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_head_kv} kv), d_ff {cfg.d_ff}, vocab "
-            f"{cfg.n_vocab}{moe}, {n_params / 1e6:.1f}M params, {total_bytes(f) / 2**20:.1f} MiB "
+    hd = f", head size {cfg.head_dim}" if cfg.head_dim * cfg.n_head != cfg.d_model else ""
+    swa = f", sliding window {cfg.n_swa} in {sum(cfg.swa_layers)} layers" if cfg.has_swa else ""
+    return (f"{f.get('general.name', f.path.name if f.path else '?')}: {cfg.arch}, {cfg.n_layers} layers, "
+            f"d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_head_kv} kv){hd}, d_ff {cfg.d_ff}, vocab "
+            f"{cfg.n_vocab}{moe}{swa}, {n_params / 1e6:.1f}M params, {total_bytes(f) / 2**20:.1f} MiB "
             f"({'/'.join(types)})")  # fmt: skip
 
 
@@ -100,10 +102,10 @@ def _cpu_of(reg) -> Device:
 
 
 def load(f: GGUFFile, devices: Sequence[Device], cpu: Device, split: str, n_ctx: int,
-         show: bool = True, **kw) -> LlamaModel:  # fmt: skip
-    """LlamaModel.from_gguf with a progress bar over the bytes loaded."""
+         show: bool = True, **kw) -> DecoderModel:  # fmt: skip
+    """DecoderModel.from_gguf with a progress bar over the bytes loaded."""
     with Bar("load", total_bytes(f), "MiB", 2**-20, enabled=show) as bar:
-        return LlamaModel.from_gguf(f, devices, split=split, n_ctx=n_ctx, cpu=cpu,
+        return DecoderModel.from_gguf(f, devices, split=split, n_ctx=n_ctx, cpu=cpu,
                                     progress=bar.update, **kw)  # fmt: skip
 
 
@@ -141,7 +143,7 @@ class RunResult:
     tg_s: float
 
 
-def generate(model: LlamaModel, prompt: Sequence[int], n_decode: int, keep_logits: bool,
+def generate(model: DecoderModel, prompt: Sequence[int], n_decode: int, keep_logits: bool,
              show: bool = True) -> RunResult:  # fmt: skip
     """Prefill ``prompt``, then ``n_decode`` greedy decode steps, timed."""
     model.reset()
@@ -165,7 +167,7 @@ def generate(model: LlamaModel, prompt: Sequence[int], n_decode: int, keep_logit
     return RunResult(list(map(int, prompt)), toks, logits, pp, tg)
 
 
-def teacher_forced(model: LlamaModel, prompt: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
+def teacher_forced(model: DecoderModel, prompt: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
     """Logits of the same steps as :func:`generate`, feeding ``tokens`` instead of sampling."""
     model.reset()
     out = [model.eval(prompt).logits[-1].copy()]
