@@ -606,6 +606,21 @@ def cli_env(tmp_path_factory):
                 ACCELPLANE_EXTRA_PLUGINS="asynctest=accelplane.testing.asyncdev")  # fmt: skip
 
 
+def test_make_model_writes_every_architecture(tmp_path, capsys):
+    """`accelplane make-model --arch A` for every architecture accelplane reads: the file says
+    A, loads, and describes itself."""
+    from accelplane import cli
+    from accelplane.models import ARCHITECTURES
+
+    for arch in ARCHITECTURES:
+        p = tmp_path / f"{arch}.gguf"
+        assert cli.main(["make-model", str(p), "--arch", arch, "--preset", "tiny", "--jobs", "1"]) == 0
+        assert f": {arch}, 2 layers" in capsys.readouterr().out
+        with read_gguf(p) as f:
+            assert f.get("general.architecture") == arch and f.model_config().arch == arch
+            assert ("accelplane.rope.neox" in f.metadata) is False
+
+
 def test_accelplane_run_end_to_end(cli_env):
     """`accelplane run --tokens 4` makes the default model, runs on the best devices (the two
     asynchronous test devices), prints the plan, tokens/s and the logits check, and exits 0."""

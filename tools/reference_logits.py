@@ -73,7 +73,23 @@ def llama_cpp_logits(path: Path, toks: np.ndarray) -> tuple[np.ndarray, str]:
     scores = np.array(m.scores[: len(toks)], np.float32)
     sysinfo = llama_cpp.llama_print_system_info().decode(errors="replace")
     del m
-    return scores, f"llama_cpp {llama_cpp.__version__}; {sysinfo.strip()}"
+    return scores, f"llama_cpp {llama_cpp.__version__}{_llama_cpp_commit()}; {sysinfo.strip()}"
+
+
+def _llama_cpp_commit() -> str:
+    """`` (llama.cpp <commit>)`` of the build LLAMA_CPP_LIB_PATH names, when it is in a git checkout."""
+    import os
+    import subprocess
+
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if not lib:
+        return ""
+    try:
+        r = subprocess.run(["git", "-C", lib, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f" (llama.cpp {r.stdout.strip()})" if r.returncode == 0 and r.stdout.strip() else ""
 
 
 def main(argv: list[str] | None = None) -> int:

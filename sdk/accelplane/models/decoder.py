@@ -711,6 +711,9 @@ class DecoderModel:
         def norm(x: Tensor, weight: str, name: str) -> Tensor:
             return cb(ctx.mul(cb(ctx.rms_norm(x, cfg.rms_eps), "norm"), w[weight]), name)
 
+        def qk_norm(t: Tensor, which: str) -> Tensor:  # per head, in the layer being built (p)
+            return norm(t, f"{p}attn_{which}_norm.weight", f"{which.upper()}cur_normed")
+
         d, hd, n_head, n_kv_head = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_head_kv
         e_kv = cfg.n_embd_kv
         tokens = ctx.new_tensor(T.I32, (n_tok,), "inp_tokens").set_input()
@@ -735,9 +738,6 @@ class DecoderModel:
             x = norm(cur, p + "attn_norm.weight", "attn_norm")
             q, k, v = self._qkv(ctx, cb, x, p, n_tok)
             base, scale = cfg.rope_of(il)
-            def qk_norm(t: Tensor, which: str, p: str = p) -> Tensor:
-                return norm(t, f"{p}attn_{which}_norm.weight", f"{which.upper()}cur_normed")
-
             # KV cache writes; the attention reads views of the SET_ROWS results, so the graph
             # orders the writes before the reads
             q, k_set, v_set = rope_into_cache(
