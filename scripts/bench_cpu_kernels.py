@@ -38,11 +38,10 @@ def random_weights(t: GGMLType, m: int, k: int, rng: np.random.Generator) -> np.
         return rng.standard_normal((m, k), np.float32).astype(np.float16)
     if t == T.BF16:
         return (rng.standard_normal((m, k), np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    blk, bsz = {T.Q4_0: (32, 18), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}[t]
+    blk, bsz = t.blck_size, t.type_size
     nb = k // blk
     raw = rng.integers(0, 256, size=(m, nb, bsz), dtype=np.uint8)
-    offsets = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}[t]
-    for off in offsets:
+    for off in t.traits.f16_fields:
         d = rng.uniform(-0.01, 0.01, size=(m, nb)).astype(np.float16)
         raw[:, :, off : off + 2] = d.view(np.uint8).reshape(m, nb, 2)
     return raw.reshape(m, nb * bsz)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--llama-vocabs", default=None, metavar="DIR",
+                     help="llama.cpp's models/ directory: check the tokenizer on its whole ggml-vocab-*.gguf "
+                          "vocabularies too (tests/test_tokenizer.py)")  # fmt: skip
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "tox: runs tox (fresh environments from the package index); "
                             "skipped where tox is not installed, an error in CI (CI set)")

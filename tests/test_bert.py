@@ -82,11 +82,11 @@ def test_bench_graph_rows():
         assert r["max_rel_diff"] < 1e-5 and r["speedup"] == pytest.approx(r["torch_ms"] / r["ms"])
 
 
-@pytest.mark.parametrize("bad", [dict(d_model=30, n_heads=4), dict(n_layers=0)])
+@pytest.mark.parametrize("bad", [dict(d_model=30, n_head=4), dict(n_layers=0)])
 def test_bad_config_is_a_shape_error(bad):
     with pytest.raises(ShapeError):
         BertConfig(**bad)
     with pytest.raises(ShapeError):
-        build_encoder(CFG, 1, CFG.max_pos + 1)
+        build_encoder(CFG, 1, CFG.n_ctx_train + 1)
     with pytest.raises(ShapeError, match="unknown preset"):
         bench_graph("nope", [])

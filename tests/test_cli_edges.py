@@ -54,9 +54,10 @@ def one_line(err: str, *parts: str) -> None:
     (["run", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["make-model", "/nonexistent/dir/m.gguf"], ["directory /nonexistent/dir does not exist"]),
     (["make-model", "x.gguf", "--layers", "0"], ["--layers", "from 1 to"]),
-    (["make-model", "x.gguf", "--wtype", "q3_k"], ["--wtype", "invalid choice"]),
+    (["make-model", "x.gguf", "--wtype", "iq2_xxs"], ["--wtype", "invalid choice"]),
     (["make-model", "x.gguf", "--arch", "gpt2"], ["--arch", "invalid choice"]),
-    (["make-model", "x.gguf", "--sliding-window", "8"], ["sliding_window and logit_softcap are gemma3's"]),
+    (["make-model", "x.gguf", "--sliding-window", "8"], ["--sliding-window does not apply to --arch llama"]),
+    (["make-model", "x.gguf", "--arch", "bert", "--tied"], ["--tied does not apply to --arch bert"]),
     (["make-model", "x.gguf", "--arch", "qwen2", "--rope-scaling", "llama3"], ["llama3 rope", "qwen2"]),
     (["make-model", "x.gguf", "--arch", "qwen3", "--rope-factor", "0"], ["--rope-factor", "> 0"]),
     (["ops", "--markdown", "/nonexistent/ops.md"], ["/nonexistent does not exist"]),
@@ -156,3 +157,25 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert err.strip().splitlines()[-1] == "accelplane: interrupted"
     assert "Traceback" not in err
     assert not (tmp_path / "big.gguf").exists(), "no partial model is left behind"
+
+
+def test_ops_markdown_has_a_row_per_block_type(capsys, tmp_path):
+    """`ops --markdown` ends with a row for every block type of the catalog; a type's row counts
+    the conformance cases that name the type (counted here apart), and the CPU plugin takes
+    them all."""
+    from accelplane.cli import support_matrix
+    from accelplane.conformance.cases import all_cases
+    from accelplane.core.ops import QUANT
+
+    out = tmp_path / "ops.md"
+    rc, _, err = run(capsys, "ops", "--markdown", str(out))
+    assert rc == 0, err
+    table = out.read_text().split("## Block types")[1]
+    names = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")}
+    assert names - {"type", "---"} == {t.name for t in QUANT}
+    cols, _, by_type = support_matrix()
+    cpu = next(c for c in cols if c.startswith("cpu/"))
+    cases = all_cases()
+    for t in QUANT:
+        n = sum(1 for c in cases if any(type(v) is type(t) and v == t for v in c.params.values()))
+        assert n >= 4 and by_type[t.name][cpu] == (n, n), (t.name, n, by_type[t.name][cpu])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -121,6 +123,21 @@ def test_cuda_without_gpu_runtime():
 def test_device_name_that_does_not_exist_is_an_error():
     r = run("cpu", "--device", "CPU7", "--allow-no-device")
     assert_verdict(r, UNTESTABLE, ERROR + "plugin 'cpu' has no device 'CPU7' (its devices: CPU)")
+
+
+@pytest.mark.parametrize(("blocked", "why"), [
+    ("pytest", "pytest is not installed (install it: python -m pip install 'pytest"),
+    ("iniconfig", "pytest does not import (ModuleNotFoundError: import of iniconfig halted; "),
+], ids=["pytest", "a dependency of pytest"])  # fmt: skip
+def test_without_pytest_the_suite_cannot_run(blocked, why):
+    """The suite is a pytest plugin: without an importable pytest, one line with the pip command
+    (from the SDK's declared requirement) and "cannot be tested", no traceback."""
+    code = (f"import sys; sys.modules[{blocked!r}] = None  # import raises ModuleNotFoundError\n"
+            "from accelplane.cli import main; sys.exit(main(['conformance', 'cpu']))")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == UNTESTABLE, p.stdout + p.stderr
+    assert p.stderr == "" and len(p.stdout.splitlines()) == 1, p.stdout + p.stderr
+    assert p.stdout.startswith(ERROR + "cannot run the suite: " + why), p.stdout
 
 
 # --- no case ran -------------------------------------------------------------------------------------

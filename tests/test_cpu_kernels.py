@@ -26,11 +26,10 @@ from accelplane.cpu import kernels  # noqa: E402
 from accelplane.errors import ConfigError, OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
 
 T = GGMLType
-QUANT = [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K]
+QUANT = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 FLOAT = [T.F32, T.F16, T.BF16]
 ALL = QUANT + FLOAT
-BLOCK = {T.Q4_0: (32, 18), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
-SCALE_OFFSETS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+BLOCK = {t: (t.blck_size, t.type_size) for t in QUANT}  # sizes: tests/test_types.py checks them
 NMSE_MAX = 5e-4  # ggml test-backend-ops MUL_MAT threshold
 WORST: dict[tuple[str, str], float] = defaultdict(float)
 
@@ -58,7 +57,7 @@ def make_weights(
         blk, bsz = BLOCK[t]
         nb = k // blk
         blocks = rng.integers(0, 256, size=(m, nb, bsz), dtype=np.uint8)
-        for off in SCALE_OFFSETS[t]:
+        for off in t.traits.f16_fields:
             d = rng.uniform(-0.05, 0.05, size=(m, nb)).astype(np.float16)
             blocks[:, :, off : off + 2] = d.view(np.uint8).reshape(m, nb, 2)
         rows = blocks.reshape(m, nb * bsz)
@@ -133,7 +132,7 @@ def test_mul_mat(t: GGMLType, kind: int, m: int, n: int, isa: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["packed", "strided_x", "f16_x", "strided_out", "many_rows"])
-@pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0, T.Q4_K, T.F16], ids=str)
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.IQ4_NL, T.IQ4_XS, T.F16], ids=str)
 def test_prepared_mul_mat(t: GGMLType, layout: str, isa: str) -> None:
     """A prepared product reads its operands' memory at every call (x rewritten in place between
     calls is seen), on the fast path and on the per-call fallbacks (x strided or not float32,
@@ -328,7 +327,7 @@ def test_errors_types() -> None:
     with pytest.raises(TypeMismatchError, match="do not handle"):
         kernels.mul_mat(T.I32, w, x, out)
     with pytest.raises(TypeMismatchError):
-        kernels.mul_mat("q5_k", w, x, out)
+        kernels.mul_mat("iq2_xxs", w, x, out)
     with pytest.raises(TypeMismatchError, match="dtype"):
         kernels.mul_mat(T.Q4_0, np.zeros((4, 64), np.float32), x, out)
     with pytest.raises(TypeMismatchError, match="dtype"):

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz_host import deadline
 
-TINY = dict(n_layers=1, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=256, n_ctx=256, wtype="q8_0")
+# n_vocab 300: room for make-model's byte vocabulary, so `run --prompt` tokenizes
+TINY = dict(n_layers=1, d_model=64, n_head=4, n_head_kv=2, d_ff=128, n_vocab=300, n_ctx=256, wtype="q8_0")
 JUNK = ["", "-", "--", "x", "-1", "0", "1e309", "nan", "ÿ", "--json", "-d", "\x00", "a\x00b", "a" * 300, "/",
         "(", "*"]
 
@@ -29,11 +30,14 @@ JUNK = ["", "-", "--", "x", "-1", "0", "1e309", "nan", "ÿ", "--json", "-d", "\x
 def paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli-fuzz")
     make_model(d / "tiny.gguf", **TINY)
+    make_model(d / "bert.gguf", arch="bert", n_layers=1, d_model=64, n_head=4, d_ff=128, n_vocab=128,
+               n_ctx=64, wtype="q8_0")  # fmt: skip
     (d / "not-a-model.gguf").write_bytes(b"GGUF" + b"\0" * 40)
     cwd = os.getcwd()
     os.chdir(d)  # relative output paths the fuzz draws land here, not in the checkout
-    yield {"dir": d, "model": str(d / "tiny.gguf"), "bad": str(d / "not-a-model.gguf"),
-           "out": str(d / "out.json"), "missing": str(d / "no" / "such.json")}  # fmt: skip
+    yield {"dir": d, "model": str(d / "tiny.gguf"), "bert": str(d / "bert.gguf"),
+           "bad": str(d / "not-a-model.gguf"), "out": str(d / "out.json"),
+           "missing": str(d / "no" / "such.json")}  # fmt: skip
     os.chdir(cwd)
 
 
@@ -50,8 +54,13 @@ def _value(draw, kind: str, p: dict) -> str:
         "wtype": st.sampled_from(["f32", "q8_0", "Q4_0", "q4_k"]),
         "sizes": st.sampled_from(["4K", "1M,64K"]),
         "preset": st.sampled_from(["bert-tiny"]),
-        "arch": st.sampled_from(["llama", "qwen2", "qwen3", "gemma3"]),
+        "bert": st.sampled_from([p["bert"], p["model"]]),
+        "ids": st.sampled_from(["101 5 102", "101,6,7,102", "1", "127", "128", "1 2,,3", " "]),
+        "pooling": st.sampled_from(["none", "mean", "cls", "last"]),
+        "norm": st.sampled_from(["-1", "0", "1", "2", "3"]),
+        "arch": st.sampled_from(["llama", "qwen2", "qwen3", "gemma3", "bert"]),
         "scaling": st.sampled_from(["none", "linear", "llama3"]),
+        "text": st.sampled_from(["Hello", "Grüße aus 東京 🦙", "", "<s>x</s>", "  \t\n"]),
     }[kind]
     bad = st.sampled_from(JUNK + [p["missing"], str(p["dir"]), p["bad"], "NOPE", "-5", "1.5", "[", "9" * 30])
     return draw(good if draw(st.integers(0, 3)) else bad)
@@ -61,7 +70,9 @@ def _value(draw, kind: str, p: dict) -> str:
 GRAMMAR = [
     (["devices"], {"--json": None, "--env": None}, []),
     (["run"], {"--model": "model", "-d": "device", "--split": "split", "--tokens": "count",
-               "--prompt-tokens": "pos", "--seed": "count", "--nmse-tol": "float", "--no-check": None},
+               "--prompt-tokens": "pos", "--seed": "count", "--nmse-tol": "float", "--no-check": None,
+               "--prompt": "text", "--temp": "float", "--top-k": "count", "--top-p": "float",
+               "--special": None},
      ["--model", "-d", "--tokens", "--prompt-tokens"]),
     (["bench", "model"], {"--model": "model", "-d": "device", "--pp": "count", "--tg": "count",
                           "--reps": "pos", "--split": "split", "--json": "path", "--profile": "count"},
@@ -74,7 +85,10 @@ GRAMMAR = [
      ["--preset", "-d", "--reps", "--batch", "--seq"]),
     (["make-model"], {"--preset": "split", "--layers": "pos", "--d-model": "pos", "--wtype": "wtype",
                       "--jobs": "pos", "--vocab": "pos", "--arch": "arch", "--head-dim": "pos",
-                      "--sliding-window": "count", "--rope-scaling": "scaling", "--tied": None}, []),
+                      "--sliding-window": "count", "--rope-scaling": "scaling", "--tied": None,
+                      "--pooling": "pooling", "--kv-heads": "pos"}, []),
+    (["embed"], {"--model": "bert", "--ids": "ids", "--pooling": "pooling", "--normalize": "norm",
+                 "--out": "path", "-d": "device"}, ["--model", "--ids"]),
     (["ops"], {"--markdown": "path", "--json": None}, []),
 ]  # fmt: skip
 SLOW_IF_VALID = {("bench", "tp"), ("make-model",), ("ops",)}  # only their error paths run

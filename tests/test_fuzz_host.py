@@ -17,7 +17,7 @@ import accelplane
 import numpy as np
 import pytest
 from accelplane.core.graph import Context
-from accelplane.core.ops import VIEW_OPS, WRITES_VIEW_SRC, GluOp, Op, SortOrder, UnaryOp
+from accelplane.core.ops import QUANT, VIEW_OPS, WRITES_VIEW_SRC, GluOp, Op, SortOrder, UnaryOp
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 from accelplane.errors import AccelplaneError
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 T = GGMLType
-TYPES = [T.F32, T.F16, T.BF16, T.I32, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K]
+TYPES = [T.F32, T.F16, T.BF16, T.I32, *sorted(QUANT)]  # every block type of the catalog
 CASE_DEADLINE_S = 120  # a case that takes longer is a hang
 MAX_ABS = 1e4  # results past this are not a meaningful comparison (overflowing chains)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,13 +34,15 @@ TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128,
 MOE = dict(TINY, n_expert=4, n_expert_used=2)
 # what each architecture adds: Llama 3's rope factors; qwen2's biases; qwen3's Q/K norms with a
 # head size other than d_model / n_head, tied head; gemma3's sliding window (8 positions) in
-# five layers of six, linear rope scaling, soft-capping
+# five layers of six, linear rope scaling, soft-capping; gemma3_swa: every layer has the window
+# (fewer layers than the pattern), so no layer reads the full causal mask
 ARCH_MODELS = {
     "llama3": dict(TINY, wtype="f32", rope_scaling="llama3", seed=3),
     "qwen2": dict(TINY, arch="qwen2", wtype="f32", seed=4),
     "qwen3": dict(TINY, arch="qwen3", wtype="f32", head_dim=32, tied=True, seed=5),
     "gemma3": dict(TINY, arch="gemma3", wtype="f32", n_layers=6, sliding_window=8, logit_softcap=30.0,
                    rope_scaling="linear", rope_factor=4.0, seed=6),
+    "gemma3_swa": dict(TINY, arch="gemma3", wtype="f32", sliding_window=8, seed=7),
 }
 
 
@@ -70,7 +73,8 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize(
     "wtype, d_model, d_ff",
     [("f32", 64, 96), ("f16", 64, 96), ("bf16", 64, 96), ("q8_0", 64, 96), ("q4_0", 64, 96),
-     ("q4_k", 256, 256), ("q6_k", 256, 256)],
+     ("q4_1", 64, 96), ("q5_0", 64, 96), ("q5_1", 64, 96), ("q2_k", 256, 256), ("q3_k", 256, 256),
+     ("q4_k", 256, 256), ("q5_k", 256, 256), ("q6_k", 256, 256), ("iq4_nl", 64, 96), ("iq4_xs", 256, 256)],
 )  # fmt: skip
 def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
     """make → read → save gives the same bytes; metadata and tensor bytes are what was written;
@@ -79,7 +83,7 @@ def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
     cfg = make_model(a, n_layers=1, d_model=d_model, n_head=4, n_head_kv=2, d_ff=d_ff, n_vocab=288,
                      wtype=wtype, output_type="q6_k" if d_model % 256 == 0 else None, seed=7)  # fmt: skip
     with read_gguf(a) as f:
-        assert f.llama_config() == cfg
+        assert f.model_config() == cfg
         assert f.get("llama.block_count") == 1 and f.get("general.architecture") == "llama"
         assert len(f.get("tokenizer.ggml.tokens")) == 288
         for spec in cfg.weights():
@@ -149,7 +153,7 @@ def test_malformed_files(tmp_path, models):
         print(what, "ok")
     # unknown and unsupported tensor type ids
     off = _tensor_info_offset(good, "blk.0.attn_q.weight")
-    for tid, msg in ((99, "unknown tensor type id 99"), (6, "Q5_0, which accelplane does not support")):
+    for tid, msg in ((99, "unknown tensor type id 99"), (16, "IQ2_XXS, which accelplane does not support")):
         bad = bytearray(good)
         bad[off : off + 4] = tid.to_bytes(4, "little")
         with pytest.raises(GGUFError, match=f"blk.0.attn_q.weight.*{msg}|{msg}"):
@@ -160,7 +164,7 @@ def test_malformed_files(tmp_path, models):
         no_key = {k: v for k, v in md.items() if k != "llama.block_count"}
         write_gguf(tmp_path / "nokey.gguf", no_key, ts)
         with pytest.raises(GGUFError, match="missing metadata key 'llama.block_count'"):
-            read_gguf(tmp_path / "nokey.gguf").llama_config()
+            read_gguf(tmp_path / "nokey.gguf").model_config()
         bad_type = dict(md, **{"llama.block_count": MetaValue("two", gguf.GGUFValueType.STRING)})
         write_gguf(tmp_path / "badkey.gguf", bad_type, ts)
         with pytest.raises(GGUFError, match="'llama.block_count' must be an integer"):
@@ -176,7 +180,7 @@ def test_malformed_files(tmp_path, models):
         arch = dict(md, **{"general.architecture": MetaValue("gpt2", gguf.GGUFValueType.STRING)})
         write_gguf(tmp_path / "arch.gguf", arch, ts)
         with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
-            read_gguf(tmp_path / "arch.gguf").llama_config()
+            read_gguf(tmp_path / "arch.gguf").model_config()
 
 
 def _with(path: Path, out: Path, drop=(), tensors=None, **keys) -> Path:
@@ -255,7 +259,7 @@ def test_fuzzed_headers_never_crash(tmp_path, models):
         p.write_bytes(bytes(data))
         try:
             with read_gguf(p) as f:
-                f.check_llama_tensors(f.llama_config())
+                f.check_tensors(f.model_config())
         except GGUFError:
             pass
 
@@ -270,7 +274,7 @@ def test_logits_match_numpy_float64(models, name, cache, tol):
     """Prefill (all rows) and then decode steps, against the float64 numpy forward pass (from
     the checkpoint's side: llama's rows unpermuted and rotate-half rope, gemma's 1 + w norms)."""
     w, md = decoder_ref.read(models[name])
-    n = 12 if name == "gemma3" else 10  # past gemma3's window of 8
+    n = 12 if name.startswith("gemma3") else 10  # past gemma3's window of 8
     tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], n)
     want = decoder_ref.forward(w, md, tokens)
     m = LlamaModel.from_gguf(models[name], [accelplane.device("CPU")], n_ctx=32, kv_pad=16,
@@ -585,7 +589,7 @@ def test_split_modes(reg, models):
         assert "blk.0" in plan and "ASYNC1" in plan and "KV cache on ASYNC0" in plan
     finally:
         m.free()
-    cfg = read_gguf(models["moe"]).llama_config()
+    cfg = read_gguf(models["moe"]).model_config()
     assert cfg.split_role("blk.0.attn_q.weight").kind is SplitKind.COLUMN
     assert cfg.split_role("blk.0.ffn_down_exps.weight").kind is SplitKind.ROW
     assert cfg.split_role("blk.0.attn_output.weight").granularity == cfg.head_dim
@@ -619,6 +623,38 @@ def test_make_model_writes_every_architecture(tmp_path, capsys):
         with read_gguf(p) as f:
             assert f.get("general.architecture") == arch and f.model_config().arch == arch
             assert ("accelplane.rope.neox" in f.metadata) is False
+
+
+def test_make_model_architectures_are_one_table():
+    """make-model's --arch choices, its presets table and the synthetic makers name the same
+    architectures: every decoder, then bert."""
+    from accelplane import cli
+    from accelplane.models import ARCHITECTURES
+    from accelplane.models.gguf import SYNTHETIC_ARCHS
+    from accelplane.models.runner import MAKE_ARCHS
+
+    assert cli.MAKE_ARCH_NAMES == list(MAKE_ARCHS) == list(SYNTHETIC_ARCHS) == [*ARCHITECTURES, "bert"]
+
+
+def test_run_prompt_on_every_decoder_architecture(tmp_path, capsys):
+    """`run --prompt` tokenizes with the synthetic file's vocabulary and generates on every
+    decoder architecture, up to --tokens tokens."""
+    from accelplane import cli
+    from accelplane.models import ARCHITECTURES
+    from accelplane.models.tokenizer import Tokenizer
+
+    for arch in ARCHITECTURES:
+        p = tmp_path / f"{arch}.gguf"
+        assert cli.main(["make-model", str(p), "--arch", arch, "--preset", "tiny", "--vocab", "300",
+                         "--jobs", "1"]) == 0  # fmt: skip
+        capsys.readouterr()
+        rc = cli.main(["run", "--model", str(p), "--prompt", "hi", "--tokens", "4", "-d", "CPU"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        tok = Tokenizer.from_gguf(str(p))
+        assert f"prompt: {len(tok.encode('hi', add_special=True))} tokens" in err, err
+        n = int(re.search(r"generated (\d+) tokens; stopped at", err).group(1))
+        assert 0 <= n <= 4 and out.endswith("\n")
 
 
 def test_accelplane_run_end_to_end(cli_env):

@@ -1,13 +1,16 @@
 """accelplane.core.types: (de)quantization against ggml's reference and gguf-py.
 
-Q8_0/Q4_0 are compared byte for byte with gguf.quants (itself bit-exact with ggml); Q4_K/Q6_K
-with digests of ggml's C reference output (quantize_row_q*_ref) on a fixed input, and through
-round-trip error bounds. Dequantizers must be bit-identical to gguf.quants.dequantize.
+The types gguf.quants can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are compared byte for byte
+with it (itself bit-exact with ggml); every quantized type with ggml's C reference output
+(quantize_row_<type>_ref: digests on a fixed input, and the bytes of tests/data/ggml_quant_ref.npz,
+which tools/ggml_reference.py made through ggml's library), and through round-trip error bounds.
+Dequantizers must be bit-identical to gguf.quants.dequantize.
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import gguf
 import ml_dtypes
@@ -20,7 +23,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 T = GGMLType
-QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K]
+GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the types gguf.quants quantizes
+QUANT_TYPES = [*GGUF_QUANTIZES, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]  # quantizers with a scale search
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 GQ = {t: gguf.GGMLQuantizationType(int(t)) for t in [*QUANT_TYPES, *FLOAT_TYPES]}
 
@@ -57,58 +62,88 @@ def random_blocks(t: GGMLType, n: int, seed: int) -> np.ndarray:
     """n random byte-valid blocks of t: finite f16 scales, random quants and scale bytes."""
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (n, t.type_size), dtype=np.uint8)
-
-    def f16(k: int) -> np.ndarray:
-        h = rng.integers(0, 1 << 16, (n, k), dtype=np.uint16)
+    for off in t.traits.f16_fields:  # checked against gguf by test_traits_match_gguf
+        h = rng.integers(0, 1 << 16, n, dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0xBFFF, h)  # inf/nan -> finite
-        return h.astype("<u2").view(np.uint8)
-
-    if t in (T.Q8_0, T.Q4_0):
-        b[:, 0:2] = f16(1)
-    elif t is T.Q4_K:
-        b[:, 0:4] = f16(2)
-    elif t is T.Q6_K:
-        b[:, 208:210] = f16(1)
+        b[:, off : off + 2] = h.astype("<u2").view(np.uint8).reshape(n, 2)
     return b
 
 
-# ---- Q8_0 / Q4_0 vs gguf-py --------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py: random scale bytes hold NaNs
+@pytest.mark.parametrize("t", list(T), ids=str)
+def test_traits_match_gguf(t: GGMLType) -> None:
+    """Ids and sizes are gguf's; a block's f16 fields are its scales: zeroed, the rest random,
+    every value dequantizes to 0 (with random bytes there, practically never)."""
+    gq = gguf.GGMLQuantizationType[t.name]
+    assert int(gq) == int(t)
+    assert gguf.GGML_QUANT_SIZES[gq] == (t.blck_size, t.type_size)
+    if not t.is_quantized:
+        return
+    b = np.random.default_rng(int(t)).integers(0, 256, (64, t.type_size), dtype=np.uint8)
+    assert np.any(gguf.quants.dequantize(b, gq) != 0)
+    for off in t.traits.f16_fields:
+        b[:, off : off + 2] = 0
+    np.testing.assert_array_equal(gguf.quants.dequantize(b, gq), 0)
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0])
+# ---- the types gguf-py quantizes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", GGUF_QUANTIZES, ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("nrows", [1, 3, 7])
-def test_q8_0_q4_0_match_gguf(t: GGMLType, seed: int, nrows: int) -> None:
+def test_quantize_matches_gguf(t: GGMLType, seed: int, nrows: int) -> None:
     for x in (gauss(seed, (nrows, 96)), edge_rows(seed, nrows, 320)):
         ours = quantize(t, x)
         assert ours.dtype == np.uint8 and ours.shape == (nrows, row_size(t, x.shape[1]))
         np.testing.assert_array_equal(ours, gguf.quants.quantize(x, GQ[t]))
 
 
+ALL_MAGNITUDES = (1e-30, 1e-12, 1e-4, 1.0, 3.0, 1e4, 1e8, 1e20)  # tiny, f16-subnormal, f16-overflowing
+
+
+@st.composite
+def block_rows(draw: st.DrawFn, blck: int, magnitudes: tuple[float, ...] = ALL_MAGNITUDES) -> np.ndarray:
+    """Rows of 1..3 blocks at one of ``magnitudes``, some rows all zero or constant (a quarter
+    of the magnitude or more), some blocks sparse."""
+    nrows, nb = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    x = draw(hnp.arrays(np.float32, (nrows, nb * blck),
+                        elements=st.floats(-1, 1, width=32, allow_subnormal=False)))  # fmt: skip
+    scale = np.float32(draw(st.sampled_from(magnitudes)))
+    x = x * scale
+    for r in range(nrows):
+        kind = draw(st.sampled_from(["as is", "zero", "constant", "sparse"]))
+        if kind == "zero":
+            x[r] = 0
+        elif kind == "constant":
+            x[r] = np.float32(draw(st.sampled_from([-1.0, -0.25, 0.25, 0.6, 1.0]))) * scale
+        elif kind == "sparse":
+            x[r, draw(st.integers(0, nb * blck - 1)) :] = 0
+    return x + np.float32(0)  # -0.0 -> +0.0: gguf differs from ggml on blocks of -0.0
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py: f16 overflow of d
-@settings(max_examples=60, deadline=None)
-@given(
-    t=st.sampled_from([T.Q8_0, T.Q4_0]),
-    x=hnp.arrays(
-        np.float32,
-        st.tuples(st.integers(1, 4), st.integers(1, 3).map(lambda k: 32 * k)),
-        elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False),
-    ),
-)
-def test_q8_0_q4_0_match_gguf_hypothesis(t: GGMLType, x: np.ndarray) -> None:
-    x = x + np.float32(0)  # -0.0 -> +0.0: gguf differs from ggml on all(-0.0) Q4_0 blocks
+@settings(max_examples=150, deadline=None)
+@given(t=st.sampled_from(GGUF_QUANTIZES), data=st.data())
+def test_quantize_matches_gguf_hypothesis(t: GGMLType, data: st.DataObject) -> None:
+    x = data.draw(block_rows(t.blck_size))
     np.testing.assert_array_equal(quantize(t, x), gguf.quants.quantize(x, GQ[t]))
 
 
 def test_zero_blocks_match_ggml() -> None:
-    # ggml's Q4_0 scans |x| from max = +0, so d = +0 / -8 = -0 (0x8000), also for -0.0 input
+    # ggml's Q4_0/Q5_0 scan |x| from max = +0, so d = +0 / -8 = -0 (0x8000), also for -0.0
+    # input; Q4_1/Q5_1 keep the first element as the min: m = -0 for a block of -0.0
     for z in (np.zeros((1, 32), np.float32), np.full((1, 32), -0.0, np.float32)):
+        m = b"\x00\x80" if np.signbit(z[0, 0]) else b"\x00\x00"
         assert quantize(T.Q4_0, z).tobytes() == b"\x00\x80" + bytes([0x88] * 16)
         assert quantize(T.Q8_0, z).tobytes() == bytes(34)
+        assert quantize(T.Q4_1, z).tobytes() == bytes(2) + m + bytes(16)
+        assert quantize(T.Q5_0, z).tobytes() == b"\x00\x80" + bytes([0xFF] * 4) + bytes(16)
+        assert quantize(T.Q5_1, z).tobytes() == bytes(2) + m + bytes(20)
         assert quantize(T.Q6_K, np.zeros((1, 256), np.float32)).tobytes() == bytes(210)
 
 
-# ---- Q4_K / Q6_K vs ggml's C reference ----------------------------------------------------
+# ---- every block type vs ggml's C reference ------------------------------------------------
 
 
 def golden_input() -> np.ndarray:
@@ -149,7 +184,26 @@ GOLDEN_SHA256 = {
     T.Q4_0: "885011c1e1a6c561a6f5c9c58724dfe4d4da391c87567090b92c4e8b93975283",
     T.Q4_K: "3ca62f3a6888e345aa0f48734663de943b932d031954ef3d52f4d9b401100f3c",
     T.Q6_K: "70733d1dbd51e5f91759ab47a4fefb8137df896d47bc6940171e527e334c5824",
+    T.Q4_1: "8b1c506f8220295b61da576a4c03b138bd2aa4c2d6e2b1a1795ded337ada1c36",
+    T.Q5_0: "52b2cbf04f95173d26ee6badcd8f5aec3118d75edc7b282eed6a2f27021897e6",
+    T.Q5_1: "b1f1d12b1cc97407f8fc0c22665c149569e038a09303c6e4db93f5db18abd927",
+    T.Q2_K: "8bea258e0419ef3af8e03abb0c02cbe3d93d200ce3d2789b800536c77c69e248",
+    T.Q3_K: "38285e10e4f169422eb2ff9207d330bcadcbea5c52fc09d5c2c00542fa9d668e",
+    T.Q5_K: "92bf9e1041bb6a29c22f31b010657f03acbd706814be48ac52024a205e5930cc",
+    T.IQ4_NL: "c54893e5ee99bca6edb70d2b9f54991a0d03d43c6358caf37c1e540358eb7678",  # see undefined_quants
+    T.IQ4_XS: "2a6bc7b1fa1af5beba31855736e8efa7ad03e5d9c1d255129ba081696e4bce94",
 }
+
+
+def undefined_quants(t: GGMLType, x: np.ndarray) -> np.ndarray:
+    """bool [rows, blocks]: the blocks whose quant bytes ggml's reference leaves undefined.
+    IQ4_NL's skips a block of |x| < 1e-15 (d = 0) without writing its quants buffer: the block
+    repeats the quants of the one before it, and before any other block of the row they are
+    whatever memory held (ours write 0; the digest above is of ggml's output with those 0)."""
+    if t != T.IQ4_NL:
+        return np.zeros((x.shape[0], x.shape[1] // t.blck_size), bool)
+    zero = np.abs(x).reshape(x.shape[0], -1, 32).max(axis=2) < 1e-15
+    return np.logical_and.accumulate(zero, axis=1)
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES)
@@ -161,9 +215,43 @@ def test_quantize_matches_ggml_reference_digest(t: GGMLType) -> None:
     assert hashlib.sha256(q.tobytes()).hexdigest() == GOLDEN_SHA256[t]
 
 
+GGML_REF = Path(__file__).parent / "data" / "ggml_quant_ref.npz"  # tools/ggml_reference.py wrote it
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES)
+def test_quantize_matches_ggml_reference_file(t: GGMLType) -> None:
+    """Bytes of ggml's from_float_ref (quantize_row_<type>_ref) on edge-case rows, stored with
+    their input (undefined bytes aside); a mismatch names the first block that differs."""
+    with np.load(GGML_REF) as ref:
+        x, want = ref["x"], ref[t.traits.name].copy()
+    want.reshape(x.shape[0], -1, t.type_size)[undefined_quants(t, x), 2:] = 0  # IQ4_NL's d at 0..1
+    got = quantize(t, x)
+    assert got.shape == want.shape
+    blocks = (got != want).reshape(x.shape[0], -1, t.type_size).any(axis=2)
+    if blocks.any():
+        r, b = np.argwhere(blocks)[0]
+        raise AssertionError(f"{t.name}: {int(blocks.sum())} blocks differ, first row {r} block {b}: "
+                             f"{got[r].reshape(-1, t.type_size)[b].tobytes().hex()} != "
+                             f"{want[r].reshape(-1, t.type_size)[b].tobytes().hex()}")
+
+
 # rel. RMS error on N(0,1) data: ggml's ref algorithm gets ~0.071 (Q4_K), ~0.0177 (Q6_K),
-# ~0.086 (Q4_0), ~0.0053 (Q8_0)
-REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056}
+# ~0.086 (Q4_0), ~0.0053 (Q8_0), ~0.080 (Q4_1), ~0.044 (Q5_0), ~0.038 (Q5_1), ~0.30 (Q2_K),
+# ~0.152 (Q3_K), ~0.037 (Q5_K), ~0.079 (IQ4_NL), ~0.077 (IQ4_XS)
+REL_RMS_BOUND = {T.Q4_K: 0.075, T.Q6_K: 0.0195, T.Q4_0: 0.09, T.Q8_0: 0.0056, T.Q4_1: 0.085,
+                 T.Q5_0: 0.047, T.Q5_1: 0.042, T.Q2_K: 0.32, T.Q3_K: 0.16, T.Q5_K: 0.039,
+                 T.IQ4_NL: 0.082, T.IQ4_XS: 0.08}  # fmt: skip
+# worst |error| of an element over the greatest |x| of its block (block_rows at magnitudes 1 to
+# 100): the step bound for the 32-blocks (Q4_0 d = 1/8, Q4_1 (max-min)/30 <= 1/15, Q5_0 1/16,
+# Q5_1 1/31, Q8_0 1/254, each with its f16 rounding), and for the quantizers with a scale search
+# ~1.15x the worst of 3000 random rows each (Q2_K 0.65, Q3_K 0.28, Q4_K 0.12, Q5_K 0.068,
+# Q6_K 0.025, IQ4_NL 0.134, IQ4_XS 0.138); plus F16_SLACK for blocks of tiny values, whose f16
+# scales are subnormal: their rounding (<= 2**-25) times the largest scale x quant product
+# (63 * 31 * 2)
+F16_SLACK = 2.5e-4
+BLOCK_ERR_BOUND = {T.Q4_0: 0.13, T.Q4_1: 0.07, T.Q5_0: 0.065, T.Q5_1: 0.035, T.Q8_0: 0.005, T.Q2_K: 0.75,
+                   T.Q3_K: 0.32, T.Q4_K: 0.14, T.Q5_K: 0.08, T.Q6_K: 0.03, T.IQ4_NL: 0.155,
+                   T.IQ4_XS: 0.16}  # fmt: skip
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES)
@@ -178,8 +266,24 @@ def test_round_trip_error(t: GGMLType, seed: int) -> None:
     np.testing.assert_array_equal(bits(y), bits(gguf.quants.dequantize(q, GQ[t])))
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
-def test_k_quant_edge_rows(t: GGMLType) -> None:
+@settings(max_examples=120, deadline=None)
+@given(t=st.sampled_from(QUANT_TYPES), data=st.data())
+def test_round_trip_bound_hypothesis(t: GGMLType, data: st.DataObject) -> None:
+    """Through gguf's dequantizer: every element within BLOCK_ERR_BOUND of its block's largest
+    |x|, all-zero rows exactly zero, and our dequantizer gives the same bits."""
+    x = data.draw(block_rows(t.blck_size, magnitudes=(1.0, 3.0, 100.0)))
+    q = quantize(t, x)
+    y = gguf.quants.dequantize(q, GQ[t])
+    np.testing.assert_array_equal(bits(dequantize(t, q, x.shape[1])), bits(y))
+    np.testing.assert_array_equal(y[~x.any(axis=1)], 0)
+    err = np.abs(y - x).reshape(-1, t.blck_size)
+    amax = np.abs(x).reshape(-1, t.blck_size).max(axis=1, keepdims=True)
+    excess = float(np.max(err - amax * BLOCK_ERR_BOUND[t]))
+    assert np.all(err <= BLOCK_ERR_BOUND[t] * amax + F16_SLACK), f"{t.name}: {excess}"
+
+
+@pytest.mark.parametrize("t", SEARCH_TYPES)
+def test_search_quant_edge_rows(t: GGMLType) -> None:
     x = edge_rows(3, 5, 512)
     q = quantize(t, x)
     y = dequantize(t, q, 512)
@@ -191,8 +295,8 @@ def test_k_quant_edge_rows(t: GGMLType) -> None:
 
 
 def test_chunking_does_not_change_bytes() -> None:
-    x = gauss(5, (600, 256))  # 600 blocks: more than one vectorized chunk
-    for t in (T.Q4_K, T.Q6_K):
+    x = gauss(5, (600, 256))  # more blocks than one vectorized chunk (256; IQ4_NL 4096 of 32)
+    for t in SEARCH_TYPES:
         whole = quantize(t, x)
         parts = np.concatenate([quantize(t, x[i : i + 7]) for i in range(0, 600, 7)])
         np.testing.assert_array_equal(whole, parts)
@@ -271,7 +375,7 @@ def test_float_types_round_to_nearest_even_like_ggml() -> None:
 
 def test_quantize_accepts_other_float_dtypes() -> None:
     x64 = np.random.default_rng(7).standard_normal((2, 256))
-    for t in (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q6_K):
+    for t in (T.F16, T.BF16, *QUANT_TYPES):
         np.testing.assert_array_equal(quantize(t, x64), quantize(t, x64.astype(np.float32)))
     x16 = x64.astype(np.float16)
     np.testing.assert_array_equal(quantize(T.F16, x16).view("<f2"), x16)
@@ -329,4 +433,4 @@ def test_type_errors() -> None:
     with pytest.raises(TypeMismatchError):
         dequantize(T.Q8_0, 12345, 32)
     with pytest.raises(TypeMismatchError):
-        quantize("q5_0", np.zeros((1, 32), np.float32))
+        quantize("iq2_xxs", np.zeros((1, 32), np.float32))

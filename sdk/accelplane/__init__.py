@@ -15,12 +15,13 @@ from accelplane.errors import AccelplaneError
 from accelplane.runtime import data as _data  # noqa: F401 - Tensor.set/get move data through it
 from accelplane.runtime.alloc import GraphAllocator, alloc_ctx_tensors, alloc_tensors
 from accelplane.runtime.backend import BufferUsage
+from accelplane.runtime.dlpack import from_dlpack
 from accelplane.sched import Scheduler
 
 __all__ = [
     "AccelplaneError", "BufferUsage", "Context", "Graph", "GGMLType", "GluOp", "GraphAllocator", "Op",
     "Scheduler", "SortOrder", "Tensor", "TensorFlag", "UnaryOp", "alloc_ctx_tensors", "alloc_tensors",
-    "get_registry", "devices", "device", "__version__",
+    "from_dlpack", "get_registry", "devices", "device", "__version__",
 ]  # fmt: skip
 
 

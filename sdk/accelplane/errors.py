@@ -56,6 +56,13 @@ class AllocationError(DeviceError, MemoryError):
     """A buffer could not be allocated."""
 
 
+class DLPackError(AccelplaneError, BufferError):
+    """A tensor or array cannot cross DLPack as asked (docs/interop.md): a type DLPack has no
+    code for (the block-quantized types) or accelplane has no type for, a copy needed where
+    ``copy=False`` forbids one, a device or stream the producer cannot serve, a malformed
+    capsule. A BufferError, as the array API asks of ``__dlpack__``."""
+
+
 class ComputeError(AccelplaneError):
     """A backend failed while computing a graph."""
 
@@ -86,3 +93,10 @@ class ConfigError(AccelplaneError, ValueError):
 
 class GGUFError(AccelplaneError):
     """A GGUF file is malformed, truncated or uses something accelplane does not support."""
+
+
+class TokenizerError(AccelplaneError, ValueError):
+    """A model's vocabulary cannot make a tokenizer (no ``tokenizer.ggml.*`` keys, a tokenizer
+    model or pre-tokenizer accelplane does not know, malformed arrays), or text cannot be
+    encoded with it (not valid Unicode, a byte no token covers); the message names the file
+    and the key."""

@@ -13,12 +13,17 @@ from .layout import X8Type
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}  # element type → the kernels' C type
 HALF_TYPES = ("float", "__half")  # kernels compiled for F32 and F16 only
 THREADS = 256  # block size of the grid-stride kernels
-# the kernel type ids of quantized data the kernels dequantize (kernels/common.cuh: deq32): GGUF's
-# and the x8 layouts
-QUANT_IDS = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, *X8Type)
-# bytes of the units a row segment staged in shared memory is a multiple of (kernels/common.cuh:
-# qfmt::UNIT): a Q4_0/Q8_0 group of 8 blocks, one super-block otherwise; an x8 group
-SEGMENT_UNIT = {T.Q4_0: 144, T.Q8_0: 272, T.Q4_K: 144, T.Q6_K: 1680,
+# the GGUF block types the kernels decode (kernels/common.cuh and quants.cuh: deq32, unit_dot); a
+# block type the catalog (accelplane.core.ops.QUANT) gains is declined by support.py until it is here
+_GGUF_QUANT = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.IQ4_NL,
+               T.IQ4_XS)  # fmt: skip
+QUANT = frozenset(_GGUF_QUANT)
+# the kernel type ids of quantized data the kernels dequantize (deq32): GGUF's and the x8 layouts
+QUANT_IDS = (*_GGUF_QUANT, *X8Type)
+# bytes of the units a row segment staged in shared memory is a multiple of (kernels: qfmt::UNIT):
+# whole blocks in whole 16-byte words, lcm(block bytes, 16); an x8 group
+SEGMENT_UNIT = {T.Q4_0: 144, T.Q8_0: 272, T.Q4_K: 144, T.Q6_K: 1680, T.Q4_1: 80, T.Q5_0: 176, T.Q5_1: 48,
+                T.Q2_K: 336, T.Q3_K: 880, T.Q5_K: 176, T.IQ4_NL: 144, T.IQ4_XS: 272,
                 X8Type.Q4_0X8: 144, X8Type.Q8_0X8: 272, X8Type.Q4_KX8: 144}  # fmt: skip
 
 

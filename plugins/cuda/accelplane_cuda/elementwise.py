@@ -21,13 +21,26 @@ _F = list(CTYPE.values())
 FAMILY = compiler.family("elementwise", {
     "k_unary": compiler.product(_F),
     "k_binary": compiler.product(_F, _F),
+    "k_binary_flat": compiler.product(_F, _F),
     "k_glu": compiler.product(_F),
     "k_glu_vec": [()],
 })  # fmt: skip
 
 
+def _repeats_whole(a, b) -> bool:
+    """b's shape is a prefix of a's, then ones: a's element i meets b's element i % b.nelements."""
+    j = next((d for d in range(4) if b.ne[d] != a.ne[d]), 4)
+    return all(x == 1 for x in b.ne[j:])
+
+
 def binary(plan, n) -> None:
     a, b = n.src
+    if (n.nelements < 1 << 31 and n.is_contiguous() and a.is_contiguous() and b.is_contiguous()
+            and _repeats_whole(a, b)):  # fmt: skip
+        P = plan.params([n.nelements, b.nelements, BINARY[n.op]])
+        plan.launch(compiler.name("k_binary_flat", CTYPE[a.type], CTYPE[b.type]), n.nelements,
+                    (P, plan.ptr(n), plan.ptr(a), plan.ptr(b)))  # fmt: skip
+        return
     P = plan.params([n.nelements, *n.ne, *n.nb, *a.nb, *b.ne, *b.nb, BINARY[n.op]])
     plan.launch(compiler.name("k_binary", CTYPE[a.type], CTYPE[b.type]), n.nelements,
                 (P, plan.ptr(n), plan.ptr(a), plan.ptr(b)))  # fmt: skip

@@ -18,17 +18,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from accelplane.core.ops import FLOAT, QUANT, VIEW_OPS, Op
+from accelplane.core.ops import FLOAT, VIEW_OPS, Op
 from accelplane.core.types import GGMLType as T
 
 from . import compiler, gemm, layout, rows
-from .args import QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
+from .args import QUANT, QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
 from .layout import X8Type, type_id
 
 MAXN = 8  # activation rows the mat-vec kernels take (kernels/matvec.cu: MMV_MAXN)
 SMALL = 1 << 22  # float weight matrices up to this many elements take k_mul_mat_vec, not cuBLAS
 WEIGHT_TYPES = (T.F32, T.F16, T.BF16, *QUANT_IDS)  # k_mul_mat_vec's and k_mul_mat_id's
-PIPE_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q8_0, T.Q6_K)  # the layouts k_mmv_pipe takes
+# the layouts k_mmv_pipe takes: the float types and the GGUF block types without a register kernel
+PIPE_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q8_0, T.Q6_K, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K,
+              T.IQ4_NL, T.IQ4_XS)  # fmt: skip
 # k_mmv_pipe's stage bytes and stages per warp (best of 2048,2, 4096,2, 2048,4 and 2048,6 on an
 # H200), and the warps per block it tries, most first
 PIPE_SEG, PIPE_STAGES, PIPE_WARPS = 4096, 2, (16, 8, 4)

@@ -51,9 +51,7 @@ class CudaPlan:
         self.sctx = sctx
         self.tuning = tuning.read()
         self.steps: list[Callable[[], None]] = []
-        self.library_steps: set[int] = set()  # indices of cuBLAS steps (may refuse graph capture)
-        self.graph_error: str | None = None  # why whole-graph capture failed, if it did
-        self.segments: list | None = None  # [(cuda graph | None, steps)] when capture is partial
+        self.graph_error: str | None = None  # why graph capture failed, if it did
         self.keep: list = []  # device parameter arrays and scratch memory the steps use
         self.kernel_names: list[str] = []  # what each launch runs, in order (tests, debugging)
         self.fused: list[tuple[str, ...]] = []  # the ops of each fused launch (tests, debugging)
@@ -128,8 +126,7 @@ class CudaPlan:
         self.steps.append(Launch(name, self.fns[name], grid, (block,), smem, stream, args, pdl))
 
     def library_call(self, step: Callable[[], None]) -> None:
-        """Queue a library (cuBLAS) call: eager between captured segments if capture refuses it."""
-        self.library_steps.add(len(self.steps))
+        """Queue a library (cuBLAS) call, made on the plan's stream when ``step`` runs."""
         self.steps.append(step)
 
     # --- replay -------------------------------------------------------------------------------------------
@@ -138,9 +135,6 @@ class CudaPlan:
         stream = self.sctx.stream
         with cp.cuda.Device(self.sctx.device), stream:
             if self.sctx.recording is not None:  # the backend's stream is being captured
-                if self.library_steps:  # fail before queuing anything: the caller runs unrecorded
-                    raise ComputeError("a graph with cuBLAS calls cannot be recorded (CuPy refuses "
-                                       "cuBLAS during stream capture)")  # fmt: skip
                 self.sctx.recording.append(self)  # (kept alive by the recording)
                 for s in self.steps:
                     s()
@@ -148,42 +142,20 @@ class CudaPlan:
             if self.cuda_graph is not None:
                 self.cuda_graph.launch(stream)
                 return
-            if self.segments is not None:
-                for g, steps in self.segments:
-                    if g is not None:
-                        g.launch(stream)
-                    else:
-                        for s in steps:
-                            s()
-                return
             self.runs += 1
             # the first run is eager (it warms library handles and workspaces); from the second
-            # on the graph is captured: whole if possible, else kernel runs between library calls
+            # on the graph is captured, or stays eager where capture fails (graph_error says why)
             if self.runs >= 2 and not self.graph_failed and self.steps:
-                self._try_capture(stream)
+                try:
+                    self.cuda_graph = self._capture(stream, self.steps)
+                except Exception as e:
+                    self.graph_error = f"{type(e).__name__}: {e}"
+                    self.graph_failed = True
                 if self.cuda_graph is not None:
                     self.cuda_graph.launch(stream)
                     return
-                if self.segments is not None:
-                    self.runs -= 1
-                    return self.run()
             for s in self.steps:
                 s()
-
-    def _try_capture(self, stream) -> None:
-        """Capture the steps as one CUDA graph, else as graphs of the kernel runs between library
-        calls; where neither works, the plan stays eager (``graph_error`` says why)."""
-        try:
-            self.cuda_graph = self._capture(stream, self.steps)
-        except Exception as e:
-            self.graph_error = f"{type(e).__name__}: {e}"
-            self.cuda_graph = None
-            try:
-                self.segments = self._capture_segments(stream)
-            except Exception as e2:
-                self.graph_error += f"; segments: {type(e2).__name__}: {e2}"
-                self.segments = None
-                self.graph_failed = True
 
     @staticmethod
     def _capture(stream, steps):
@@ -194,19 +166,3 @@ class CudaPlan:
         finally:
             g = stream.end_capture()
         return g
-
-    def _capture_segments(self, stream) -> list:
-        """Graphs of the kernel runs between library (cuBLAS) calls, which run eagerly."""
-        out: list = []
-        run: list = []
-        for i, s in enumerate(self.steps):
-            if i in self.library_steps:
-                if run:
-                    out.append((self._capture(stream, run), run))
-                    run = []
-                out.append((None, [s]))
-            else:
-                run.append(s)
-        if run:
-            out.append((self._capture(stream, run), run))
-        return out

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 from accelplane.errors import CommTimeoutError, ComputeError, DeviceError
-from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.interface import (
+    BufferTypeSpec,
+    DeviceCaps,
+    DeviceSpec,
+    DeviceType,
+    DLDeviceType,
+    DLPackMemory,
+    hookimpl,
+)
 from accelplane.runtime.backend import BufferUsage
 
 from . import layout, tuning  # numpy and the SDK only: nothing heavy at import
@@ -28,6 +36,7 @@ from .runtime import (
     StreamCtx,
     address,
     cupy,
+    dlpack_wait,
     memcpy,
     memset,
     raw_io,
@@ -39,7 +48,7 @@ ALIGNMENT = 256
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
+    return (1, 2)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl
@@ -187,6 +196,32 @@ def buffer_clear(buffer, value):
         buffer.ctx.arr[:] = value
     else:
         memset(buffer.ctx, buffer.ctx.ptr, value, buffer.size)
+
+
+@hookimpl
+def buffer_dlpack(buffer, tensor):
+    # device memory in ggml layout (x8 weights are not); pinned host memory is left to the SDK,
+    # which shares it as CPU memory
+    mem = buffer.ctx
+    if not isinstance(mem, DevMem) or layout.region(tensor) is not None:
+        return None
+    return DLPackMemory(DLDeviceType.CUDA, mem.device, mem.ptr + tensor.offs)
+
+
+@hookimpl
+def device_dlpack_wait(device, stream):
+    dlpack_wait(device.ctx.index, [b.ctx.stream.ptr for b in device.backends], stream)
+
+
+@hookimpl
+def buft_from_dlpack(buft, buffer, memory, size):
+    # memory of this GPU at the alignment the buffer type promises (kernels take vector loads)
+    kind, dev = buft.ctx
+    if kind != "device" or memory.device_type != DLDeviceType.CUDA or memory.device_id != dev:
+        return None
+    if memory.ptr % ALIGNMENT:
+        return None
+    return DevMem.wrap(memory.ptr, size, dev, memory.owner)
 
 
 @hookimpl

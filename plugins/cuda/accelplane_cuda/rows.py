@@ -5,12 +5,12 @@ launches stage their inputs in."""
 from __future__ import annotations
 
 import numpy as np
-from accelplane.core.ops import QUANT, Op
+from accelplane.core.ops import Op
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType as T
 
 from . import compiler
-from .args import CTYPE, QUANT_IDS
+from .args import CTYPE, QUANT, QUANT_IDS
 from .layout import X8Type, type_id
 
 # the kernel type ids the kernels write (CPY and SET_ROWS into Q4_0 / Q8_0, and their x8 layouts)

@@ -7,7 +7,7 @@ CuPy is imported on first use (:func:`cupy`), never at module load.
 from __future__ import annotations
 
 import numpy as np
-from accelplane.errors import AllocationError
+from accelplane.errors import AllocationError, DLPackError
 from accelplane.runtime.plancache import PlanCache
 
 from . import tuning
@@ -46,6 +46,20 @@ class DevMem:
         self.size = size
         self.device = device
         self.repack = repack  # a weights buffer: Q4_0/Q8_0/Q4_K weights take the x8 layouts (layout.py)
+
+    @classmethod
+    def wrap(cls, ptr: int, size: int, device: int, owner) -> DevMem:
+        """Another library's device memory at ``ptr`` (a DLPack import), kept alive through
+        ``owner``. The producer ordered its work before the legacy default stream (it was asked
+        with stream=None), which the plugin's non-blocking streams do not wait for: the host
+        waits for it here, once."""
+        cp = cupy()
+        self = cls.__new__(cls)
+        with cp.cuda.Device(device):
+            cp.cuda.Stream.null.synchronize()
+            self.mem = cp.cuda.UnownedMemory(ptr, max(size, 1), owner, device)
+        self.ptr, self.size, self.device, self.repack = ptr, size, device, False
+        return self
 
 
 class PinnedMem:
@@ -104,6 +118,32 @@ class Recording:
     def __init__(self, graph, plans: list) -> None:
         self.graph = graph
         self.plans = plans  # their parameter arrays and scratch are what the graph's kernels read
+
+
+STREAM_LEGACY = 1  # cudaStreamLegacy
+
+
+def dlpack_wait(device: int, streams: list, stream) -> None:
+    """Make a DLPack consumer's ``stream`` (the array API's CUDA values: None or 1 the legacy
+    default stream, 2 the per-thread one, else a cudaStream_t) wait, device-side, for the work
+    queued on ``streams`` (the device's backends) and on the legacy default stream (where the
+    blocking buffer copies run): an event recorded on each, waited for on ``stream``."""
+    if stream is None:
+        stream = STREAM_LEGACY
+    if not isinstance(stream, int) or isinstance(stream, bool) or stream < 1:
+        raise DLPackError(f"CUDA{device}: DLPack stream {stream!r} is not a CUDA stream (None, 1 the legacy "
+                          "default stream, 2 the per-thread one, a cudaStream_t, or -1 for no ordering; "
+                          "0 is ambiguous)")  # fmt: skip
+    cp = cupy()
+    rt = cp.cuda.runtime
+    with cp.cuda.Device(device):
+        for s in [*streams, STREAM_LEGACY]:
+            ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
+            try:
+                rt.eventRecord(ev, s)
+                rt.streamWaitEvent(stream, ev, 0)
+            finally:
+                rt.eventDestroy(ev)  # released once it has completed
 
 
 def address(t) -> int:

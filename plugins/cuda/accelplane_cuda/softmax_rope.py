@@ -11,8 +11,11 @@ from accelplane.core.types import GGMLType as T
 from . import compiler
 from .args import CTYPE, HALF_TYPES, f64
 
+WARP_ROW_MAX = 1024  # soft_max rows up to this long get a warp each (registers only), longer a block
+WARP_ROWS = 4  # rows (warps) per block of the warp form
+
 FAMILY = compiler.family("softmax_rope", {
-    "k_soft_max": compiler.product(HALF_TYPES),
+    "k_soft_max": compiler.product(HALF_TYPES, (False, True)),
     "k_rope": compiler.product(HALF_TYPES, HALF_TYPES),
 })  # fmt: skip
 
@@ -40,8 +43,10 @@ def soft_max(plan, n) -> None:
                      f64(max_bias), nhl, f64(m0), f64(m1)])  # fmt: skip
     mt = "__half" if mask is not None and mask.type == T.F16 else "float"
     mp = plan.ptr(mask) if mask is not None else np.uint64(0)
-    plan.launch(compiler.name("k_soft_max", mt), 0, (P, plan.ptr(n), plan.ptr(a), mp), block=256,
-                grid=(a.nrows,))  # fmt: skip
+    warp = a.ne[0] <= WARP_ROW_MAX
+    grid = ((a.nrows + WARP_ROWS - 1) // WARP_ROWS,) if warp else (a.nrows,)
+    plan.launch(compiler.name("k_soft_max", mt, warp), 0, (P, plan.ptr(n), plan.ptr(a), mp),
+                block=32 * WARP_ROWS if warp else 256, grid=grid)  # fmt: skip
 
 
 def rope(plan, n, sr=None) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from accelplane.core.ops import FLOAT, QUANT, VIEW_OPS, Op, UnaryOp
+from accelplane.core.ops import FLOAT, VIEW_OPS, Op, UnaryOp
 from accelplane.core.types import GGMLType as T
 from accelplane.errors import UnsupportedOpError
 
-from .args import rows_contig
+from .args import QUANT, rows_contig
 from .elementwise import BINARY, SCALAR, UNARY
 from .layout import X8, type_id
 
+_TYPES = FLOAT | QUANT | {T.I32}  # every type a kernel reads or writes
 _ANY_TYPE = (Op.NORM, Op.RMS_NORM, Op.L2_NORM, Op.SOFT_MAX, Op.ROPE, Op.ARGMAX, Op.ARGSORT, Op.COL2IM_1D,
              Op.IM2COL, Op.CONCAT, Op.SUM, Op.SUM_ROWS, Op.MEAN)  # fmt: skip
 
@@ -39,6 +40,8 @@ def supports(op) -> bool:
     o = op.op
     if o is None or o in VIEW_OPS:
         return True
+    if any(t is not None and t.type not in _TYPES for t in (op, *op.src)):
+        return False  # a block type no kernel decodes
     if any(t is not None and t.nelements >= 1 << 31 for t in (op, *op.src)):
         return False  # kernels decompose indices in 32 bits
     if not all(_addressable(t) for t in (op, *op.src) if t is not None and t.type in X8):

@@ -232,19 +232,20 @@ def test_replays_with_library_calls():
         z = (0.5 * xv.astype(np.float64)) @ wv.T
         np.testing.assert_allclose(y.get(), z / (1 + np.exp(-z)), rtol=1e-4, atol=1e-4)
     plan = be.ctx.plans.get(g)
-    assert plan.cuda_graph is not None or plan.segments is not None, plan.graph_error
+    assert plan.cuda_graph is not None, plan.graph_error
     be.free()
     buf.free()
 
 
-@pytest.mark.parametrize("wtype", ["F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("wtype", ["F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0",
+                                   "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_matvec_kernels(monkeypatch, wtype):
     """The mat-vec kernels against float64 numpy: the register ones (k_quant_x + k_mmv_row or
     k_mmv_row1, for Q4_0x8, Q8_0x8 and Q4_K), the ring (k_mmv_ring: one row of x8 weights,
-    K = 14336, and K = 4096 for Q4_K) and the pipelined one (k_mmv_pipe, the other types; Q6_K
-    rows of 840 bytes take k_mul_mat_vec): rows over several stages or passes, several rows per
-    warp or block, 1..8 activation rows, broadcast batches, and M not a multiple of the block's
-    rows."""
+    K = 14336, and K = 4096 for Q4_K) and the pipelined one (k_mmv_pipe, the other types; rows
+    that are not whole 16-byte words, as Q6_K's of 840 bytes, take k_mul_mat_vec): rows over
+    several stages or passes, several rows per warp or block, 1..8 activation rows, broadcast
+    batches, and M not a multiple of the block's rows."""
     from accelplane_cuda import matvec
 
     dev = _cuda()
@@ -268,7 +269,7 @@ def test_matvec_kernels(monkeypatch, wtype):
         be = dev.new_backend()
         be.compute(g)
         names = be.ctx.plans.get(g).kernel_names
-        want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # Q6_K rows of 840 B
+        want_kernel = "k_mmv_pipe" if a.row_bytes % 16 == 0 else "k_mul_mat_vec"  # e.g. Q6_K rows of 840 B
         # Q4_0/Q8_0/Q4_K weights in a weights buffer (alloc_tensors' default) take the x8 layouts
         want_id = {T.Q4_0: 102, T.Q8_0: 108, T.Q4_K: 112}.get(wt, int(wt))
         if want_id in (102, 108, 112):  # the register kernels; the ring for one long row
@@ -328,7 +329,7 @@ def test_add_norm_mul_fused(ne0):
         plan = be.ctx.plans.get(g)
         assert plan.fused == [("ADD", "RMS_NORM", "MUL")]
         kernel = {2048: "k_norm_vec<1>", 8192: "k_norm_vec<4>"}.get(ne0, "k_norm")
-        assert plan.kernel_names == [kernel, "k_binary<float,float>"], plan.kernel_names
+        assert plan.kernel_names == [kernel, "k_binary_flat<float,float>"], plan.kernel_names
         sd = vals[a].astype(np.float64) + vals[b]
         want = sd / np.sqrt((sd * sd).mean(-1, keepdims=True) + 1e-5) * vals[w] + sd
         np.testing.assert_allclose(y.get(), want, rtol=1e-4, atol=1e-5)

@@ -59,13 +59,19 @@ def make_builder(absolute: bool = False) -> FFI:
 ffibuilder = make_builder()
 
 if __name__ == "__main__":
+    import importlib.machinery
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out = make_builder(absolute=True).compile(tmpdir=tmp, verbose=False)
-        for name in os.listdir(_HERE):  # a stale build with another suffix would shadow this one
-            if name.startswith("_htp.") and name.endswith((".so", ".pyd")):
-                os.remove(os.path.join(_HERE, name))
-        dest = os.path.join(_HERE, os.path.basename(out))
+        # cffi's C targets the limited API: take the name pip's build gives it (_htp.abi3.so), as
+        # a build under another suffix would shadow, or be shadowed by, the next pip install -e
+        name = os.path.basename(out)
+        if ".abi3.so" in importlib.machinery.EXTENSION_SUFFIXES and name.endswith(".so"):
+            name = "_htp.abi3.so"
+        for old in os.listdir(_HERE):  # drop builds under other suffixes
+            if old.startswith("_htp.") and old.endswith((".so", ".pyd")):
+                os.remove(os.path.join(_HERE, old))
+        dest = os.path.join(_HERE, name)
         os.replace(out, dest)
         print(dest)

@@ -312,10 +312,16 @@ _BUILDERS: dict[Op, Callable[[Plan, Tensor], None]] = {
 }  # fmt: skip
 # view ops compute nothing; Op.NONE is left out (without a view source it would be a copy)
 SUPPORTED_OPS = frozenset(_BUILDERS) | (VIEW_OPS - {Op.NONE})
+# the types kernels/common.cl loads and stores (a block type the catalog gains is declined until here)
+TYPES = frozenset({T.F32, T.F16, T.BF16, T.I32, T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q4_1, T.Q5_0, T.Q5_1,
+                   T.Q2_K, T.Q3_K, T.Q5_K, T.IQ4_NL, T.IQ4_XS})  # fmt: skip
 
 
 def supports(t: Tensor) -> bool:
-    """The op has a kernel here (for UNARY: the ggml unary op has a code in elementwise.cl)."""
+    """The op has a kernel here (for UNARY: the ggml unary op has a code in elementwise.cl) and
+    its kernel knows every type it reads and writes."""
+    if t.op not in VIEW_OPS and any(x is not None and x.type not in TYPES for x in (t, *t.src)):
+        return False
     if t.op is Op.UNARY:
         return t.op_params[0] in _UNARY_OP_CODE
     return t.op in SUPPORTED_OPS

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
-from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.interface import (
+    BufferTypeSpec,
+    DeviceCaps,
+    DeviceSpec,
+    DeviceType,
+    DLDeviceType,
+    DLPackMemory,
+    hookimpl,
+)
 
 from .runtime import ALIGNMENT, BuftInfo, discover, usm_of
 from .stream import EventState, Stream
@@ -26,7 +34,7 @@ from .stream import EventState, Stream
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
+    return (1, 2)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl
@@ -136,6 +144,25 @@ def buffer_memset_tensor(buffer, tensor, value, offset, size):
 @hookimpl
 def buffer_clear(buffer, value):
     buffer.ctx.mem.memset(value)
+
+
+@hookimpl
+def buffer_dlpack(buffer, tensor):
+    # USM device memory of the platform's default context, as dpctl/dpnp take it (DLPack's
+    # oneAPI device); host USM is left to the SDK, which shares it as CPU memory. Ordering for a
+    # consumer is the SDK's fallback: the host waits for the device's streams.
+    u = buffer.ctx
+    if u.host or u.dev.dlpack_id is None:
+        return None
+    return DLPackMemory(DLDeviceType.ONE_API, u.dev.dlpack_id, u.ptr + tensor.offs)
+
+
+@hookimpl
+def buft_from_dlpack(buft, buffer, memory, size):
+    info: BuftInfo = buft.ctx
+    if memory.device_type != DLDeviceType.ONE_API or memory.device_id != info.dev.dlpack_id:
+        return None
+    return info.dev.wrap(memory.ptr, size, info.host, memory.owner)
 
 
 @hookimpl

@@ -97,9 +97,10 @@ class DevState:
         self.phys_index = phys_index
         self.description = (f"{dev.name} ({dev.filter_string}, driver {dev.driver_version}"
                             + (f", logical device {index} of it" if shared else "") + ")")  # fmt: skip
-        # a context of its own (the list form: dpctl's single-device form returns a cached,
-        # shared one), so logical devices of one SYCL device behave as separate devices
-        self.ctx = dpctl.SyclContext([dev])
+        self.ctx = _context(dpctl, dev, shared)
+        # DLPack names USM by a root device's index, and dpctl/dpnp take a pointer of the
+        # platform's default context only: exchange zero-copy in that context, else copy
+        self.dlpack_id: int | None = dev.get_device_id() if self.ctx == _default_context(dev) else None
         self.queue = dpctl.SyclQueue(self.ctx, dev, property="in_order")
         self.lock = threading.Lock()
         self.allocated = 0
@@ -160,6 +161,20 @@ class DevState:
             self.allocated += size
         return UsmBuffer(mem, size, self, host)
 
+    def wrap(self, ptr: int, size: int, host: bool, owner: Any) -> UsmBuffer | None:
+        """Another library's USM at ``ptr`` as a buffer (kept alive through ``owner``), when it is
+        memory of this context of the kind the buffer type holds (host; device or shared), else
+        None."""
+        import dpctl.memory as dm
+
+        try:
+            mem = dm.as_usm_memory(_UsmPointer(ptr, size, self.queue, owner))
+        except ValueError:  # not a pointer of this context
+            return None
+        if mem.get_usm_type() not in (("host",) if host else ("device", "shared")):
+            return None
+        return UsmBuffer(mem, size, self, host, counted=False)
+
     def wait_streams(self) -> None:
         """Wait for every queue of this device (before memory they may use is released)."""
         self.queue.wait()
@@ -178,14 +193,15 @@ class BuftInfo:
 class UsmBuffer:
     """A buffer's ctx: USM memory of one logical device."""
 
-    __slots__ = ("mem", "ptr", "size", "dev", "host", "__weakref__")
+    __slots__ = ("mem", "ptr", "size", "dev", "host", "counted", "__weakref__")
 
-    def __init__(self, mem: Any, size: int, dev: DevState, host: bool) -> None:
+    def __init__(self, mem: Any, size: int, dev: DevState, host: bool, counted: bool = True) -> None:
         self.mem = mem
         self.ptr: int = mem.__sycl_usm_array_interface__["data"][0]
         self.size = size
         self.dev = dev
         self.host = host
+        self.counted = counted  # allocated by the plugin (device_memory counts it), not wrapped
 
     def at(self, offset: int, nbytes: int, queue: Any) -> Any:
         """A dpctl memory object for ``nbytes`` at ``offset``, bound to ``queue``."""
@@ -193,8 +209,9 @@ class UsmBuffer:
 
     def release(self) -> None:
         if self.mem is not None:
-            with self.dev.lock:
-                self.dev.allocated -= self.size
+            if self.counted:
+                with self.dev.lock:
+                    self.dev.allocated -= self.size
             self.mem = None
 
 
@@ -207,15 +224,36 @@ def usm_of(buffer, dev: DevState | None = None) -> UsmBuffer | None:
 
 
 class _UsmPointer:
-    """A bare __sycl_usm_array_interface__: how dpctl takes a pointer it does not own."""
+    """A bare __sycl_usm_array_interface__: how dpctl takes a pointer it does not own (the dpctl
+    memory made from it keeps it, and so ``owner``, alive)."""
 
-    __slots__ = ("__sycl_usm_array_interface__",)
+    __slots__ = ("__sycl_usm_array_interface__", "owner")
 
-    def __init__(self, ptr: int, nbytes: int, queue: Any) -> None:
+    def __init__(self, ptr: int, nbytes: int, queue: Any, owner: Any = None) -> None:
         self.__sycl_usm_array_interface__ = {
             "data": (ptr, False), "shape": (nbytes,), "strides": None, "typestr": "|u1",
             "version": 1, "syclobj": queue,
         }  # fmt: skip
+        self.owner = owner
+
+
+def _default_context(dev: Any) -> Any:
+    try:
+        return dev.sycl_platform.default_context
+    except Exception:  # a runtime without the default-context extension
+        return None
+
+
+def _context(dpctl: Any, dev: Any, shared: bool) -> Any:
+    """The logical device's SYCL context: the platform's default context when the device is the
+    only logical device over ``dev`` and that context holds ``dev`` alone (USM then crosses
+    DLPack to dpctl/dpnp without a copy, and contexts still tell devices apart), else a context of
+    its own (the list form: dpctl's single-device form returns a cached, shared one), so logical
+    devices of one SYCL device behave as separate devices."""
+    ctx = None if shared else _default_context(dev)
+    if ctx is not None and ctx.device_count == 1 and ctx.get_devices()[0] == dev:
+        return ctx
+    return dpctl.SyclContext([dev])
 
 
 def usm_view(ptr: int, nbytes: int, queue: Any) -> Any:

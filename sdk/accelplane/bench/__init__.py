@@ -52,13 +52,8 @@ def random_rows(t: Tensor, rng: np.random.Generator) -> None:
     blocks = raw.reshape(t.nrows, -1, bs)
     scale = rng.uniform(1e-3, 2e-2, blocks.shape[:2]).astype(np.float16).view(np.uint8)
     scale = scale.reshape(*blocks.shape[:2], 2)
-    if t.type in (T.Q8_0, T.Q4_0):
-        blocks[:, :, 0:2] = scale
-    elif t.type == T.Q4_K:
-        blocks[:, :, 0:2] = scale
-        blocks[:, :, 2:4] = scale
-    elif t.type == T.Q6_K:
-        blocks[:, :, 208:210] = scale
+    for off in t.type.traits.f16_fields:
+        blocks[:, :, off : off + 2] = scale
     t.set_bytes(raw.reshape(-1))
 
 
@@ -86,9 +81,12 @@ def overhead_case(n_nodes: int = 1000, ne0: int = 16) -> PerfCase:
     return PerfCase(f"CHAIN(n_nodes={n_nodes},ne0={ne0})", build, n_nodes, repeatable=False)
 
 
+# weight types of published GGUF files beside those above (the matmul set's second part)
+MORE_QUANT = (T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 SETS: dict[str, Callable[[], list[PerfCase]]] = {
     "matmul": lambda: [matmul_case(t, 4096, n, 14336)
-                       for n in (1, 512) for t in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K)],
+                       for n in (1, 512) for t in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K)]
+                      + [matmul_case(t, 4096, n, 14336) for n in (1, 512) for t in MORE_QUANT],
     "small": lambda: [matmul_case(t, 4096, n, 4096) for n in (1, 32)
                       for t in (T.F32, T.Q8_0, T.Q4_0)] + [overhead_case()],
     "overhead": lambda: [overhead_case()],

@@ -1,4 +1,4 @@
-"""Command line: ``accelplane devices | ops | conformance | bench | run | make-model | new-plugin``.
+"""Command line: ``accelplane devices | ops | conformance | bench | run | embed | make-model | new-plugin``.
 
 Contract: a user error (a bad argument, an unwritable output path, a bad ACCELPLANE_*
 value, a malformed model file, an unknown device) prints one line ``accelplane: error: ...``
@@ -52,6 +52,28 @@ def _positive(s: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s}")
+    return v
+
+
+def _nonneg(s: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s}")
+    return v
+
+
+def _unit(s: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s}")
     return v
 
 
@@ -153,33 +175,47 @@ def cmd_devices(args) -> int:
     return 0
 
 
-def support_matrix() -> tuple[list[str], dict[str, dict[str, tuple[int, int]]]]:
-    """(device columns, {op: {device: (supported, cases)}}) over the conformance cases."""
+Matrix = dict[str, dict[str, tuple[int, int]]]  # row → {device column: (supported, cases)}
+
+
+def support_matrix() -> tuple[list[str], Matrix, Matrix]:
+    """(device columns, by op, by block type) over the conformance cases: a case counts in the
+    row of its op and in the row of each block type among its parameters."""
     import accelplane
     from accelplane.conformance.cases import all_cases
     from accelplane.conformance.runner import graph_supported
     from accelplane.core.graph import Context
+    from accelplane.core.types import GGMLType
 
     devs = accelplane.get_registry().devices
     cols = [f"{d.plugin.name}/{d.name}" for d in devs]
-    matrix: dict[str, dict[str, tuple[int, int]]] = {}
+    by_op: Matrix = {}
+    by_type: Matrix = {}
     for case in all_cases():
         ctx = Context()
         g = ctx.graph(case.build(ctx))
-        row = matrix.setdefault(case.op, {c: (0, 0) for c in cols})
-        for d, c in zip(devs, cols, strict=True):
-            ok = graph_supported(d, g)[0]
-            s, n = row[c]
-            row[c] = (s + ok, n + 1)
-    return cols, dict(sorted(matrix.items()))
+        oks = [graph_supported(d, g)[0] for d in devs]
+        types = {v.name for v in case.params.values() if isinstance(v, GGMLType) and v.is_quantized}
+        for matrix, key in [(by_op, case.op), *((by_type, t) for t in types)]:
+            row = matrix.setdefault(key, dict.fromkeys(cols, (0, 0)))
+            for c, ok in zip(cols, oks, strict=True):
+                s, n = row[c]
+                row[c] = (s + ok, n + 1)
+    order = {t.name: int(t) for t in GGMLType}
+    return cols, dict(sorted(by_op.items())), dict(sorted(by_type.items(), key=lambda kv: order[kv[0]]))
 
 
 def _cell(s: int, n: int) -> str:
     return "yes" if s == n else "no" if s == 0 else f"partial ({s}/{n})"
 
 
+def _md_table(first: str, cols: list[str], matrix: Matrix) -> list[str]:
+    lines = [f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    return lines + [f"| {k} | " + " | ".join(_cell(*r[c]) for c in cols) + " |" for k, r in matrix.items()]
+
+
 def cmd_ops(args) -> int:
-    cols, matrix = support_matrix()
+    cols, matrix, by_type = support_matrix()
     if args.json:
         print(json.dumps({op: {c: {"supported": s, "cases": n} for c, (s, n) in row.items()}
                           for op, row in matrix.items()}, indent=1))  # fmt: skip
@@ -190,9 +226,10 @@ def cmd_ops(args) -> int:
                  "case of the op is supported, `partial (s/n)` = s of n cases (types, shapes), "
                  "`no` = none. Support is what each plugin's `supports_op` answers; the "
                  "conformance suite proves every `yes`.", "",
-                 "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]  # fmt: skip
-        for op, row in matrix.items():
-            lines.append(f"| {op} | " + " | ".join(_cell(*row[c]) for c in cols) + " |")
+                 *_md_table("op", cols, matrix), "", "## Block types", "",
+                 "The cases that read or write each block type (MUL_MAT, MUL_MAT_ID, GET_ROWS, "
+                 "SET_ROWS, CPY), counted as above.", "",
+                 *_md_table("type", cols, by_type)]  # fmt: skip
         import accelplane
 
         missing = accelplane.get_registry().failures
@@ -215,7 +252,13 @@ def cmd_ops(args) -> int:
 
 
 def cmd_conformance(args, extra: list[str]) -> int:
-    import pytest
+    from accelplane import conformance
+
+    try:
+        import pytest
+    except ImportError as e:  # the suite is a pytest plugin: say what to install, in one line
+        print(conformance.pytest_missing(e))
+        return conformance.UNTESTABLE
 
     from accelplane.conformance import pytest_plugin
 
@@ -378,6 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# make-model: the architectures (the keys of accelplane.models.runner.MAKE_ARCHS, named here so
+# that parsing imports no model code), and its options that set a make_model keyword: (flag,
+# keyword), the integer ones first
+MAKE_ARCH_NAMES = ["llama", "qwen2", "qwen3", "gemma3", "bert"]
+_MAKE_INTS = (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
+              ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"), ("--ctx", "n_ctx"),
+              ("--experts", "n_expert"), ("--experts-used", "n_expert_used"), ("--head-dim", "head_dim"),
+              ("--sliding-window", "sliding_window"), ("--seed", "seed"))  # fmt: skip
+MAKE_FLAGS = _MAKE_INTS + (("--output-type", "output_type"), ("--tied", "tied"), ("--rope-base", "rope_base"),
+                           ("--rope-scaling", "rope_scaling"), ("--rope-factor", "rope_factor"),
+                           ("--logit-softcap", "logit_softcap"), ("--pooling", "pooling"))  # fmt: skip
+
+
 def _model_args(sub, b) -> None:
     """`bench model` options, and the `run` and `make-model` commands (accelplane.models)."""
     b.add_argument("--model", help="model: GGUF file (default: the synthetic model of `run`)")
@@ -402,41 +458,75 @@ def _model_args(sub, b) -> None:
     r.add_argument("--split", default="none", choices=["none", "layer", "tensor"],
                    help="none: all layers on the first device; layer: layers spread over the "
                         "devices; tensor: needs the meta device")  # fmt: skip
-    r.add_argument("--tokens", type=_int(0), default=32, help="decode steps (default 32)")
-    r.add_argument("--prompt-tokens", type=_int(1), default=32, help="prompt length (default 32)")
-    r.add_argument("--seed", type=_int(0), default=0, help="seed of the random prompt")
+    r.add_argument("--tokens", type=_int(0), default=32,
+                   help="decode steps (default 32); with --prompt, the most tokens generated")  # fmt: skip
+    r.add_argument("--prompt", help="text to continue: tokenized with the model's vocabulary, the "
+                   "generated text streams to stdout (everything else goes to stderr); generation "
+                   "stops at an end-of-generation token or after --tokens; no logits check")  # fmt: skip
+    r.add_argument("--special", action="store_true",
+                   help="--prompt: control tokens written in it (<|im_start|>, ...) are parsed as such")
+    r.add_argument("--temp", type=_nonneg, default=0.0,
+                   help="--prompt: sampling temperature (default 0: greedy)")  # fmt: skip
+    r.add_argument("--top-k", type=_int(0), default=None,
+                   help="--prompt with --temp > 0: keep the k most likely tokens (default 40; 0: all)")
+    r.add_argument("--top-p", type=_unit, default=None,
+                   help="--prompt with --temp > 0: keep the most likely tokens up to this probability "
+                        "(default 0.95; 1: all)")  # fmt: skip
+    r.add_argument("--prompt-tokens", type=_int(1), default=None,
+                   help="length of the random prompt without --prompt (default 32)")  # fmt: skip
+    r.add_argument("--seed", type=_int(0), default=0,
+                   help="seed of the random prompt, or of the sampling with --prompt --temp > 0")
     r.add_argument("--nmse-tol", type=_positive, default=None,
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
+    e = sub.add_parser("embed", help="embeddings of texts (or token ids) by a bert GGUF model, as "
+                       "llama.cpp's embedding tool computes them")  # fmt: skip
+    e.add_argument("text", nargs="*", help="texts to embed (tokenized by the model's vocabulary)")
+    e.add_argument("--model", required=True, help="bert GGUF file")
+    e.add_argument("--ids", action="append", metavar="IDS",
+                   help="token ids of one sequence, comma or space separated, special tokens included "
+                        "(repeatable; instead of TEXT)")  # fmt: skip
+    e.add_argument("-d", "--device", action="append",
+                   help="device for the weights (default: as for run, the first accelerator not emulated on "
+                        "the host's cores, else the CPU)")  # fmt: skip
+    e.add_argument("--pooling", choices=["none", "mean", "cls", "last"],
+                   help="override the file's bert.pooling_type (none: one vector per token)")
+    e.add_argument("--normalize", type=_int(-1, 1 << 16), default=2, metavar="P",
+                   help="as llama.cpp's --embd-normalize: -1 none, 0 max absolute (int16 range), 1 taxicab, "
+                        "2 Euclidean (default), >2 p-norm")  # fmt: skip
+    e.add_argument("--out", help="write the embeddings to this .npy file (float32, one row per text; "
+                   "with --pooling none one row per token) instead of printing them")  # fmt: skip
     m = sub.add_parser("make-model", help="write a synthetic GGUF model (random weights), as llama.cpp's "
                        "converter would write a checkpoint of the architecture")  # fmt: skip
     m.add_argument("out", help="output .gguf file")
-    m.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "gemma3"],
-                   help="architecture (default llama)")  # fmt: skip
-    m.add_argument("--preset", default="small", choices=["tiny", "small", "1b", "8b"],
-                   help="shapes (default small = the model of `run`; 1b = TinyLlama-1.1B shapes; "
-                        "8b = Llama-3-8B shapes)")  # fmt: skip
+    m.add_argument("--arch", default="llama", choices=MAKE_ARCH_NAMES,
+                   help="architecture (default llama; bert: an embedding model for `embed`)")
+    m.add_argument("--preset", choices=["tiny", "small", "1b", "8b", "mini"],
+                   help="shapes: decoders tiny, small (the default: the model of `run`), 1b (TinyLlama-1.1B "
+                        "shapes), 8b (Llama-3-8B shapes); bert tiny, mini (the default: all-MiniLM-L6-v2 "
+                        "shapes)")  # fmt: skip
     m.add_argument("--jobs", type=_int(1, 1024), default=None,
                    help="worker processes making the weights (default: one per CPU; same file for any)")
-    for flag, dest in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
-                       ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"),
-                       ("--ctx", "n_ctx"), ("--experts", "n_expert"), ("--experts-used", "n_expert_used"),
-                       ("--head-dim", "head_dim"), ("--sliding-window", "sliding_window"),
-                       ("--seed", "seed")):  # fmt: skip
+    for flag, dest in _MAKE_INTS:
         lo = 0 if dest in ("n_expert", "n_expert_used", "seed", "sliding_window") else 1
         m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
-    wtypes = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
+    from accelplane.core.types import GGMLType
+
+    wtypes = [t.name.lower() for t in GGMLType if t != GGMLType.I32]  # what make_model writes
     m.add_argument("--wtype", default="q8_0", type=str.lower, choices=wtypes, help="matrix type")
     m.add_argument("--output-type", type=str.lower, choices=wtypes,
                    help="output head type (default: --wtype)")  # fmt: skip
-    m.add_argument("--tied", action="store_true", help="no output.weight: the head is the token embedding "
-                   "(gemma3 always)")  # fmt: skip
+    m.add_argument("--tied", action="store_true", default=None,
+                   help="no output.weight: the head is the token embedding (gemma3 always)")
     m.add_argument("--rope-base", type=_positive,
                    help="rope frequency base (default: the architecture's usual one)")  # fmt: skip
-    m.add_argument("--rope-scaling", default="none", choices=["none", "linear", "llama3"],
-                   help="rope scaling: linear (rope.scaling.* keys), llama3 (llama: the rope_freqs tensor)")
-    m.add_argument("--rope-factor", type=_positive, default=8.0, help="rope scaling factor (default 8)")
+    m.add_argument("--rope-scaling", choices=["none", "linear", "llama3"],
+                   help="rope scaling (default none): linear (rope.scaling.* keys), llama3 (llama: the "
+                        "rope_freqs tensor)")  # fmt: skip
+    m.add_argument("--rope-factor", type=_positive, help="rope scaling factor (default 8)")
     m.add_argument("--logit-softcap", type=_positive, help="gemma3: final logit soft-capping")
+    m.add_argument("--pooling", choices=["none", "mean", "cls", "last"],
+                   help="bert: bert.pooling_type (default mean)")
 
 
 def _check_inputs(args) -> None:
@@ -450,6 +540,21 @@ def _check_inputs(args) -> None:
         raise UsageError(f"--model {model}: no such file")
     if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
         raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
+    if args.cmd == "run":
+        _check_run(args)
+
+
+def _check_run(args) -> None:
+    """`run`: the text-mode options go with --prompt, sampling options with --temp > 0."""
+    text_only = [o for o, v in (("--special", args.special), ("--temp", args.temp), ("--top-k", args.top_k),
+                                ("--top-p", args.top_p)) if v]  # fmt: skip
+    if args.prompt is None and text_only:
+        need = "needs" if len(text_only) == 1 else "need"
+        raise UsageError(f"run: {', '.join(text_only)} {need} --prompt (text generation)")
+    if args.prompt is not None and args.prompt_tokens is not None:
+        raise UsageError("run: --prompt-tokens is the length of a random prompt; it cannot go with --prompt")
+    if args.prompt is not None and not args.temp and (args.top_k is not None or args.top_p is not None):
+        raise UsageError("run: --top-k and --top-p need --temp > 0 (--temp 0 is greedy)")
 
 
 def _dispatch(args, extra: list[str]) -> int:
@@ -466,6 +571,10 @@ def _dispatch(args, extra: list[str]) -> int:
         if args.nmse_tol is None:
             args.nmse_tol = NMSE_TOL
         return cmd_run(args)
+    if args.cmd == "embed":
+        from accelplane.cli.embed import cmd_embed
+
+        return cmd_embed(args)
     if args.cmd == "make-model":
         from accelplane.cli.run import cmd_make_model
 

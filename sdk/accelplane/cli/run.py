@@ -4,6 +4,10 @@
 greedily, print tokens/s, then recompute the same steps (teacher-forced with the generated
 tokens) on a CPU-only scheduler and compare the logits: max abs error, NMSE and top-1
 agreement; the run fails beyond ``--nmse-tol`` (default :data:`~accelplane.models.runner.NMSE_TOL`).
+
+``run --prompt TEXT``: tokenize the text with the model's vocabulary, generate (greedy, or
+sampled with ``--temp``/``--top-k``/``--top-p``/``--seed``) until an end-of-generation token or
+``--tokens``, streaming the text to stdout; the model, devices and tokens/s go to stderr.
 """
 
 from __future__ import annotations
@@ -16,37 +20,48 @@ from typing import TextIO
 import numpy as np
 
 from accelplane.bench.model import bench_configs, bench_model, format_bench, plot_bench
+from accelplane.errors import TokenizerError
 from accelplane.models.decoder import check_split
 from accelplane.models.gguf import read_gguf
 from accelplane.models.runner import (
-    PRESETS,
+    MAKE_ARCHS,
     _cpu_of,
     context_for,
     default_model_path,
     describe_model,
     generate,
+    generate_text,
     load,
     make_with_bar,
     meta_summary,
     pick_devices,
     teacher_forced,
 )
+from accelplane.models.sampling import Sampler
+from accelplane.models.tokenizer import Tokenizer
 from accelplane.oracle.compare import nmse
 
 
-def cmd_run(args, out: TextIO | None = None) -> int:
-    """``accelplane run`` (see the module docstring). Returns the exit status."""
+def _open_model(args, p) -> tuple:
+    """The model file (checked before the plugins load: a bad file fails at once), its config
+    and tokenizer (with --prompt), the registry, its devices listed with ``p``."""
     import accelplane
-
-    out = out or sys.stdout
 
     check_split(args.split)
     path = Path(args.model) if args.model else default_model_path()
-    f = read_gguf(path)  # before the plugins load: a bad file fails at once
+    f = read_gguf(path)
     cfg = f.model_config()
+    tok = None
+    if args.prompt is not None:
+        try:
+            tok = Tokenizer.from_gguf(f)
+        except TokenizerError as e:
+            raise TokenizerError(f"--prompt: {e} (without --prompt, run feeds random token ids)") from None
+        if tok.n_vocab > cfg.n_vocab:
+            raise TokenizerError(f"{path}: the vocabulary has {tok.n_vocab} tokens, the model's embedding "
+                                 f"{cfg.n_vocab} rows")  # fmt: skip
     f.check_tensors(cfg)
     reg = accelplane.get_registry()
-    p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     p(f"model: {path}")
     p(f"  {describe_model(f)}")
     p("devices found:")
@@ -54,9 +69,60 @@ def cmd_run(args, out: TextIO | None = None) -> int:
         p(f"  {d.name:<10} {d.type.value:<5} {d.plugin.name:<10} {d.description}")
     for fl in reg.failures:
         p(f"  ({'no device' if fl.no_device else 'broken plugin'} {fl.name}: {fl.reason})")
+    return f, cfg, tok, reg
+
+
+def cmd_run_text(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``accelplane run --prompt TEXT``: the generated text to ``out`` as it is made, the rest
+    (model, devices, timings) to ``err``. Returns the exit status."""
+    out, err = out or sys.stdout, err or sys.stderr
+    p = lambda *a: print(*a, file=err, flush=True)  # noqa: E731
+    f, cfg, tok, reg = _open_model(args, p)
+    ids = tok.encode(args.prompt, add_special=True, parse_special=args.special)
+    if not ids:
+        raise TokenizerError("--prompt: the text gives no tokens (and the model adds no BOS)")
+    n = int(args.tokens)
+    n_ctx = context_for(cfg, len(ids) + n, "the prompt's tokens + --tokens")
+    top_k = 40 if args.top_k is None else args.top_k
+    sampler = Sampler(args.temp, top_k, 0.95 if args.top_p is None else args.top_p, args.seed)
+    devs, cpu = pick_devices(reg, args.device), _cpu_of(reg)
+    model = load(f, devs, cpu, args.split, n_ctx)
+    how = "greedy" if sampler.greedy else f"temp {sampler.temp:g}, top-k {top_k}, top-p {sampler.top_p:g}"
+    how += f", seed {args.seed}" if not sampler.greedy else ""
+    p(f"prompt: {len(ids)} tokens ({tok!r}); generating up to {n} tokens, {how}")
+    try:
+        if n:  # warm-up: graphs, scheduler plans and backend plans are built once, outside the timing
+            generate(model, ids, 1, False, show=False)
+
+        def write(s: str) -> None:
+            out.write(s)
+            out.flush()
+
+        res = generate_text(model, tok, ids, n, sampler, write)
+    finally:
+        model.free()
+    out.write("\n")
+    out.flush()
+    if res.pp_s:
+        p(f"prefill: {len(ids)} tokens in {res.pp_s * 1e3:.1f} ms = {len(ids) / res.pp_s:.1f} tokens/s")
+    if res.steps:
+        p(f"decode:  {res.steps} tokens in {res.tg_s * 1e3:.1f} ms = {res.steps / res.tg_s:.1f} tokens/s")
+    why = (f"end-of-generation token {res.eog} {tok.tokens[res.eog]!r}" if res.eog is not None
+           else f"--tokens {n}")  # fmt: skip
+    p(f"generated {len(res.tokens)} tokens; stopped at {why}")
+    return 0
+
+
+def cmd_run(args, out: TextIO | None = None) -> int:
+    """``accelplane run`` (see the module docstring). Returns the exit status."""
+    if getattr(args, "prompt", None) is not None:
+        return cmd_run_text(args, out)
+    out = out or sys.stdout
+    p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    f, cfg, _, reg = _open_model(args, p)
     devs = pick_devices(reg, args.device)
     cpu = _cpu_of(reg)
-    n_prompt, n_dec = int(args.prompt_tokens), int(args.tokens)
+    n_prompt, n_dec = int(args.prompt_tokens or 32), int(args.tokens)
     n_ctx = context_for(cfg, n_prompt + n_dec, "--prompt-tokens + --tokens")
     model = load(f, devs, cpu, args.split, n_ctx)
     try:
@@ -150,22 +216,26 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
 
 def cmd_make_model(args, out: TextIO | None = None) -> int:
-    """``accelplane make-model``: a synthetic model from a preset and overrides."""
+    """``accelplane make-model``: a synthetic model of ``--arch`` from a preset and overrides."""
+    from accelplane.cli import MAKE_FLAGS, UsageError
+
     out = out or sys.stdout
-    kw = dict(PRESETS[args.preset])
-    for k in ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
-              "n_expert_used", "head_dim", "sliding_window", "rope_base", "logit_softcap",
-              "seed"):  # fmt: skip
-        v = getattr(args, k)
-        if v is not None:
-            kw[k] = v
+    presets, default, settable = MAKE_ARCHS[args.arch]
+    preset = args.preset or default
+    if preset not in presets:
+        raise UsageError(f"make-model: --preset {preset} is not a {args.arch} preset ({', '.join(presets)})")
+    kw = dict(presets[preset], arch=args.arch, wtype=args.wtype)
+    for flag, dest in MAKE_FLAGS:
+        v = getattr(args, dest, None)
+        if v is None:
+            continue
+        if dest not in settable:
+            raise UsageError(f"make-model: {flag} does not apply to --arch {args.arch}")
+        kw[dest] = v
     if args.arch == "gemma3" and "sliding_window" not in kw:
         kw["sliding_window"] = min(512, kw["n_ctx"] // 4)  # Gemma 3 1B's window, short contexts a quarter
-    kw.update(arch=args.arch, wtype=args.wtype, tied=args.tied, rope_scaling=args.rope_scaling,
-              rope_factor=args.rope_factor)  # fmt: skip
-    if args.output_type:
-        kw["output_type"] = args.output_type
     make_with_bar(args.out, jobs=args.jobs, **kw)
     f = read_gguf(args.out)
     print(f"wrote {args.out}\n  {describe_model(f)}", file=out)
     return 0
+

@@ -21,6 +21,8 @@ from accelplane.core.types import GGMLType
 
 T = GGMLType
 Init = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]
+# the block types a weight may have (products, row gathers, dequantizing copies)
+QUANT = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 
 
 @dataclass
@@ -332,8 +334,7 @@ def _rope() -> Iterator[OpCase]:
 
 
 def _mul_mat() -> Iterator[OpCase]:
-    types = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
-    for ta in types:
+    for ta in (T.F32, T.F16, T.BF16, *QUANT):
         bs = ta.blck_size
         ks = (bs * 8, bs * 3) if bs > 1 else (256, 67, 1)
         for k in ks:
@@ -355,7 +356,7 @@ def _mul_mat() -> Iterator[OpCase]:
                         yield OpCase("MUL_MAT", {"type_a": ta, "type_b": tb, "m": m, "n": n,
                                                  "k": k, "bs": batch}, build, 5e-4)  # fmt: skip
     # non-contiguous activations and strided weight rows
-    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+    for ta in (T.F32, T.F16, *QUANT):
         k = 256 if ta.blck_size == 256 else 64
 
         def build_nc(ctx, ta=ta, k=k):
@@ -376,7 +377,7 @@ def _mul_mat() -> Iterator[OpCase]:
 
 
 def _mul_mat_id() -> Iterator[OpCase]:
-    for ta in (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+    for ta in (T.F32, T.F16, *QUANT):
         k = 256 if ta.blck_size == 256 else 64
         for n_exp, n_used, n_tok, b1 in ((4, 2, 5, 1), (8, 3, 2, 3), (4, 1, 1, 1)):
 
@@ -392,7 +393,7 @@ def _mul_mat_id() -> Iterator[OpCase]:
 
 
 def _get_set_rows() -> Iterator[OpCase]:
-    for ta in (T.F32, T.F16, T.BF16, T.I32, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+    for ta in (T.F32, T.F16, T.BF16, T.I32, *QUANT):
         ne0 = ta.blck_size * 2 if ta.is_quantized else 10
         for nr, nidx, b in ((5, 3, 1), (7, 7, 2)):
 
@@ -430,7 +431,7 @@ def _quant_thr(t: GGMLType) -> float:
 
 def _copies() -> Iterator[OpCase]:
     float_types = (T.F32, T.F16, T.BF16)
-    for ts in float_types + (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
+    for ts in float_types + QUANT:
         for td in float_types + (T.Q8_0, T.Q4_0):
             if ts.is_quantized and td != T.F32:
                 continue

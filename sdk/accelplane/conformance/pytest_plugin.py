@@ -49,8 +49,9 @@ from pathlib import Path
 
 import pytest
 
+from accelplane.conformance import UNTESTABLE
+
 SUITE_DIR = Path(__file__).parent
-UNTESTABLE = int(pytest.ExitCode.USAGE_ERROR)  # 4: the plugin or the expected failures are wrong
 NOTHING_RAN = int(pytest.ExitCode.NO_TESTS_COLLECTED)  # 5: no case ran
 RAN = ("passed", "failed", "xfailed", "xpassed")  # the statuses of a case that ran
 

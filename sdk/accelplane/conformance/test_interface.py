@@ -14,6 +14,7 @@ import accelplane
 from accelplane.core.graph import Context
 from accelplane.core.types import GGMLType
 from accelplane.errors import AccelplaneError, BufferFreedError, DeviceError, OutOfRangeError
+from accelplane.interface import DLDeviceType
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Event, MultiBuffer, tensor_copy, tensor_copy_async
 
@@ -58,8 +59,7 @@ def test_buffer_type_facts(ap_device):
     assert buft.alloc_size(t) >= t.nbytes
 
 
-@pytest.mark.parametrize("type_", [T.F32, T.F16, T.BF16, T.I32, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize("type_", list(T), ids=str)
 def test_set_get_roundtrip(ap_device, ap_rng, type_):
     ctx = Context()
     t = ctx.new_tensor_ne(type_, 512, 3, 2)
@@ -154,6 +154,72 @@ def test_multibuffer(ap_device):
             assert np.all(t.get() == i)
     finally:
         buf.free()
+
+
+# --- DLPack (docs/interop.md) ---------------------------------------------------------------------
+class _AsHost:
+    """Asks an accelplane tensor for host memory (``dl_device=(CPU, 0)``) whatever numpy asks."""
+
+    def __init__(self, t) -> None:
+        self.t = t
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(max_version=kw.get("max_version"), dl_device=(DLDeviceType.CPU, 0))
+
+    def __dlpack_device__(self):
+        return (DLDeviceType.CPU, 0)
+
+
+def _shared(a, b) -> bool:
+    ma, mb = a.buffer.dlpack_memory(a), b.buffer.dlpack_memory(b)
+    return ma is not None and mb is not None and (ma.device_type, ma.device_id, ma.ptr) == (
+        mb.device_type, mb.device_id, mb.ptr)  # fmt: skip
+
+
+@pytest.mark.parametrize("type_", [T.F32, T.F16, T.I32], ids=str)
+def test_dlpack_roundtrip(ap_device, ap_rng, type_):
+    """A tensor and a view of it leave through __dlpack__ with their values: as host memory, and
+    back into the device through from_dlpack; where that import shares the memory (the plugin's
+    buffer_dlpack and buft_from_dlpack agree on it), a write through one is seen by the other."""
+    ctx = Context()
+    t = ctx.new_tensor(type_, (6, 64), "t")
+    view = ctx.view(t, (64, 2), t.nb, 2 * t.nb[1])  # rows 2..3
+    buf = _alloc(ap_device, t)
+    try:
+        buf.init_view(view)
+        v = ap_rng.integers(-1000, 1000, (6, 64)).astype({T.F32: np.float32, T.F16: np.float16,
+                                                          T.I32: np.int32}[type_])  # fmt: skip
+        t.set(v)
+        for x, want in ((t, v), (view, v[2:4])):
+            assert np.array_equal(np.from_dlpack(_AsHost(x)), want), x.name or "view"
+            back = accelplane.from_dlpack(x, device=ap_device)
+            assert np.array_equal(back.get(), want)
+            if _shared(back, x):
+                back.set(np.full(want.shape, 3))
+                assert np.all(x.get() == 3), "a zero-copy import writes the exported memory"
+                x.set(want)
+            back.buffer.free()
+    finally:
+        buf.free()
+
+
+def test_dlpack_export_orders_after_queued_work(ap_suite, ap_device, ap_backend, ap_rng):
+    """A graph queued and not synchronized, then exported and imported back into the device
+    (DLPack's default stream, None): the values read are the graph's result (the host waits for
+    host memory; the plugin's device_dlpack_wait orders device memory)."""
+    for _ in range(repeats(ap_suite, 3)):
+        x, y, g, buf = _graph_xy(ap_device)
+        try:
+            v = ap_rng.standard_normal(x.shape).astype(np.float32)
+            x.set(v)
+            y.set(np.zeros(y.shape, np.float32))
+            ap_backend.graph_compute(g)
+            back = accelplane.from_dlpack(y, device=ap_device)
+            np.testing.assert_allclose(back.get(), v * 2.0 + 1.0, rtol=1e-6)
+            back.buffer.free()
+        finally:
+            ap_backend.synchronize()
+            buf.free()
 
 
 # --- compute and async ordering ---------------------------------------------------------------------

@@ -18,7 +18,8 @@ from accelplane.errors import ShapeError, TypeMismatchError
 
 T = GGMLType
 FLOAT = frozenset({T.F32, T.F16, T.BF16})
-QUANT = frozenset({T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})
+QUANT = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL,
+                   T.IQ4_XS})
 ALL_TYPES = FLOAT | QUANT | {T.I32}
 
 

@@ -291,16 +291,35 @@ class Tensor:
         a = self.get()
         return a if dtype is None else a.astype(dtype)
 
+    # --- DLPack (the array API's exchange protocol): accelplane.runtime.dlpack, docs/interop.md -----
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[Any, int] | None = None, copy: bool | None = None) -> Any:  # fmt: skip
+        """A DLPack capsule of the tensor, zero-copy where its memory allows (the rules:
+        :func:`accelplane.runtime.dlpack.export`); ``np.from_dlpack(t)``, ``torch.from_dlpack(t)``."""
+        return _runtime("DLPACK").export(self, stream=stream, max_version=max_version,
+                                         dl_device=dl_device, copy=copy)  # fmt: skip
 
-# the runtime module that moves tensor data (accelplane.runtime.data registers itself here when
-# imported: the core describes tensors and imports nothing of the runtime)
+    def __dlpack_device__(self) -> tuple[Any, int]:
+        """(DLPack device type, device id) of the memory ``__dlpack__()`` exports."""
+        return _runtime("DLPACK").dlpack_device(self)
+
+
+# the runtime modules that move tensor data and exchange it through DLPack (accelplane.runtime.data
+# and .dlpack register themselves here when imported: the core describes tensors and imports
+# nothing of the runtime)
 DATA: Any = None
+DLPACK: Any = None
+
+
+def _runtime(name: str):
+    mod = globals()[name]
+    if mod is None:
+        raise DeviceError("tensor data moves through accelplane.runtime (import accelplane first)")
+    return mod
 
 
 def _data():
-    if DATA is None:
-        raise DeviceError("tensor data moves through accelplane.runtime (import accelplane first)")
-    return DATA
+    return _runtime("DATA")
 
 
 def _row_shape(t: Tensor) -> tuple[int, ...]:

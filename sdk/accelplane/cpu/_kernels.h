@@ -13,9 +13,17 @@
 #define AP_T_F32 0
 #define AP_T_F16 1
 #define AP_T_Q4_0 2
+#define AP_T_Q4_1 3
+#define AP_T_Q5_0 6
+#define AP_T_Q5_1 7
 #define AP_T_Q8_0 8
+#define AP_T_Q2_K 10
+#define AP_T_Q3_K 11
 #define AP_T_Q4_K 12
+#define AP_T_Q5_K 13
 #define AP_T_Q6_K 14
+#define AP_T_IQ4_NL 20
+#define AP_T_IQ4_XS 23
 #define AP_T_BF16 30
 
 #define AP_ISA_PORTABLE 0

@@ -59,15 +59,12 @@ __all__ = [
     "set_isa",
 ]
 
+T = GGMLType
 # (elements per block, bytes per block) of the types the kernels handle
 _BLOCK: Final[dict[GGMLType, tuple[int, int]]] = {
-    GGMLType.F32: (1, 4),
-    GGMLType.F16: (1, 2),
-    GGMLType.BF16: (1, 2),
-    GGMLType.Q4_0: (32, 18),
-    GGMLType.Q8_0: (32, 34),
-    GGMLType.Q4_K: (256, 144),
-    GGMLType.Q6_K: (256, 210),
+    t: (t.blck_size, t.type_size)
+    for t in (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
+              T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 }
 SUPPORTED_TYPES: Final[tuple[GGMLType, ...]] = tuple(_BLOCK)
 
@@ -80,9 +77,17 @@ _CROSSOVER_N: Final[dict[GGMLType, int]] = {
     GGMLType.F16: 40,
     GGMLType.BF16: 40,
     GGMLType.Q4_0: 160,
+    GGMLType.Q4_1: 160,
+    GGMLType.Q5_0: 160,
+    GGMLType.Q5_1: 160,
     GGMLType.Q8_0: 128,
+    GGMLType.Q2_K: 256,
+    GGMLType.Q3_K: 256,
     GGMLType.Q4_K: 256,
+    GGMLType.Q5_K: 256,
     GGMLType.Q6_K: 256,
+    GGMLType.IQ4_NL: 160,
+    GGMLType.IQ4_XS: 256,
 }
 # the portable C kernel has no SIMD FMA or int8 dot: dequantize + BLAS wins from N = 2 on
 _PORTABLE_CROSSOVER_N: Final = 2

@@ -15,6 +15,7 @@ import numpy as np
 from accelplane.core.ops import RULES, Op
 from accelplane.errors import AllocationError
 from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
+from accelplane.runtime.dlpack import HOST_MEMORY, host_bytes
 from accelplane.runtime.plancache import PlanCache
 
 ALIGNMENT = 64
@@ -48,7 +49,7 @@ def _mem() -> tuple[int, int]:
 
 @hookimpl
 def api_version():
-    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
+    return (1, 2)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl
@@ -140,6 +141,15 @@ def buffer_memset_tensor(buffer, tensor, value, offset, size):
 @hookimpl
 def buffer_clear(buffer, value):
     buffer.ctx[:] = value
+
+
+@hookimpl
+def buft_from_dlpack(buft, buffer, memory, size):
+    # host memory at any element-aligned address: numpy and the C kernels take unaligned rows.
+    # Exports need no hook: the SDK shares a host buffer's memory (buffer_host_array).
+    if memory.device_type not in HOST_MEMORY:
+        return None
+    return host_bytes(memory.ptr, size, memory.owner)
 
 
 @hookimpl

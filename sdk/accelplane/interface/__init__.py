@@ -15,6 +15,8 @@ from accelplane.interface.hookspecs import (
     DeviceCaps,
     DeviceSpec,
     DeviceType,
+    DLDeviceType,
+    DLPackMemory,
     Specs,
     hookimpl,
     hookspec,
@@ -22,5 +24,5 @@ from accelplane.interface.hookspecs import (
 
 __all__ = [
     "API_VERSION", "HOOK_MIN_MINOR", "HOOK_NAMES", "PROJECT", "REQUIRED_HOOKS", "BufferTypeSpec",
-    "DeviceCaps", "DeviceSpec", "DeviceType", "Specs", "hookimpl", "hookspec",
+    "DeviceCaps", "DeviceSpec", "DLDeviceType", "DLPackMemory", "DeviceType", "Specs", "hookimpl", "hookspec",
 ]  # fmt: skip

@@ -20,7 +20,7 @@ are called only for plugins that declare at least that minor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the handles hooks receive (accelplane.runtime.backend); no 
     from accelplane.runtime.backend import Backend, Buffer, BufferType, Comm, Device, Event
 
 PROJECT = "accelplane"
-API_VERSION: tuple[int, int] = (1, 1)
+API_VERSION: tuple[int, int] = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -78,6 +78,41 @@ class BufferTypeSpec:
     ctx: Any = None
 
 
+class DLDeviceType(IntEnum):
+    """DLPack's device types (dlpack.h ``DLDeviceType``), as ``__dlpack_device__`` returns them."""
+
+    CPU = 1
+    CUDA = 2
+    CUDA_HOST = 3  # pinned host memory (cudaMallocHost)
+    OPENCL = 4
+    VULKAN = 7
+    METAL = 8
+    VPI = 9
+    ROCM = 10
+    ROCM_HOST = 11
+    EXT_DEV = 12
+    CUDA_MANAGED = 13
+    ONE_API = 14  # SYCL unified shared memory
+    WEBGPU = 15
+    HEXAGON = 16
+    MAIA = 17
+    TRN = 18
+
+
+@dataclass(frozen=True)
+class DLPackMemory:
+    """Memory as DLPack names it: a device (``device_type``, ``device_id``) and an address on it.
+
+    ``ptr`` is a device address in that device type's convention (a CUDA device pointer, a
+    SYCL USM pointer, a host address for CPU). ``owner`` is set by the SDK on imports
+    (:func:`buft_from_dlpack`): the object that keeps the memory alive."""
+
+    device_type: DLDeviceType
+    device_id: int
+    ptr: int
+    owner: Any = None
+
+
 class Specs:
     """The hookspecs. Names are the ones the whole ecosystem reads; do not rename."""
 
@@ -92,7 +127,7 @@ class Specs:
 
             @hookimpl
             def api_version():
-                return (1, 1)
+                return (1, 2)
         """
 
     @hookspec
@@ -231,6 +266,41 @@ class Specs:
         False (Buffer.clear raises DeviceError without it); fallback for host buffers: the
         buffer_host_array is filled."""
 
+    # --- DLPack (1.2): zero-copy exchange with other array libraries (docs/interop.md) ----------
+    @hookspec
+    def buffer_dlpack(self, buffer: Buffer, tensor: Tensor) -> DLPackMemory | None:
+        """Where the tensor's bytes are, for a zero-copy ``Tensor.__dlpack__``: a
+        DLPackMemory whose ``ptr`` is the address of the tensor's byte 0 (``tensor.offs`` into
+        the buffer), valid for as long as the buffer is not freed, holding the tensor in ggml's
+        layout (its ``nb`` strides), and readable and writable by another library on that
+        DLPack device. Return None when that is not so (memory no other library can address,
+        weights kept in another layout); the tensor is never quantized. Pure: no side effects.
+        Fallback (hook missing or None): a host buffer (buft_is_host) shares buffer_host_array
+        as ``DLDeviceType.CPU`` memory; any other buffer is exported as a host copy. Example
+        (CUDA): ``return DLPackMemory(DLDeviceType.CUDA, index, mem.ptr + tensor.offs)``. The
+        three DLPack hooks are called for plugins of API 1.2 and later."""
+
+    @hookspec
+    def device_dlpack_wait(self, device: Device, stream: Any) -> None:
+        """Make a DLPack consumer's ``stream`` wait, device-side where possible, for the work
+        queued so far on every backend of ``device`` (``device.backends``), before the consumer
+        uses memory that buffer_dlpack gave it. ``stream`` follows the array API's convention
+        for the device type buffer_dlpack names (CUDA: an int cudaStream_t, None or 1 the
+        legacy default stream, 2 the per-thread one); -1 never reaches the hook (no ordering
+        asked). Raise accelplane.errors.DLPackError for a value the plugin cannot take.
+        Fallback: synchronize every backend of the device (the host waits)."""
+
+    @hookspec
+    def buft_from_dlpack(self, buft: BufferType, buffer: Buffer, memory: DLPackMemory, size: int) -> Any:
+        """Wrap ``size`` bytes of another library's memory at ``memory.ptr`` as ``buffer``'s
+        ctx, without copying (ggml's buffer_from_host_ptr): the ctx must keep ``memory.owner``
+        referenced for as long as it uses the memory (buffer_free drops it). The tensor placed at
+        offset 0 is ``size`` bytes, any alignment of its element type. Return None when buffers
+        of this type cannot address that memory (another device or context, an address its
+        kernels cannot take); the SDK then copies into a new buffer. Order after the producer's
+        work on the memory: the producer was asked with ``stream=None`` (for CUDA: the legacy
+        default stream). Fallback: None (always a copy)."""
+
     # --- backend / stream (ggml_backend_i) --------------------------------------------------------
     @hookspec
     def backend_free(self, backend: Backend) -> None:
@@ -342,4 +412,7 @@ REQUIRED_HOOKS = frozenset(
 )  # fmt: skip
 HOOK_NAMES = tuple(n for n in vars(Specs) if not n.startswith("_"))
 # hooks new in a minor version: name -> minor that introduced it
-HOOK_MIN_MINOR: dict[str, int] = {"record_begin": 1, "record_end": 1, "record_replay": 1}
+HOOK_MIN_MINOR: dict[str, int] = {
+    "record_begin": 1, "record_end": 1, "record_replay": 1,
+    "buffer_dlpack": 2, "device_dlpack_wait": 2, "buft_from_dlpack": 2,
+}  # fmt: skip

@@ -148,11 +148,11 @@ class Architecture:
 
     def hf_spread(self, spec: WeightSpec) -> tuple[float, float]:
         """(mean, std) of the synthetic checkpoint's value of ``spec`` before conversion:
-        matrices N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.1),
-        biases N(0, 0.1)."""
+        matrices N(0, 1/K) (K = row length), the token embedding (and an encoder's position and
+        token-type embeddings) N(0, 1), norms 1 + N(0, 0.1), biases N(0, 0.1)."""
         if spec.name.endswith("norm.weight"):
             return 1.0, 0.1
-        if spec.name == "token_embd.weight":
+        if spec.name in ("token_embd.weight", "position_embd.weight", "token_types.weight"):
             return 0.0, 1.0
         if spec.name.endswith(".bias"):
             return 0.0, 0.1

@@ -19,11 +19,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN
 
 
 def architecture(name: str) -> Architecture:
-    """The architecture called ``name``; GGUFError naming the supported ones otherwise."""
+    """The decoder architecture called ``name``; GGUFError naming the supported ones otherwise
+    (for bert, an encoder: pointing to ``accelplane embed``)."""
     a = ARCHITECTURES.get(name)
     if a is None:
+        if name == "bert":
+            raise GGUFError("architecture 'bert' is an embedding model: run it with accelplane embed")
         raise GGUFError(f"architecture {name!r} is not supported (accelplane models: "
-                        f"{', '.join(ARCHITECTURES)})")  # fmt: skip
+                        f"{', '.join(ARCHITECTURES)}; embeddings: bert)")  # fmt: skip
     return a
 
 

@@ -328,7 +328,7 @@ class _Step:
     all_rows: bool
     tokens: Tensor
     pos: Tensor  # positions = cache rows written (the cache is linear: slot i holds position i)
-    mask: Tensor
+    mask: Tensor | None  # None when every layer has the sliding window
     v_idx: Tensor
     logits: Tensor
     argmax: Tensor
@@ -720,8 +720,9 @@ class DecoderModel:
         pos = ctx.new_tensor(T.I32, (n_tok,), "inp_pos").set_input()
         g = n_head // n_kv_head
         # row t * g + r: token t, query head r of its group (see the attention below)
-        mask = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask").set_input()
-        mask_swa = None
+        mask = mask_swa = None
+        if not all(cfg.is_swa(il) for il in range(cfg.n_layers)):  # a layer attends to the whole cache
+            mask = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask").set_input()
         if cfg.has_swa:  # the sliding-window layers' own mask
             mask_swa = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask_swa").set_input()
         v_idx = ctx.new_tensor(T.I32, (n_tok * e_kv,), "inp_v_idxs").set_input()
@@ -871,7 +872,8 @@ class DecoderModel:
         slot = np.arange(st.n_kv)[None, :]
         # slots up to each token's own position are visible
         visible = slot <= pos[:, None]
-        st.mask.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))
+        if st.mask is not None:
+            st.mask.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))
         if st.mask_swa is not None:
             visible &= pos[:, None] - slot < self.cfg.n_swa
             st.mask_swa.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))

@@ -20,15 +20,16 @@ Metadata uses llama.cpp's keys (``general.architecture``, ``{arch}.block_count``
 Synthetic models (:func:`make_model`) are written the way llama.cpp's converter would write a
 Hugging Face checkpoint of the architecture: its metadata keys, and its changes to the
 checkpoint's tensors (llama's Q/K row permutation, gemma's ``1 + w`` norms, Llama 3's computed
-``rope_freqs``; see :mod:`accelplane.models.architecture`). The checkpoint's values are
-deterministic per (seed, tensor name): matrices N(0, 1/K) (K = row length), the token embedding
-N(0, 1), norms 1 + N(0, 0.1) (gemma: the stored 1 + w), biases N(0, 0.1).
-F32/F16/BF16, Q8_0 and Q4_0 quantize those values with :func:`accelplane.core.types.quantize`
-(byte-exact with ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are
-written directly as random *valid* blocks of the same spread (random quants, positive random
-sub-block scales, a d/dmin pair that centres the values), because their reference quantizers'
-scale searches are too slow for a ~1B model in numpy; the values are still well-formed K-quant
-data that every backend must decode the same way.
+``rope_freqs``; see :mod:`accelplane.models.architecture`; bert: :mod:`accelplane.models.bert`).
+The checkpoint's values are deterministic per (seed, tensor name): matrices N(0, 1/K) (K = row
+length), the token, position and token-type embeddings N(0, 1), norms 1 + N(0, 0.1) (gemma: the
+stored 1 + w), biases N(0, 0.1). F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K,
+IQ4_NL and IQ4_XS quantize those values with :func:`accelplane.core.types.quantize` (byte-exact
+with ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are written directly
+as random *valid* blocks of the same spread (random quants, positive random sub-block scales, a
+d/dmin pair that centres the values), because their reference quantizers' scale searches are
+too slow for a ~1B model in numpy; the values are still well-formed K-quant data that every
+backend must decode the same way.
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ import numpy as np
 from accelplane.core.types import GGMLType, parse_type, quantize, row_size
 from accelplane.errors import GGUFError, ShapeError
 from accelplane.models.architecture import Architecture, RopeScaling
-from accelplane.models.archs import architecture, config_from_metadata
+from accelplane.models.archs import ARCHITECTURES, architecture, config_from_metadata
 from accelplane.models.decoder import DecoderConfig, WeightSpec
 
 T = GGMLType
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
+                   T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)  # fmt: skip
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
 SEED_KEY = "accelplane.synthetic.seed"
@@ -142,8 +144,6 @@ class GGUFFile:
         except GGUFError as e:
             raise GGUFError(f"{self.path}: {e}" if self.path else str(e)) from None
 
-    llama_config = model_config  # the name from when llama was the only architecture
-
     def check_tensors(self, cfg: DecoderConfig) -> None:
         """Every tensor the config needs is present with the right shape and a usable type,
         and there is no tensor the model does not have; GGUFError naming it otherwise."""
@@ -154,26 +154,41 @@ class GGUFFile:
             i = next(i for i in range(len(have) + 1) if f"blk.{i}.attn_norm.weight" not in have)
             raise GGUFError(f"{where}missing tensor 'blk.{i}.attn_norm.weight' required by {meta} "
                             f"({cfg.arch}.block_count = {cfg.n_layers})")  # fmt: skip
-        specs = {s.name: s for s in cfg.weights()}
-        for name, t in self.tensors.items():
-            if name not in specs:
-                raise GGUFError(f"{where}tensor {_shown(name)} is not part of a {cfg.arch} model with this "
-                                f"configuration (unsupported tensor){t.at()}")  # fmt: skip
-        for name, s in specs.items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise GGUFError(f"{where}missing tensor {name!r} (shape {s.shape}) required by {meta}")
-            if tuple(t.shape) != tuple(s.shape):
-                raise GGUFError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, but {meta} "
-                                f"needs {tuple(s.shape)}{t.at()}")  # fmt: skip
-            if ("norm" in name or name.endswith(".bias")) and not t.type.is_float:
-                raise GGUFError(f"{where}{'norm' if 'norm' in name else 'bias'} tensor {name!r} has type "
-                                f"{t.type.name}; it must be F32, F16 or BF16{t.at()}")  # fmt: skip
-            if name == "rope_freqs.weight" and t.type != T.F32:
-                raise GGUFError(f"{where}tensor {name!r} has type {t.type.name}; rope factors must be F32 "
-                                f"(as ggml_rope_ext takes them){t.at()}")  # fmt: skip
+        check_weights(self, cfg.weights(), cfg.arch,
+                      must_be_float=lambda s: "norm" in s.name or s.name.endswith(".bias"))  # fmt: skip
+        t = self.tensors.get("rope_freqs.weight")
+        if t is not None and t.type != T.F32:
+            raise GGUFError(f"{where}tensor 'rope_freqs.weight' has type {t.type.name}; rope factors must be "
+                            f"F32 (as ggml_rope_ext takes them){t.at()}")  # fmt: skip
 
-    check_llama_tensors = check_tensors
+
+def check_weights(f: GGUFFile, specs: Iterable[WeightSpec], arch: str, *,
+                  optional: frozenset[str] = frozenset(), ignored: frozenset[str] = frozenset(),
+                  must_be_float: Callable[[WeightSpec], bool] = lambda s: False) -> None:  # fmt: skip
+    """``f`` holds a tensor of each spec's shape (those named in ``optional`` may be absent), of a
+    float type where ``must_be_float(spec)``, and no other tensor (but those named in
+    ``ignored``); GGUFError naming the file, the tensor and its offset otherwise. The tensor
+    check of every architecture (:meth:`GGUFFile.check_tensors`, bert's)."""
+    where = f"{f.path}: " if f.path else ""
+    specs = {s.name: s for s in specs}
+    for name, t in f.tensors.items():
+        if name not in specs and name not in ignored:
+            raise GGUFError(f"{where}tensor {_shown(name)} is not part of a {arch} model with this "
+                            f"configuration (unsupported tensor){t.at()}")  # fmt: skip
+    for name, s in specs.items():
+        t = f.tensors.get(name)
+        if t is None:
+            if name in optional:
+                continue
+            raise GGUFError(f"{where}missing tensor {name!r} (shape {s.shape}) required by the "
+                            f"{arch}.* metadata")  # fmt: skip
+        if tuple(t.shape) != tuple(s.shape):
+            raise GGUFError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, but the {arch}.* "
+                            f"metadata needs {tuple(s.shape)}{t.at()}")  # fmt: skip
+        if must_be_float(s) and not t.type.is_float:
+            kind = "norm tensor" if "norm" in name else "bias tensor" if name.endswith(".bias") else "tensor"
+            raise GGUFError(f"{where}{kind} {name!r} has type {t.type.name}; it must be "
+                            f"F32, F16 or BF16{t.at()}")  # fmt: skip
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -237,6 +252,7 @@ def _reader_class():
 
         def __init__(self, path: Path) -> None:
             self._kind, self._index, self._at, self._name = "header", 0, 0, None
+            self._mv, self.strings = None, {}  # see _string_array
             try:
                 super().__init__(path)
             except GGUFError:
@@ -297,9 +313,34 @@ def _reader_class():
                                 f"{sub.name} values does not fit in the {self.data.size - start} bytes left "
                                 "in the file")  # fmt: skip
             if sub == V.STRING:
-                return super()._get_field_parts(orig_offs, raw_type)
+                return self._string_array(orig_offs, raw_sub, n)
             values = self._get(start, self.gguf_scalar_to_np[sub], n[0])
             return 12 + int(values.nbytes), [raw_sub, n, values], [2], [V.ARRAY, sub]
+
+        def _string_array(self, orig_offs, raw_sub, n):
+            """An array of strings in one pass over the file (the stock reader makes two numpy
+            arrays per string, tens of times slower on a 128K-token vocabulary with its merges). The
+            strings' bytes go to ``self.strings[field offset]``; the parts hold one slice of the
+            file over all of them, so the field's size is still the sum of its parts."""
+            if self._mv is None:
+                self._mv = memoryview(self.data)
+            mv, size, start = self._mv, self.data.size, orig_offs + 12
+            o, out = start, []
+
+            def need(k: int) -> None:
+                if o + k > size:
+                    raise GGUFError(f"{self._where()}: truncated: needs file bytes [{o}, {o + k}), the file "
+                                    f"has {size}")  # fmt: skip
+
+            for _ in range(int(n[0])):
+                need(8)
+                k = int.from_bytes(mv[o : o + 8], "little")
+                o += 8
+                need(k)
+                out.append(bytes(mv[o : o + k]))
+                o += k
+            self.strings[self._at] = out
+            return o - orig_offs, [raw_sub, n, self.data[start:o]], [], [V.ARRAY, V.STRING]
 
         def _build_tensor_info(self, offs, count):
             align = self.fields.get("general.alignment")
@@ -417,8 +458,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             continue
         vt = f.types[0]
         sub = gguf.GGUFValueType(int(f.parts[3][0])) if vt == gguf.GGUFValueType.ARRAY else None
+        strs = r.strings.get(int(f.offset))
         try:
-            value = f.contents()
+            value = [x.decode("utf-8") for x in strs] if strs is not None else f.contents()
         except UnicodeDecodeError as e:
             raise GGUFError(f"{p}: metadata key {_shown(key)} at file offset {f.offset}: a string is not "
                             f"UTF-8 ({e})") from None  # fmt: skip
@@ -550,7 +592,10 @@ def save_gguf(path: str | os.PathLike, f: GGUFFile) -> None:
 
 
 # --- synthetic models ------------------------------------------------------------------------------
-_FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q8_0: 7, T.Q4_K: 15, T.Q6_K: 18, T.BF16: 32}
+# llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*; the K-quants as their _M mixes)
+FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.Q2_K: 10,
+              T.Q3_K: 12, T.Q4_K: 15, T.Q5_K: 17, T.Q6_K: 18, T.IQ4_NL: 25, T.IQ4_XS: 30,
+              T.BF16: 32}  # fmt: skip
 _CHUNK_ELEMENTS = 1 << 21  # rows generated and quantized per chunk (keeps temporaries in cache)
 
 
@@ -584,9 +629,10 @@ def _kquant_rows(ty: GGMLType, rows: int, ne0: int, std: float, rng: np.random.G
 
 def synthetic_tensor(spec: WeightSpec, ty: GGMLType, seed: int, cfg: DecoderConfig | None = None,
                      scaling: RopeScaling | None = None) -> np.ndarray:  # fmt: skip
-    """The synthetic weight ``spec`` of a model of ``cfg`` (default: a llama whose converter
-    leaves the rows alone) as raw bytes of type ``ty`` (see the module docstring)."""
-    arch: Architecture = architecture(cfg.arch if cfg is not None else "llama")
+    """The synthetic weight ``spec`` of a model of ``cfg`` (default: a checkpoint's value as it
+    is, no converter changes: bert's weights) as raw bytes of type ``ty`` (see the module
+    docstring)."""
+    arch = architecture(cfg.arch) if cfg is not None else Architecture()
     ne0 = spec.shape[-1]
     rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
     if cfg is not None:
@@ -619,7 +665,49 @@ def synthetic_tensor(spec: WeightSpec, ty: GGMLType, seed: int, cfg: DecoderConf
     return out
 
 
-def synthetic_sources(
+def weight_sources(specs: Iterable[WeightSpec], wtype: GGMLType, seed: int,
+                   types: Mapping[str, GGMLType] | None = None, cfg: DecoderConfig | None = None,
+                   scaling: RopeScaling | None = None) -> list[TensorSource]:  # fmt: skip
+    """One lazily produced :func:`synthetic_tensor` per spec (of a model of ``cfg`` with rope
+    ``scaling``, as synthetic_tensor takes them): matrices of ``types[name]``, else ``wtype``; the
+    other weights F32. ShapeError for a type that cannot be written or rows that are not whole
+    blocks of it."""
+    srcs = []
+    for spec in specs:
+        ty = (types or {}).get(spec.name, wtype) if spec.matrix else T.F32
+        if ty not in SUPPORTED_TYPES:
+            raise ShapeError(f"{spec.name}: weight type {ty.name} is not supported")
+        if spec.shape[-1] % ty.blck_size:
+            raise ShapeError(f"{spec.name}: rows of {spec.shape[-1]} elements are not a multiple of "
+                             f"{ty.name}'s block size {ty.blck_size}")  # fmt: skip
+        # picklable: worker processes make them
+        make = functools.partial(synthetic_tensor, spec, ty, seed, cfg, scaling)
+        srcs.append(TensorSource(spec.name, ty, spec.shape, make))
+    return srcs
+
+
+def _bert_sources(**kw: Any):
+    from accelplane.models.bert import synthetic_sources as bert_sources
+
+    return bert_sources(**kw)
+
+
+def synthetic_sources(*, arch: str = "llama",
+                      **kw: Any) -> tuple[Any, dict[str, MetaValue], list[TensorSource]]:  # fmt: skip
+    """The config, metadata and (lazily produced) tensors of a synthetic model of ``arch``
+    (:data:`SYNTHETIC_ARCHS`); keywords as that architecture's maker takes them (the decoders':
+    :func:`make_model`; bert's: :func:`accelplane.models.bert.synthetic_sources`). GGUFError for
+    an architecture without one, ShapeError for a keyword it does not take."""
+    maker = SYNTHETIC_ARCHS.get(arch)
+    if maker is None:
+        raise GGUFError(f"no synthetic {arch!r} model: architectures {', '.join(SYNTHETIC_ARCHS)}")
+    try:
+        return maker(**kw)
+    except TypeError as e:  # a keyword this architecture does not take
+        raise ShapeError(f"synthetic {arch} model: {e}") from None
+
+
+def decoder_sources(
     *,
     arch: str = "llama",
     n_layers: int = 2,
@@ -645,7 +733,7 @@ def synthetic_sources(
     seed: int = 0,
     name: str = "",
 ) -> tuple[DecoderConfig, dict[str, MetaValue], list[TensorSource]]:
-    """The config, metadata and (lazily produced) tensors of a synthetic model; see
+    """The config, metadata and (lazily produced) tensors of a synthetic decoder of ``arch``; see
     :func:`make_model` for the arguments."""
     a = architecture(arch)
     # Llama 3's original context: the model's context over the factor (Llama 3.1: 8192 of 131072)
@@ -672,21 +760,19 @@ def synthetic_sources(
         raise ShapeError(f"{arch}: {e}") from None
     wt = parse_type(wtype)
     types = {"token_embd.weight": parse_type(embd_type or wt), "output.weight": parse_type(output_type or wt)}
-    srcs = []
-    for spec in cfg.weights():
-        ty = types.get(spec.name, wt) if spec.matrix else T.F32
-        if ty not in SUPPORTED_TYPES:
-            raise ShapeError(f"{spec.name}: weight type {ty.name} is not supported")
-        if spec.shape[-1] % ty.blck_size:
-            raise ShapeError(f"{spec.name}: rows of {spec.shape[-1]} elements are not a multiple of "
-                             f"{ty.name}'s block size {ty.blck_size}")  # fmt: skip
-        # picklable: worker processes make them
-        make = functools.partial(synthetic_tensor, spec, ty, seed, cfg, scaling)
-        srcs.append(TensorSource(spec.name, ty, spec.shape, make))
-    md = model_metadata(cfg, scaling, name or f"synthetic-{arch}-{wt.name.lower()}", _FILE_TYPES.get(wt))
+    srcs = weight_sources(cfg.weights(), wt, seed, types, cfg, scaling)
+    md = model_metadata(cfg, scaling, name or f"synthetic-{arch}-{wt.name.lower()}", FILE_TYPES.get(wt))
     md[SEED_KEY] = MetaValue(int(seed), _gguf().GGUFValueType.UINT32)
     # the config as a reader of the file sees it (float32 epsilon, explicit n_rot)
     return config_from_metadata(md, {s.name: s for s in srcs}), md, srcs
+
+
+# general.architecture -> its synthetic model maker (config, metadata, sources): every decoder
+# architecture (accelplane.models.archs), then bert
+SYNTHETIC_ARCHS: dict[str, Callable[..., tuple[Any, dict[str, MetaValue], list[TensorSource]]]] = {
+    **{name: functools.partial(decoder_sources, arch=name) for name in ARCHITECTURES},
+    "bert": _bert_sources,
+}
 
 
 class _Ahead:
@@ -738,10 +824,12 @@ def parallel_sources(srcs: list[TensorSource], jobs: int | None = None):
 
 
 def make_model(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None,
-               jobs: int | None = None, **kw: Any) -> DecoderConfig:  # fmt: skip
+               jobs: int | None = None, **kw: Any) -> Any:  # fmt: skip
     """Write a synthetic GGUF model to ``path``, as llama.cpp's converter would write a checkpoint
-    of its architecture, and return its config. Keywords: ``arch`` (llama, qwen2, qwen3, gemma3;
-    default llama), ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default n_head),
+    of its architecture, and return its config. ``arch``: a key of :data:`SYNTHETIC_ARCHS`
+    (llama, qwen2, qwen3, gemma3: a DecoderConfig; bert: a BertConfig, keywords as
+    :func:`accelplane.models.bert.synthetic_sources` takes them; default llama). The decoders'
+    keywords: ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default n_head),
     ``d_ff`` (default 4 d_model), ``head_dim`` (default d_model / n_head), ``n_vocab``,
     ``n_ctx`` (context_length), ``wtype`` (matrices; default Q8_0), ``embd_type`` and
     ``output_type`` (token embedding and head; default wtype), ``tied`` (no output.weight;
@@ -780,7 +868,8 @@ def tensor_digest(f: GGUFFile) -> str:
 __all__ = [
     "GGUFFile", "GGUFTensor", "MetaValue", "SUPPORTED_TYPES", "TensorSource", "config_from_metadata",
     "model_metadata", "make_model", "parallel_sources", "read_gguf", "save_gguf", "synthetic_sources",
-    "synthetic_tensor", "tensor_digest",
+    "synthetic_tensor", "tensor_digest", "check_weights", "weight_sources", "decoder_sources", "FILE_TYPES",
+    "SYNTHETIC_ARCHS",
     "total_bytes",
     "write_gguf",
 ]  # fmt: skip

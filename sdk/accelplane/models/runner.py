@@ -1,13 +1,14 @@
 """Running a GGUF model of a supported architecture on the devices this machine has, through the
 scheduler: the default synthetic model (made once and cached), device choice, loading with a
-progress bar, greedy generation and its teacher-forced replay (what ``accelplane run`` and
-``accelplane bench model`` are built on)."""
+progress bar, greedy generation of token ids and its teacher-forced replay, and text generation
+with the model's tokenizer and a sampler (what ``accelplane run`` and ``accelplane bench model``
+are built on); and the synthetic models ``accelplane make-model`` writes (:data:`MAKE_ARCHS`)."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -16,6 +17,8 @@ import numpy as np
 
 from accelplane.errors import ComputeError, DeviceError, ShapeError
 from accelplane.interface import DeviceType
+from accelplane.models import bert
+from accelplane.models.archs import ARCHITECTURES
 from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import (
     GGUFFile,
@@ -25,6 +28,8 @@ from accelplane.models.gguf import (
     write_gguf,
 )
 from accelplane.models.progress import Bar
+from accelplane.models.sampling import Sampler
+from accelplane.models.tokenizer import Tokenizer
 from accelplane.runtime.backend import Device
 from accelplane.runtime.plancache import cache_dir
 
@@ -42,6 +47,17 @@ PRESETS = {
                n_ctx=2048),
     "8b": dict(n_layers=32, d_model=4096, n_head=32, n_head_kv=8, d_ff=14336, n_vocab=128256,
                n_ctx=8192),
+}  # fmt: skip
+# `accelplane make-model --arch`: per architecture of gguf.SYNTHETIC_ARCHS, its presets, the
+# default one, and the make_model keywords the command line may set
+_DECODER_FLAGS = ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
+                  "n_expert_used", "head_dim", "seed", "output_type", "tied", "rope_base", "rope_scaling",
+                  "rope_factor")  # fmt: skip
+MAKE_ARCHS: dict[str, tuple[dict[str, dict], str, tuple[str, ...]]] = {
+    **{name: (PRESETS, "small", _DECODER_FLAGS + (("sliding_window", "logit_softcap") if name == "gemma3"
+                                                   else ())) for name in ARCHITECTURES},
+    "bert": (bert.MODEL_PRESETS, "mini", ("n_layers", "d_model", "n_head", "d_ff", "n_vocab", "n_ctx", "seed",
+                                          "pooling")),
 }  # fmt: skip
 # logits vs the CPU plugin over every compared step; measured on this machine's plugins
 # (Q8_0 model, F16 cache): 1.6e-4 SYCL (CPU OpenCL), ~2e-4 Vulkan (lavapipe), 3e-4 Hexagon (emulated)
@@ -69,6 +85,9 @@ def make_with_bar(path: str | Path, jobs: int | None = None, **kw) -> None:
 
 
 def describe_model(f: GGUFFile) -> str:
+    """One line: the model's name, architecture, shapes, parameters, bytes and types."""
+    if f.get("general.architecture") == bert.ARCH:
+        return bert.describe(f)
     cfg = f.model_config()
     types = sorted({t.type.name.lower() for t in f.tensors.values()})
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
@@ -165,6 +184,59 @@ def generate(model: DecoderModel, prompt: Sequence[int], n_decode: int, keep_log
             bar.update(1)
         tg = time.perf_counter() - t0
     return RunResult(list(map(int, prompt)), toks, logits, pp, tg)
+
+
+@dataclass
+class TextResult:
+    prompt: list[int]
+    tokens: list[int]  # generated, without the end-of-generation token that stopped it
+    text: str  # the generated tokens' text
+    eog: int | None  # the end-of-generation token that stopped generation, or None (the limit)
+    pp_s: float  # the prefill (and the first token's pick)
+    steps: int  # decode steps: each gave one token after the first
+    tg_s: float
+
+
+def generate_text(model: DecoderModel, tok: Tokenizer, prompt: Sequence[int], n_max: int, sampler: Sampler,
+                  on_text: Callable[[str], None] | None = None) -> TextResult:  # fmt: skip
+    """Prefill ``prompt``, then pick up to ``n_max`` tokens with ``sampler``, stopping early at an
+    end-of-generation token (which is not kept). ``on_text(s)`` gets the text as it is made
+    (a character split across tokens comes whole, with its last token)."""
+    model.reset()
+    stream = tok.stream()
+    # the device's argmax serves greedy decoding unless the model has rows past the vocabulary
+    logits = not sampler.greedy or model.cfg.n_vocab > tok.n_vocab
+    out: list[int] = []
+    text: list[str] = []
+    eog, steps, tg, pp = None, 0, 0.0, 0.0
+
+    def emit(s: str) -> None:
+        if s:
+            text.append(s)
+            if on_text:
+                on_text(s)
+
+    while len(out) < n_max:
+        t0 = time.perf_counter()
+        r = model.eval(out[-1:] if out else prompt, want_logits=logits)
+        if logits:
+            row = r.logits[-1, : tok.n_vocab]
+            check_finite(row, f"step {len(out)}")
+            t = sampler(row)
+        else:
+            t = int(r.ids[-1])
+        dt = time.perf_counter() - t0
+        if out:
+            steps, tg = steps + 1, tg + dt
+        else:
+            pp = dt
+        if tok.is_eog(t):
+            eog = t
+            break
+        out.append(t)
+        emit(stream.feed(t))
+    emit(stream.flush())
+    return TextResult(list(map(int, prompt)), out, "".join(text), eog, pp, steps, tg)
 
 
 def teacher_forced(model: DecoderModel, prompt: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:

@@ -27,7 +27,14 @@ from accelplane.errors import (
     ShapeError,
     UnsupportedOpError,
 )
-from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType
+from accelplane.interface import (
+    BufferTypeSpec,
+    DeviceCaps,
+    DeviceSpec,
+    DeviceType,
+    DLDeviceType,
+    DLPackMemory,
+)
 from accelplane.runtime.data import as_u8, check_range
 
 if TYPE_CHECKING:
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
     from accelplane.runtime.registry import Plugin
 
 _ids = itertools.count()
+_exports_lock = threading.Lock()  # Buffer._exports: DLPack consumers release from any thread
 
 
 class BufferUsage(IntEnum):
@@ -60,6 +68,7 @@ class Device:
         self._host_buft: BufferType | None | bool = False
         self._extra: list[BufferType] | None = None
         self._lock = threading.Lock()
+        self._backends: weakref.WeakSet[Backend] = weakref.WeakSet()  # what DLPack exports order after
 
     def __repr__(self) -> str:
         return f"Device({self.name!r}, plugin={self.plugin.name!r}, type={self.type.value})"
@@ -107,7 +116,29 @@ class Device:
         b = Backend.__new__(Backend)
         b._init(self)
         b.ctx = self._fn["init_backend"](self, b, params)
+        self._backends.add(b)
         return b
+
+    @property
+    def backends(self) -> list[Backend]:
+        """This device's backends that are alive and not freed (in no particular order)."""
+        return [b for b in list(self._backends) if not b.freed]
+
+    def synchronize_backends(self) -> None:
+        """Block the host until the work queued on every backend of this device has completed."""
+        for b in self.backends:
+            b.synchronize()
+
+    def dlpack_wait(self, stream: Any) -> None:
+        """Order a DLPack consumer's ``stream`` after the work queued on this device's backends
+        (hookspecs.device_dlpack_wait); ``-1`` asks for no ordering. Fallback: synchronize them."""
+        if isinstance(stream, int) and stream == -1:
+            return
+        f = self._fn.get("device_dlpack_wait")
+        if f is not None:
+            f(self, stream)
+        else:
+            self.synchronize_backends()
 
     @property
     def has_events(self) -> bool:
@@ -153,6 +184,21 @@ class BufferType:
         b.ctx = self._fn["buft_alloc"](self, b, size)
         return b
 
+    def from_dlpack(self, memory: DLPackMemory, size: int) -> Buffer | None:
+        """A buffer over ``size`` bytes of another library's memory, not copied
+        (hookspecs.buft_from_dlpack), or None when this buffer type cannot address it
+        (fallback: None)."""
+        f = self._fn.get("buft_from_dlpack")
+        if f is None:
+            return None
+        b = Buffer.__new__(Buffer)
+        b._init(self, size, BufferUsage.ANY)
+        ctx = f(self, b, memory, size)
+        if ctx is None:
+            return None
+        b.ctx = ctx
+        return b
+
 
 class Buffer:
     """Memory of one buffer type (ggml_backend_buffer). Tensors are placed with place()."""
@@ -167,6 +213,7 @@ class Buffer:
         self.uid = next(_ids)
         self.name = f"{buft.name}#{self.uid}"
         self._host: np.ndarray | None = None
+        self._exports = 0  # live zero-copy DLPack exports: the plugin's buffer_free waits for them
 
     def __repr__(self) -> str:
         state = " freed" if self.freed else ""
@@ -254,12 +301,44 @@ class Buffer:
     def set_usage(self, usage: BufferUsage) -> None:
         self.usage = usage
 
+    # DLPack (accelplane.runtime.dlpack): where a tensor's memory is, and exports that keep it
+    def dlpack_memory(self, t: Tensor) -> DLPackMemory | None:
+        """Where ``t``'s bytes are for a zero-copy DLPack export (hookspecs.buffer_dlpack), or
+        None when no other library can address them. Fallback: a host buffer's memory as CPU."""
+        self._check()
+        f = self._fn.get("buffer_dlpack")
+        mem = f(self, t) if f is not None else None
+        if mem is None and self.is_host:
+            mem = DLPackMemory(DLDeviceType.CPU, 0, int(self.host_array.ctypes.data) + t.offs)
+        return mem
+
+    def export_acquire(self) -> None:
+        """A DLPack export now uses this buffer's memory: free() leaves the memory to it."""
+        self._check()
+        with _exports_lock:
+            self._exports += 1
+
+    def export_release(self) -> None:
+        """A DLPack export is done with the memory; the last one after free() releases it."""
+        with _exports_lock:
+            self._exports -= 1
+            last = self.freed and self._exports == 0
+        if last:
+            self._release()
+
     def free(self) -> None:
-        """Release the memory; later use of the buffer or its tensors raises BufferFreedError."""
+        """Release the memory; later use of the buffer or its tensors raises BufferFreedError.
+        While DLPack exports of it are alive the plugin's buffer_free waits for the last one."""
         if self.freed:
             return
-        self.freed = True
+        with _exports_lock:
+            self.freed = True
+            exported = self._exports > 0
         self._host = None
+        if not exported:
+            self._release()
+
+    def _release(self) -> None:
         f = self._fn.get("buffer_free")
         if f:
             f(self)

@@ -78,6 +78,8 @@ __device__ __forceinline__ void half8(uint4 v, float* f) {
 // ---- dequantize one 32-element chunk of a row ------------------------------------------------------
 // chunk c covers elements [32c, 32c+32) of the row.
 template <int TYPE> __device__ __forceinline__ void deq32(const u8* row, int c, float* y);
+// the block types beyond these four (and q4k_scale_min, ld_u16x2, unit_dot's and qfmt's declarations)
+#include "quants.cuh"
 
 // Q4_0: 18-byte blocks: f16 d, 16 bytes; element l<16 = low nibble of qs[l], l>=16 = high nibble
 template <> __device__ __forceinline__ void deq32<ty::Q4_0>(const u8* row, int c, float* y) {
@@ -97,12 +99,8 @@ template <> __device__ __forceinline__ void deq32<ty::Q8_0>(const u8* row, int c
     #pragma unroll
     for (int l = 0; l < 32; ++l) y[l] = d * (float)(signed char)b[2 + l];
 }
-// Q4_K: 144-byte superblocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes qs.
-// Sub-block j's scale and min from scale bytes b0 = s[j & 3], b1 = s[(j & 3) + 4], b2 = s[(j & 3) + 8].
-__device__ __forceinline__ void q4k_scale_min(int b0, int b1, int b2, int j, int& sc, int& m) {
-    if (j < 4) { sc = b0 & 63; m = b1 & 63; }
-    else { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
-}
+// Q4_K: 144-byte superblocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins (quants.cuh:
+// q4k_scale_min), 128 bytes qs.
 template <> __device__ __forceinline__ void deq32<ty::Q4_K>(const u8* row, int c, float* y) {
     const u8* b = row + (i64)(c >> 3) * 144;
     const int j = c & 7;
@@ -335,7 +333,6 @@ __device__ __forceinline__ void rope_cs(const i64* R, float p, int ic, float& cs
 
 // block formats: bytes per block, 32-element units per block, and the unit a segment of rows
 // streamed through shared memory is a multiple of (matvec.cu, dequant.cu)
-template <int WT> struct qfmt;
 template <> struct qfmt<ty::Q4_0> { enum { BB = 18, UPB = 1, UNIT = 144 }; };   // bytes/block, 32-units/block, segment unit
 template <> struct qfmt<ty::Q8_0> { enum { BB = 34, UPB = 1, UNIT = 272 }; };
 template <> struct qfmt<ty::Q4_K> { enum { BB = 144, UPB = 8, UNIT = 144 }; };

@@ -80,6 +80,22 @@ __global__ void k_binary(const i64* __restrict__ P, char* dst, const char* a, co
     }
 }
 
+// k_binary for contiguous a, b and dst where b repeats whole over a (b's shape a prefix of a's,
+// ones after it): b's element i % nb. P: [n, nb, op]
+template <typename Ta, typename Tb>
+__global__ void k_binary_flat(const i64* __restrict__ P, char* dst, const char* a, const char* b) {
+    pdl_enter();
+    const unsigned int n = (unsigned int)P[0], nb = (unsigned int)P[1];
+    const int op = (int)P[2];
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float x = ld<Ta>(a + (i64)i * sizeof(Ta)), y = ld<Tb>(b + (i64)(i % nb) * sizeof(Tb));
+        float z;
+        switch (op) { case 0: z = x + y; break; case 1: z = x - y; break; case 2: z = x * y; break;
+                      default: z = x / y; }
+        st<Ta>(dst + (i64)i * sizeof(Ta), z);
+    }
+}
+
 // ---- gated linear units: dst = act(x) * g --------------------------------------------------------------
 // P: [n, ne0..3, nbd0..3, nbx0..3, nbg0..3, op(1 geglu, 2 swiglu)]
 __device__ __forceinline__ float glu1(float x, float g, int op) {

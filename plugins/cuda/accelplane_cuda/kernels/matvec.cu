@@ -97,12 +97,8 @@ __global__ void k_mul_mat_id(const i64* __restrict__ P, char* dst, const char* w
 // saves a kernel launch and a round trip through global memory per product.
 // Rows must be 16-byte aligned with a size a multiple of 16 bytes; K a multiple of 32.
 
-__device__ __forceinline__ unsigned int ld_u16x2(const u8* p) {  // 4 bytes at a 2-aligned address
-    return (unsigned int)*(const unsigned short*)p | ((unsigned int)*(const unsigned short*)(p + 2) << 16);
-}
-
-// dot of 32-element unit u of a row (in shared memory) with activation unit (xq words, d, sum)
-template <int WT> __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* xq, float dx, int sx);
+// dot of 32-element unit u of a row (in shared memory) with activation unit (xq words, d, sum);
+// the declaration, ld_u16x2 and the other block types' are in quants.cuh
 template <> __device__ __forceinline__ float unit_dot<ty::Q4_0>(const u8* row, int u, const int* xq, float dx, int sx) {
     const u8* b = row + u * 18;
     int acc = 0;
@@ -211,8 +207,7 @@ template <> __device__ __forceinline__ float unit_dot<ty::Q6_K>(const u8* row, i
 #error "matvec.cu is compiled with -DMMVP_SEG and -DMMVP_NS (matvec.py)"
 #endif
 template <int WT> struct is_quant {
-    enum { v = WT == ty::Q4_0 || WT == ty::Q8_0 || WT == ty::Q4_K || WT == ty::Q6_K || WT == ty::Q4_0X8 ||
-               WT == ty::Q8_0X8 || WT == ty::Q4_KX8 };
+    enum { v = WT != ty::F32 && WT != ty::F16 && WT != ty::BF16 };
 };
 
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {

@@ -4,11 +4,15 @@
 
 // ---- soft_max with scale, optional mask (broadcast over ne2/ne3) and ALiBi slopes -------------------
 // P: [ne0..3, nba0..3, nbd0..3, nem1..3, nbm0..3, has_mask, scale, max_bias, n_head_log2, m0, m1]
-template <typename Tm>
+// WARP: a warp per row, blockDim.x / 32 rows per block, reductions in registers (short rows:
+// attention over a few hundred keys); else a block per row.
+template <typename Tm, bool WARP>
 __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, const char* mask) {
     pdl_enter();
     const i64 ne0 = P[0];
-    i64 r = blockIdx.x;
+    const int lane = WARP ? threadIdx.x & 31 : threadIdx.x, step = WARP ? 32 : blockDim.x;
+    i64 r = WARP ? (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (i64)blockIdx.x;
+    if (WARP && r >= P[1] * P[2] * P[3]) return;  // (no block-wide barrier follows)
     const i64 i1 = r % P[1]; r /= P[1];
     const i64 i2 = r % P[2]; const i64 i3 = r / P[2];
     const char* s = a + i1 * P[5] + i2 * P[6] + i3 * P[7];
@@ -22,23 +26,23 @@ __global__ void k_soft_max(const i64* __restrict__ P, char* dst, const char* a, 
     }
     const char* m = has_mask ? mask + i1 * P[16] + (i2 % P[13]) * P[17] + (i3 % P[14]) * P[18] : nullptr;
     float mx = -AP_INF;
-    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
+    for (i64 i = lane; i < ne0; i += step) {
         float v = *(const float*)(s + i * P[4]) * scale;
         if (has_mask) v += slope * ld<Tm>(m + i * P[15]);
         mx = fmaxf(mx, v);
     }
-    mx = block_max(mx);
+    mx = WARP ? warp_max(mx) : block_max(mx);
     float sum = 0.0f;
-    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) {
+    for (i64 i = lane; i < ne0; i += step) {
         float v = *(const float*)(s + i * P[4]) * scale;
         if (has_mask) v += slope * ld<Tm>(m + i * P[15]);
         const float e = expf(v - mx);
         *(float*)(d + i * P[8]) = e;
         sum += e;
     }
-    sum = block_sum(sum);
+    sum = WARP ? warp_sum(sum) : block_sum(sum);
     const float inv = 1.0f / sum;
-    for (i64 i = threadIdx.x; i < ne0; i += blockDim.x) *(float*)(d + i * P[8]) *= inv;
+    for (i64 i = lane; i < ne0; i += step) *(float*)(d + i * P[8]) *= inv;
 }
 
 // P: [ne0..3, nba0..3, nbd0..3, n_dims, mode, freq_scale, ext_factor, attn_factor, corr0, corr1, theta_scale,

@@ -19,9 +19,17 @@ typedef float acc_t;
 #define T_F32 0
 #define T_F16 1
 #define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
 #define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
 #define T_Q4_K 12
+#define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ4_NL 20
+#define T_IQ4_XS 23
 #define T_I32 26
 #define T_BF16 30
 
@@ -77,7 +85,11 @@ inline long row_off(const td_t* t, long i1, long i2, long i3) {
 }
 
 inline int blck(int ty) {
-    return (ty == T_Q4_0 || ty == T_Q8_0) ? 32 : (ty == T_Q4_K || ty == T_Q6_K) ? 256 : 1;
+    switch (ty) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_IQ4_NL: return 32;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    default: return 1;
+    }
 }
 
 inline int esize(int ty) { return (ty == T_F16 || ty == T_BF16) ? 2 : 4; }
@@ -125,8 +137,56 @@ inline float q4k_scale(cbuf* sc, int j, int want_min) {
     return (float)(want_min ? m : d);
 }
 
+inline float f16_at(cbuf* blk, int o) { return vload_half(0, (__global const half*)(blk + o)); }
+
+// ggml's kvalues_iq4nl: IQ4_NL's and IQ4_XS's 16 levels
+__constant char IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// element j of the block at blk of the block types beyond Q4_0, Q8_0, Q4_K and Q6_K (layouts:
+// accelplane.core.types). Q2_K and Q3_K (16-element sub-blocks) hold element 128h + 32s + l in
+// bits 2s of quant byte 32h + l, with scale j / 16.
+inline float ld_q_more(cbuf* blk, int j, int ty) {
+    if (ty == T_Q4_1 || ty == T_Q5_0 || ty == T_Q5_1) {
+        int qs = ty == T_Q4_1 ? 4 : ty == T_Q5_0 ? 6 : 8;
+        uchar b = blk[qs + (j & 15)];
+        int q = j < 16 ? (b & 0xF) : (b >> 4);
+        if (ty != T_Q4_1) q |= ((blk[qs - 4 + (j >> 3)] >> (j & 7)) & 1) << 4;
+        float d = f16_at(blk, 0);
+        return ty == T_Q5_0 ? d * (float)(q - 16) : d * (float)q + f16_at(blk, 2);
+    }
+    if (ty == T_Q2_K || ty == T_Q3_K) {
+        int h = j >> 7, s = (j >> 5) & 3, l = j & 31;
+        int q = (blk[(ty == T_Q2_K ? 16 : 32) + 32 * h + l] >> (2 * s)) & 3;
+        if (ty == T_Q2_K) {
+            uchar sc = blk[j >> 4];
+            return f16_at(blk, 80) * (float)(sc & 0xF) * (float)q - f16_at(blk, 82) * (float)(sc >> 4);
+        }
+        int k = j >> 4;  // Q3_K's 6-bit scale k, 32 subtracted, of its 12 bytes at 96
+        int lo = k < 8 ? blk[96 + k] & 0xF : blk[88 + k] >> 4;
+        int sc = (lo | (((blk[104 + (k & 3)] >> (2 * (k >> 2))) & 3) << 4)) - 32;
+        int v = q - (((blk[l] >> (j >> 5)) & 1) ? 0 : 4);
+        return f16_at(blk, 108) * (float)sc * (float)v;
+    }
+    if (ty == T_Q5_K) {  // Q4_K's scales and nibbles at 48, fifth bit j / 32 of qh[j % 32]
+        int s = j >> 5, l = j & 31;
+        uchar b = blk[48 + 32 * (s >> 1) + l];
+        int q = ((s & 1) ? (b >> 4) : (b & 0xF)) | (((blk[16 + l] >> s) & 1) << 4);
+        return f16_at(blk, 0) * q4k_scale(blk + 4, s, 0) * (float)q - f16_at(blk, 2) * q4k_scale(blk + 4, s, 1);
+    }
+    if (ty == T_IQ4_NL) {
+        uchar b = blk[2 + (j & 15)];
+        return f16_at(blk, 0) * (float)IQ4NL[j < 16 ? (b & 0xF) : (b >> 4)];
+    }
+    // IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]: sub-block s's quants at 8 + 16s as Q4_0's
+    int s = j >> 5, l = j & 31;
+    int ls = ((blk[4 + (s >> 1)] >> (4 * (s & 1))) & 0xF) | ((((blk[2] | (blk[3] << 8)) >> (2 * s)) & 3) << 4);
+    uchar b = blk[8 + 16 * s + (l & 15)];
+    return f16_at(blk, 0) * (float)(ls - 32) * (float)IQ4NL[l < 16 ? (b & 0xF) : (b >> 4)];
+}
+
 // element j of the block at blk
 inline float ld_q(cbuf* blk, int j, int ty) {
+    if (ty != T_Q4_0 && ty != T_Q8_0 && ty != T_Q4_K && ty != T_Q6_K) return ld_q_more(blk, j, ty);
     if (ty == T_Q8_0) {
         return vload_half(0, (__global const half*)blk) * (float)((__global const char*)blk)[2 + j];
     }

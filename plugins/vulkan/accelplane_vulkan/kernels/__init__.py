@@ -15,7 +15,7 @@ from accelplane.core.ops import VIEW_OPS, Op
 from accelplane.core.tensor import Tensor
 
 from . import conv, copies, elementwise, matmul, norm, reduce, rows
-from .base import LOCAL_SIZE, NEEDS_16BIT, QUANT, Caps, Dispatch, Scratch, addressable
+from .base import LOCAL_SIZE, NEEDS_16BIT, QUANT, TYPES, Caps, Dispatch, Scratch, addressable
 from .matmul import MUL_MAT_SHADERS
 from .norm import fused_dispatches
 
@@ -68,6 +68,8 @@ def supports(t: Tensor, caps: Caps) -> bool:
     if t.op not in BUILDERS:
         return False
     tensors = [t, *(s for s in t.src if s is not None)]
+    if any(x.type not in TYPES for x in tensors):
+        return False  # a block type the shaders do not decode (the catalog has more)
     if not caps.storage16 and any(x.type in NEEDS_16BIT for x in tensors):
         return False
     if not all(addressable(x) for x in tensors):

@@ -20,7 +20,10 @@ from ..tuning import Tuning
 
 T = GGMLType
 FLOAT = frozenset({T.F32, T.F16, T.BF16})
-QUANT = frozenset({T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})
+# the block types shaders/common.glsl decodes; mul_mat_vec_q takes the first four (MMV_Q)
+MMV_Q = frozenset({T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})
+QUANT = MMV_Q | {T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.IQ4_NL, T.IQ4_XS}
+TYPES = FLOAT | QUANT | {T.I32}  # every type a shader reads or writes
 NEEDS_16BIT = FLOAT - {T.F32} | QUANT  # read or written through 16-bit storage
 NO_MASK = 0xFFFFFFFF
 

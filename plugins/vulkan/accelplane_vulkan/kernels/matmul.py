@@ -7,7 +7,7 @@ from __future__ import annotations
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 
-from .base import LOCAL_SIZE, QUANT, Caps, Dispatch, Scratch, enb, eoffs, pack, workgroups
+from .base import LOCAL_SIZE, MMV_Q, Caps, Dispatch, Scratch, enb, eoffs, pack, workgroups
 
 T = GGMLType
 MUL_MAT_VEC_MAX_COLS = 8  # mul_mat_vec handles up to this many columns per workgroup; more: tiled
@@ -27,7 +27,7 @@ def _mmv_q(a: Tensor, ncols: int, id_mode: int, tb: GGMLType, caps: Caps):
     mul_mat_vec."""
     ta, k = a.type, a.ne[0]
     rows = caps.mmv_rows
-    if ta not in QUANT or rows == 0:
+    if ta not in MMV_Q or rows == 0:
         return None
     sg = caps.subgroup
     q8 = bool(sg) and caps.int_dot

@@ -11,9 +11,17 @@
 #define T_F32 0u
 #define T_F16 1u
 #define T_Q4_0 2u
+#define T_Q4_1 3u
+#define T_Q5_0 6u
+#define T_Q5_1 7u
 #define T_Q8_0 8u
+#define T_Q2_K 10u
+#define T_Q3_K 11u
 #define T_Q4_K 12u
+#define T_Q5_K 13u
 #define T_Q6_K 14u
+#define T_IQ4_NL 20u
+#define T_IQ4_XS 23u
 #define T_I32 26u
 #define T_BF16 30u
 
@@ -34,7 +42,7 @@ DECLARE_BUFFER(3, D)
 layout(std430, binding = 4) buffer ERR { uint err_word[]; };
 void report_error(uint bit) { atomicOr(err_word[0], bit); }
 
-bool is_quant(uint t) { return t == T_Q4_0 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K; }
+bool is_quant(uint t) { return t != T_F32 && t != T_F16 && t != T_BF16 && t != T_I32; }
 
 // --- conversions ---------------------------------------------------------------------------
 // f32 -> f16 and f32 -> bf16 with round-to-nearest-even done in integers: the rounding of
@@ -94,12 +102,21 @@ void D_store(uint t, uint i, float v) {
 // --- quantized blocks of A (read as 2-byte words; every block size is even) --------------------
 // words per block
 uint block_words(uint t) {
-    if (t == T_Q4_0) return 9u;
+    if (t == T_Q4_0 || t == T_IQ4_NL) return 9u;
+    if (t == T_Q4_1) return 10u;
+    if (t == T_Q5_0) return 11u;
+    if (t == T_Q5_1) return 12u;
     if (t == T_Q8_0) return 17u;
+    if (t == T_Q2_K) return 42u;
+    if (t == T_Q3_K) return 55u;
     if (t == T_Q4_K) return 72u;
+    if (t == T_Q5_K) return 88u;
+    if (t == T_IQ4_XS) return 68u;
     return 105u;  // Q6_K
 }
-uint block_elems(uint t) { return (t == T_Q4_K || t == T_Q6_K) ? 256u : 32u; }
+uint block_elems(uint t) {
+    return (t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS) ? 256u : 32u;
+}
 
 // byte ``b`` of the block starting at word ``w``
 uint A_byte(uint w, uint b) { return (uint(Ah[w + (b >> 1)]) >> ((b & 1u) * 8u)) & 0xFFu; }
@@ -111,8 +128,62 @@ uvec2 q4k_scale_min(uint w, uint s) {
     return uvec2((hi & 0xFu) | ((A_byte(w, s) >> 6) << 4), (hi >> 4) | ((A_byte(w, 4u + s) >> 6) << 4));
 }
 
+// ggml's kvalues_iq4nl: IQ4_NL's and IQ4_XS's 16 levels
+const int IQ4NL[16] = int[16](-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+
+// Q3_K: 6-bit scale k (32 subtracted) of its 12 bytes at byte 96: the low nibble of byte k
+// (k < 8) or the high nibble of byte k - 8, then bits 2(k / 4) of byte 8 + k % 4
+int q3k_scale(uint w, uint k) {
+    uint lo = k < 8u ? A_byte(w, 96u + k) & 0xFu : A_byte(w, 88u + k) >> 4;
+    return int(lo | (((A_byte(w, 104u + (k & 3u)) >> (2u * (k >> 2))) & 3u) << 4)) - 32;
+}
+
+// element j of the block at word w of the block types beyond Q4_0, Q8_0, Q4_K and Q6_K (layouts:
+// accelplane.core.types). The K-quants of 16-element sub-blocks (Q2_K, Q3_K) hold element
+// 128h + 32s + l in bits 2s of quant byte 32h + l, with scale j / 16.
+float A_dequant_more(uint t, uint w, uint j) {
+    if (t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1) {
+        bool mn = t != T_Q5_0;
+        uint qs = t == T_Q4_1 ? 4u : t == T_Q5_0 ? 6u : 8u;
+        uint b = A_byte(w, qs + (j & 15u));
+        uint q = j < 16u ? (b & 0xFu) : (b >> 4);
+        if (t != T_Q4_1) q |= ((A_byte(w, qs - 4u + (j >> 3)) >> (j & 7u)) & 1u) << 4;
+        float d = f16_to_f32(uint(Ah[w]));
+        return mn ? d * float(q) + f16_to_f32(uint(Ah[w + 1u])) : d * float(int(q) - 16);
+    }
+    if (t == T_Q2_K || t == T_Q3_K) {
+        uint h = j >> 7, s = (j >> 5) & 3u, l = j & 31u;
+        uint q = (A_byte(w, (t == T_Q2_K ? 16u : 32u) + 32u * h + l) >> (2u * s)) & 3u;
+        if (t == T_Q2_K) {
+            uint sc = A_byte(w, j >> 4);
+            float d = f16_to_f32(uint(Ah[w + 40u])), dmin = f16_to_f32(uint(Ah[w + 41u]));
+            return d * float(sc & 0xFu) * float(q) - dmin * float(sc >> 4);
+        }
+        int v = int(q) - (((A_byte(w, l) >> (j >> 5)) & 1u) != 0u ? 0 : 4);
+        return f16_to_f32(uint(Ah[w + 54u])) * float(q3k_scale(w, j >> 4)) * float(v);
+    }
+    if (t == T_Q5_K) {  // Q4_K's scales and nibbles at byte 48, fifth bit j / 32 of qh[j % 32]
+        uint s = j >> 5;
+        uvec2 sm = q4k_scale_min(w, s);
+        uint b = A_byte(w, 48u + (s >> 1) * 32u + (j & 31u));
+        uint q = ((s & 1u) == 0u ? (b & 0xFu) : (b >> 4)) | (((A_byte(w, 16u + (j & 31u)) >> s) & 1u) << 4);
+        return f16_to_f32(uint(Ah[w])) * float(sm.x) * float(q) - f16_to_f32(uint(Ah[w + 1u])) * float(sm.y);
+    }
+    float d = f16_to_f32(uint(Ah[w]));
+    if (t == T_IQ4_NL) {
+        uint b = A_byte(w, 2u + (j & 15u));
+        return d * float(IQ4NL[j < 16u ? (b & 0xFu) : (b >> 4)]);
+    }
+    // IQ4_XS: d, scales_h, scales_l[4], qs[128]: sub-block s's quants at 8 + 16s as Q4_0's
+    uint s = j >> 5, l = j & 31u;
+    uint ls = ((A_byte(w, 4u + (s >> 1)) >> (4u * (s & 1u))) & 0xFu) | (((uint(Ah[w + 1u]) >> (2u * s)) & 3u) << 4);
+    uint b = A_byte(w, 8u + 16u * s + (l & 15u));
+    return d * float(int(ls) - 32) * float(IQ4NL[l < 16u ? (b & 0xFu) : (b >> 4)]);
+}
+
 // element j of the block at word w
 float A_dequant(uint t, uint w, uint j) {
+    if (t != T_Q4_0 && t != T_Q8_0 && t != T_Q4_K && t != T_Q6_K) return A_dequant_more(t, w, j);
     if (t == T_Q4_0) {
         float d = f16_to_f32(uint(Ah[w]));
         uint b = A_byte(w, 2u + (j & 15u));
@@ -174,7 +245,9 @@ void A_dequant32(uint t, uint w, uint j0, out float v[32]) {
             v[2u * i] = dl * float((x >> sh) & 0xFu) - ml;
             v[2u * i + 1u] = dl * float((x >> (8u + sh)) & 0xFu) - ml;
         }
-    } else {  // Q6_K
+    } else if (t != T_Q6_K) {
+        for (uint i = 0u; i < 32u; ++i) v[i] = A_dequant_more(t, w, j0 + i);
+    } else {
         uint c = j0 >> 5, h = c >> 2, qd = c & 3u;
         uint ql = w + 32u * h + 16u * (qd & 1u), qh = w + 64u + 16u * h;
         uint lsh = (qd >> 1) * 4u, hsh = 2u * qd;
