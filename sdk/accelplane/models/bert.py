@@ -43,7 +43,7 @@ from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import ConfigError, DeviceError, GGUFError, OutOfRangeError, ShapeError, TokenizerError
 from accelplane.interface import DeviceType
-from accelplane.models.decoder import WeightSpec
+from accelplane.models.decoder import WeightSpec, copy_weight_bytes, set_weight_values
 from accelplane.models.hparams import Keys, common_hparams
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Device
@@ -671,23 +671,12 @@ class BertModel:
 
     def load_weights(self, source: Callable[[str], np.ndarray],
                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """Copy every weight's raw bytes (``source(name)``: uint8, the GGUF block layout of its
-        type) into its device buffer. ``progress(nbytes)`` after each tensor."""
-        for name, t in self.w.items():
-            raw = np.asarray(source(name)).reshape(-1).view(np.uint8)
-            if raw.size != t.nbytes:
-                raise ShapeError(f"weight {name}: {raw.size} bytes given, {t.type.name} {t.shape} takes "
-                                 f"{t.nbytes}")  # fmt: skip
-            t.set_bytes(raw)
-            if progress is not None:
-                progress(t.nbytes)
+        """:func:`copy_weight_bytes` into this model's weights."""
+        copy_weight_bytes(self.w, source, progress)
 
     def set_weights(self, values: Mapping[str, np.ndarray]) -> None:
-        """Set weights from float arrays (quantized to each tensor's type on the way in)."""
-        for name, v in values.items():
-            if name not in self.w:
-                raise ShapeError(f"set_weights: the model has no weight {name!r}")
-            self.w[name].set(v)
+        """:func:`set_weight_values` of this model's weights."""
+        set_weight_values(self.w, values)
 
     def _step(self, batch: int, seq: int, pooling: Pooling) -> _Step:
         key = (batch, seq, pooling)

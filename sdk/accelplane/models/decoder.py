@@ -411,6 +411,30 @@ def layer_devices(n_layers: int, n_devices: int) -> list[int]:
     return out
 
 
+def copy_weight_bytes(w: Mapping[str, Tensor], source: Callable[[str], np.ndarray],
+                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    """Copy every weight's raw bytes (``source(name)``: uint8, the GGUF block layout of the
+    tensor's type) into its device buffer; ``progress(nbytes)`` after each tensor. ShapeError
+    when a size differs from the tensor's."""
+    for name, t in w.items():
+        raw = np.asarray(source(name)).reshape(-1).view(np.uint8)
+        if raw.size != t.nbytes:
+            raise ShapeError(f"weight {name}: {raw.size} bytes given, {t.type.name} {t.shape} takes "
+                             f"{t.nbytes}")  # fmt: skip
+        t.set_bytes(raw)
+        if progress is not None:
+            progress(t.nbytes)
+
+
+def set_weight_values(w: Mapping[str, Tensor], values: Mapping[str, np.ndarray]) -> None:
+    """Set weights from float arrays (quantized to each tensor's type on the way in);
+    ShapeError for a name the model does not have."""
+    for name, v in values.items():
+        if name not in w:
+            raise ShapeError(f"set_weights: the model has no weight {name!r}")
+        w[name].set(v)
+
+
 class DecoderModel:
     """A decoder model placed on ``devices`` and run through a :class:`~accelplane.sched.Scheduler`.
 
@@ -632,22 +656,12 @@ class DecoderModel:
 
     def load_weights(self, source: Callable[[str], np.ndarray],
                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """Copy every weight's raw bytes (``source(name)``: uint8, the GGUF block layout of the
-        tensor's type) into its device buffer. ``progress(nbytes)`` after each tensor."""
-        for name, t in self.w.items():
-            data = np.asarray(source(name))
-            raw = data.reshape(-1).view(np.uint8)
-            if raw.size != t.nbytes:
-                raise ShapeError(f"weight {name}: {raw.size} bytes given, {t.type.name} "
-                                 f"{t.shape} takes {t.nbytes}")  # fmt: skip
-            t.set_bytes(raw)
-            if progress is not None:
-                progress(t.nbytes)
+        """:func:`copy_weight_bytes` into this model's weights."""
+        copy_weight_bytes(self.w, source, progress)
 
     def set_weights(self, values: Mapping[str, np.ndarray]) -> None:
-        """Set weights from float arrays (quantized to each tensor's type on the way in)."""
-        for name, v in values.items():
-            self.w[name].set(v)
+        """:func:`set_weight_values` of this model's weights."""
+        set_weight_values(self.w, values)
 
     @classmethod
     def from_gguf(cls, source: str | GGUFFile, devices: Sequence[Device], *,
