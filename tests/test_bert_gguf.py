@@ -265,7 +265,7 @@ def test_quantized_norm_and_other_arch_are_gguf_errors(files, tmp_path):
     with pytest.raises(GGUFError, match="architecture 'llama' is not bert"):
         BertModel.from_gguf(llama, [accelplane.device("CPU")])
     with pytest.raises(GGUFError, match="accelplane embed"):
-        read_gguf(files["f32"]).llama_config()
+        read_gguf(files["f32"]).model_config()
 
 
 def test_bad_inputs_are_typed_errors(cpu_models):
@@ -330,7 +330,7 @@ def test_make_model_arch_bert(tmp_path, capsys):
     assert "bert, 1 layers, d_model 64" in out and "pooling cls" in out
     assert B.config_from_gguf(read_gguf(p)).pooling is B.Pooling.CLS
     for argv, part in ((["--kv-heads", "2"], "--kv-heads does not apply to --arch bert"),
-                       (["--neox"], "--neox does not apply"), (["--preset", "8b"], "not a bert preset"),
+                       (["--tied"], "--tied does not apply"), (["--preset", "8b"], "not a bert preset"),
                        (["--vocab", "50"], "at least 104")):  # fmt: skip
         rc, _, err = run(capsys, "make-model", str(tmp_path / "x.gguf"), "--arch", "bert", *argv)
         assert rc == 2 and part in err, err

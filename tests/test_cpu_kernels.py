@@ -215,6 +215,30 @@ def test_bfloat16_dtype() -> None:
     np.testing.assert_array_equal(deq, wf.astype(np.float32))
 
 
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0], ids=str)
+def test_activations_quantized_as_ggml(t: GGMLType) -> None:
+    """The AVX2 kernel's Q4_0 / Q8_0 products quantize the activations as ggml's
+    quantize_row_q8_0 does, scale rounded to f16 (block_q8_0.d): the product equals, up to float
+    rounding of the sums, the float64 product of the dequantized weights with the activations
+    quantized by the gguf package (an f32 scale is off by ~2e-4)."""
+    if not kernels.has_avx2():
+        pytest.skip("CPU has no AVX2+FMA+F16C")
+    before = kernels.get_isa()
+    kernels.set_isa("avx2")
+    try:
+        rng = np.random.default_rng([int(t), 17])
+        k, m, n = 512, 24, 5
+        w, wf = make_weights(t, m, k, rng)
+        x = rng.standard_normal((n, k)).astype(np.float32) * np.linspace(0.1, 30, k, dtype=np.float32)
+        xq = gguf_quants.dequantize(gguf_quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                                    gguf.GGMLQuantizationType.Q8_0).astype(np.float64)  # fmt: skip
+        out = kernels.mul_mat(t, w, x, np.empty((n, m), np.float32), 1, strategy="direct")
+        ref = xq @ wf.T
+        assert nmse(out.astype(np.float64), ref) < 1e-11, nmse(out.astype(np.float64), ref)
+    finally:
+        kernels.set_isa(before)
+
+
 @pytest.mark.parametrize("t", ALL, ids=str)
 def test_mul_mat_threads_agree(t: GGMLType, isa: str) -> None:
     """Rows are split over threads, each computed whole: any thread count gives the same bits."""

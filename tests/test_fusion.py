@@ -291,25 +291,27 @@ def test_cpu_plugin_fuses_norm_and_mul(op, keep_norm):
     assert plan.fused == ([] if keep_norm else [(op, "MUL")])
 
 
-def _rope_into_cache(ctx: Context, n_tok: int = 2):
+def _rope_into_cache(ctx: Context, n_tok: int = 2, freq_factors: bool = False):
     """The llama model's K path: ROPE of [head_dim, heads, tokens], reshaped to one row per
     token, SET_ROWS into a [n_ctx, heads * head_dim] cache at the tokens' positions."""
     k = ctx.new_tensor_ne(T.F32, 16, 2, n_tok, name="k")
     pos = ctx.new_tensor_ne(T.I32, n_tok, name="pos")
     cache = ctx.new_tensor_ne(T.F16, 32, 64, name="cache")
-    r = ctx.rope(k, pos, 16)
+    ff = ctx.new_tensor_ne(T.F32, 8, name="ff") if freq_factors else None
+    r = ctx.rope(k, pos, 16, freq_factors=ff)
     v = ctx.reshape_ne(r, 32, n_tok)
     return r, v, ctx.set_rows(cache, v, pos)
 
 
-@pytest.mark.parametrize("why", [None, "rope_read", "view_read", "output", "env"])
+@pytest.mark.parametrize("why", [None, "rope_read", "view_read", "output", "env", "freq_factors"])
 def test_rope_view_set_rows(why, monkeypatch):
     """fusion.rope_set_rows: ROPE → its reshape → SET_ROWS is one run unless the rope's result
-    or its view has another reader or is wanted, or fusion is off."""
+    or its view has another reader or is wanted, the rope has frequency factors (the fused
+    kernels rotate without them), or fusion is off."""
     if why == "env":
         monkeypatch.setenv("ACCELPLANE_FUSION", "0")
     ctx = Context()
-    r, v, sr = _rope_into_cache(ctx)
+    r, v, sr = _rope_into_cache(ctx, freq_factors=why == "freq_factors")
     outs = [sr]
     if why == "rope_read":
         outs.append(ctx.scale(r, 2.0))
@@ -362,11 +364,11 @@ def test_product_rope_cache(why, monkeypatch):
 
 def test_product_rope_cache_in_a_llama_decode():
     """Every layer of a llama decode step with merged Q/K/V weights has the run."""
-    from accelplane.models.llama import LlamaConfig, LlamaModel
+    from accelplane.models.decoder import DecoderConfig, DecoderModel
 
     reg = cpu_and_async_registry(n_async=1, delay_us=0)
-    cfg = LlamaConfig(n_vocab=64, d_model=64, n_layers=2, n_head=4, n_head_kv=2, d_ff=96)
-    m = LlamaModel(cfg, [reg.device("CPU")], types={}, n_ctx=32, kv_pad=16)
+    cfg = DecoderConfig(n_vocab=64, d_model=64, n_layers=2, n_head=4, n_head_kv=2, d_ff=96)
+    m = DecoderModel(cfg, [reg.device("CPU")], types={}, n_ctx=32, kv_pad=16)
     try:
         g = m.step(1, 16).graph
         f = Fusion(g)

@@ -58,7 +58,8 @@ def _value(draw, kind: str, p: dict) -> str:
         "ids": st.sampled_from(["101 5 102", "101,6,7,102", "1", "127", "128", "1 2,,3", " "]),
         "pooling": st.sampled_from(["none", "mean", "cls", "last"]),
         "norm": st.sampled_from(["-1", "0", "1", "2", "3"]),
-        "arch": st.sampled_from(["llama", "bert"]),
+        "arch": st.sampled_from(["llama", "qwen2", "qwen3", "gemma3", "bert"]),
+        "scaling": st.sampled_from(["none", "linear", "llama3"]),
         "text": st.sampled_from(["Hello", "Grüße aus 東京 🦙", "", "<s>x</s>", "  \t\n"]),
     }[kind]
     bad = st.sampled_from(JUNK + [p["missing"], str(p["dir"]), p["bad"], "NOPE", "-5", "1.5", "[", "9" * 30])
@@ -83,8 +84,9 @@ GRAMMAR = [
                           "--seq": "pos", "--json": "path"},
      ["--preset", "-d", "--reps", "--batch", "--seq"]),
     (["make-model"], {"--preset": "split", "--layers": "pos", "--d-model": "pos", "--wtype": "wtype",
-                      "--jobs": "pos", "--vocab": "pos", "--arch": "arch", "--pooling": "pooling",
-                      "--kv-heads": "pos"}, []),
+                      "--jobs": "pos", "--vocab": "pos", "--arch": "arch", "--head-dim": "pos",
+                      "--sliding-window": "count", "--rope-scaling": "scaling", "--tied": None,
+                      "--pooling": "pooling", "--kv-heads": "pos"}, []),
     (["embed"], {"--model": "bert", "--ids": "ids", "--pooling": "pooling", "--normalize": "norm",
                  "--out": "path", "-d": "device"}, ["--model", "--ids"]),
     (["ops"], {"--markdown": "path", "--json": None}, []),

@@ -155,7 +155,7 @@ def test_make_model_tiny_preset_loads(tmp_path, capsys):
     p = tmp_path / "tiny.gguf"
     assert cli.main(["make-model", "--preset", "tiny", "--jobs", "1", str(p)]) == 0
     with read_gguf(p) as f:
-        f.check_llama_tensors(f.llama_config())
+        f.check_tensors(f.model_config())
         assert len(f.tensors) == len(gguf.GGUFReader(p).tensors) > 0
 
 
@@ -367,11 +367,11 @@ def test_model_checks_name_the_tensor(llama, tmp_path):
     p = tmp_path / "m.gguf"
     p.write_bytes(patch(llama.raw, llama.part(llama.kv["llama.block_count"], VALUE), 1 << 31, 4))
     with read_gguf(p) as f, pytest.raises(GGUFError, match=r"missing tensor 'blk\.2\.attn_norm\.weight'"):
-        f.check_llama_tensors(f.llama_config())
+        f.check_tensors(f.model_config())
     p.write_bytes(patch(llama.raw, llama.part(llama.kv["llama.feed_forward_length"], VALUE), 128, 4))
     d = llama.offset("blk.0.ffn_gate.weight")
     with read_gguf(p) as f, pytest.raises(GGUFError) as e:
-        f.check_llama_tensors(f.llama_config())
+        f.check_tensors(f.model_config())
     assert "tensor 'blk.0.ffn_gate.weight' has shape (96, 64)" in str(e.value)
     assert f"(data offset {d}, file offset {llama.data_start + d})" in str(e.value)
 
@@ -482,7 +482,7 @@ def assert_sound(p: Path, raw: bytes, model: bool) -> None:
         try:
             f = read_gguf(p)
             if model:
-                f.check_llama_tensors(f.llama_config())
+                f.check_tensors(f.model_config())
         except GGUFError:
             TALLY.add("gguf", "refused (GGUFError)")
             return

@@ -1,5 +1,6 @@
-"""accelplane.models: GGUF I/O (round trip, malformed files), the llama model against an
-independent float64 numpy forward pass, the KV cache against full recomputation, the CPU
+"""accelplane.models: GGUF I/O (round trip, malformed files), the decoder of every architecture
+against an independent float64 numpy forward pass (tests/decoder_ref.py), the KV cache against
+full recomputation, the CPU
 plugin against the asynchronous test device and every installed plugin, graph reuse across
 tokens, and `accelplane run` / `bench model` end to end."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +21,29 @@ from accelplane.core.types import GGMLType, dequantize
 from accelplane.errors import ConfigError, DeviceError, GGUFError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
+from accelplane.models.decoder import SplitKind, SplitRole, WeightSpec
 from accelplane.models.gguf import MetaValue, synthetic_tensor
-from accelplane.models.llama import SplitKind, SplitRole, WeightSpec
 from accelplane.models.runner import NMSE_TOL
 from accelplane.oracle.compare import nmse
 from accelplane.testing.plugins import cpu_and_async_registry
 
+sys.path.insert(0, str(Path(__file__).parent))
+import decoder_ref  # noqa: E402
+
 TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128, n_ctx=256)
 MOE = dict(TINY, n_expert=4, n_expert_used=2)
+# what each architecture adds: Llama 3's rope factors; qwen2's biases; qwen3's Q/K norms with a
+# head size other than d_model / n_head, tied head; gemma3's sliding window (8 positions) in
+# five layers of six, linear rope scaling, soft-capping; gemma3_swa: every layer has the window
+# (fewer layers than the pattern), so no layer reads the full causal mask
+ARCH_MODELS = {
+    "llama3": dict(TINY, wtype="f32", rope_scaling="llama3", seed=3),
+    "qwen2": dict(TINY, arch="qwen2", wtype="f32", seed=4),
+    "qwen3": dict(TINY, arch="qwen3", wtype="f32", head_dim=32, tied=True, seed=5),
+    "gemma3": dict(TINY, arch="gemma3", wtype="f32", n_layers=6, sliding_window=8, logit_softcap=30.0,
+                   rope_scaling="linear", rope_factor=4.0, seed=6),
+    "gemma3_swa": dict(TINY, arch="gemma3", wtype="f32", sliding_window=8, seed=7),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +60,9 @@ def models(tmp_path_factory):
     out = {}
     for name, kw in {
         "f32": dict(TINY, wtype="f32"),
-        "f32_neox": dict(TINY, wtype="f32", rope_neox=True, seed=3),
         "q8_0": dict(TINY, wtype="q8_0", seed=1),
         "moe": dict(MOE, wtype="f32", seed=2),
+        **ARCH_MODELS,
     }.items():
         out[name] = d / f"{name}.gguf"
         make_model(out[name], **kw)
@@ -66,7 +83,7 @@ def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
     cfg = make_model(a, n_layers=1, d_model=d_model, n_head=4, n_head_kv=2, d_ff=d_ff, n_vocab=288,
                      wtype=wtype, output_type="q6_k" if d_model % 256 == 0 else None, seed=7)  # fmt: skip
     with read_gguf(a) as f:
-        assert f.llama_config() == cfg
+        assert f.model_config() == cfg
         assert f.get("llama.block_count") == 1 and f.get("general.architecture") == "llama"
         assert len(f.get("tokenizer.ggml.tokens")) == 288
         for spec in cfg.weights():
@@ -74,7 +91,7 @@ def test_gguf_round_trip(tmp_path, wtype, d_model, d_ff):
             assert t.shape == spec.shape
             assert t.type == (GGMLType[wtype.upper()] if spec.matrix else GGMLType.F32) or (
                 spec.name == "output.weight")  # fmt: skip
-            want = synthetic_tensor(spec, t.type, 7).reshape(-1)
+            want = synthetic_tensor(spec, t.type, 7, cfg).reshape(-1)
             assert np.array_equal(t.data, want), spec.name
         save_gguf(b, f)
     assert a.read_bytes() == b.read_bytes()
@@ -147,7 +164,7 @@ def test_malformed_files(tmp_path, models):
         no_key = {k: v for k, v in md.items() if k != "llama.block_count"}
         write_gguf(tmp_path / "nokey.gguf", no_key, ts)
         with pytest.raises(GGUFError, match="missing metadata key 'llama.block_count'"):
-            read_gguf(tmp_path / "nokey.gguf").llama_config()
+            read_gguf(tmp_path / "nokey.gguf").model_config()
         bad_type = dict(md, **{"llama.block_count": MetaValue("two", gguf.GGUFValueType.STRING)})
         write_gguf(tmp_path / "badkey.gguf", bad_type, ts)
         with pytest.raises(GGUFError, match="'llama.block_count' must be an integer"):
@@ -163,7 +180,66 @@ def test_malformed_files(tmp_path, models):
         arch = dict(md, **{"general.architecture": MetaValue("gpt2", gguf.GGUFValueType.STRING)})
         write_gguf(tmp_path / "arch.gguf", arch, ts)
         with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
-            read_gguf(tmp_path / "arch.gguf").llama_config()
+            read_gguf(tmp_path / "arch.gguf").model_config()
+
+
+def _with(path: Path, out: Path, drop=(), tensors=None, **keys) -> Path:
+    """``path`` rewritten with metadata ``keys`` (name with dots as __; a MetaValue, or a value
+    with the type of the key it replaces), without the keys ``drop``, with ``tensors``."""
+    with read_gguf(path) as f:
+        md = {k: v for k, v in f.metadata.items() if k not in drop}
+        for k, v in keys.items():
+            k = k.replace("__", ".")
+            md[k] = v if isinstance(v, MetaValue) else MetaValue(v, md[k].type, md[k].sub_type)
+        write_gguf(out, md, list(f.tensors.values()) if tensors is None else tensors(f))
+    return out
+
+
+def test_architecture_metadata_as_llama_cpp_reads_it(tmp_path, models):
+    """Keys and tensors per architecture as llama.cpp's loader takes them, and a GGUFError
+    naming the key or tensor for what accelplane does not implement."""
+    V = gguf.GGUFValueType
+    u32 = lambda v: MetaValue(v, V.UINT32)  # noqa: E731
+    with read_gguf(models["gemma3"]) as f:
+        cfg = f.model_config()
+    assert cfg.swa_layers == (True,) * 5 + (False,) and cfg.n_swa == 8 and cfg.logit_softcap == 30.0
+    assert cfg.rope_scale == 0.25 and cfg.rope_base_swa == 10000.0 and cfg.embd_scale == 8.0
+    p = _with(models["gemma3"], tmp_path / "pattern.gguf", gemma3__attention__sliding_window_pattern=u32(2))
+    assert read_gguf(p).model_config().swa_layers == (True, False) * 3
+    flags = MetaValue([True, False, False, True, True, False], V.ARRAY, V.BOOL)
+    p = _with(models["gemma3"], tmp_path / "flags.gguf", gemma3__attention__sliding_window_pattern=flags)
+    assert read_gguf(p).model_config().swa_layers == tuple(flags.value)
+    p = _with(models["gemma3"], tmp_path / "noswa.gguf", drop=["gemma3.attention.sliding_window"])
+    assert not read_gguf(p).model_config().has_swa
+    with read_gguf(models["qwen3"]) as f:
+        q3 = f.model_config()
+    assert q3.head_dim == 32 and q3.qk_norm and q3.tied_output and q3.rope_neox
+    with read_gguf(models["qwen2"]) as f:
+        assert f.model_config().biases == {"attn_q", "attn_k", "attn_v"}
+    bad = {
+        "yarn": (dict(qwen2__rope__scaling__type=MetaValue("yarn", V.STRING)), "rope.scaling.type' = 'yarn'"),
+        "scaling": (dict(qwen2__rope__scaling__type=MetaValue("cubic", V.STRING)), "not a rope scaling type"),
+        "value_length": (dict(qwen2__attention__value_length=u32(8)), "differs from value_length"),
+        "per_layer": (dict(qwen2__attention__head_count_kv=MetaValue([2, 4], V.ARRAY, V.UINT32)),
+                      r"per-layer values \[2, 4\] differ"),
+        "n_rot": (dict(qwen2__rope__dimension_count=u32(8)), "rope.dimension_count 8 differs"),
+    }  # fmt: skip
+    for what, (keys, msg) in bad.items():
+        with pytest.raises(GGUFError, match=msg):
+            read_gguf(_with(models["qwen2"], tmp_path / f"{what}.gguf", **keys)).model_config()
+    with pytest.raises(GGUFError, match="missing metadata key 'qwen2.attention.layer_norm_rms_epsilon'"):
+        read_gguf(_with(models["qwen2"], tmp_path / "eps.gguf",
+                        drop=["qwen2.attention.layer_norm_rms_epsilon"])).model_config()  # fmt: skip
+    three = MetaValue([True, True, False], V.ARRAY, V.BOOL)
+    with pytest.raises(GGUFError, match="3 flags for 6 layers"):
+        read_gguf(_with(models["gemma3"], tmp_path / "flags3.gguf",
+                        gemma3__attention__sliding_window_pattern=three)).model_config()  # fmt: skip
+    # llama's rope factors are not another architecture's tensor
+    with read_gguf(models["llama3"]) as llama3:
+        p = _with(models["qwen2"], tmp_path / "rf.gguf",
+                  tensors=lambda f: [*f.tensors.values(), llama3.tensors["rope_freqs.weight"]])  # fmt: skip
+    with pytest.raises(GGUFError, match="'rope_freqs.weight' is not part of a qwen2 model"):
+        LlamaModel.from_gguf(p, [accelplane.device("CPU")])
 
 
 def test_fuzzed_headers_never_crash(tmp_path, models):
@@ -183,94 +259,24 @@ def test_fuzzed_headers_never_crash(tmp_path, models):
         p.write_bytes(bytes(data))
         try:
             with read_gguf(p) as f:
-                f.check_llama_tensors(f.llama_config())
+                f.check_tensors(f.model_config())
         except GGUFError:
             pass
 
 
 # --- the model against an independent numpy forward pass ----------------------------------------------
-def _np_weights(path: Path) -> tuple[dict, dict]:
-    """float64 weights decoded by the gguf package (not accelplane), and the metadata."""
-    r = gguf.GGUFReader(path)
-    w = {}
-    for t in r.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        w[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(shape)
-    md = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    return w, md
-
-
-def _np_llama(w: dict, md: dict, tokens: np.ndarray) -> np.ndarray:
-    """The llama forward pass (all positions, no cache) in float64 numpy: logits [T, vocab]."""
-    d = md["llama.embedding_length"]
-    n_head, n_kv = md["llama.attention.head_count"], md["llama.attention.head_count_kv"]
-    eps, base = md["llama.attention.layer_norm_rms_epsilon"], md["llama.rope.freq_base"]
-    neox = md.get("accelplane.rope.neox", False)
-    n_exp, k_used = md.get("llama.expert_count", 0), md.get("llama.expert_used_count", 0)
-    hd, n = d // n_head, len(tokens)
-
-    def rms(x, g):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
-
-    def rope(x):  # x [T, heads, hd]
-        half = hd // 2
-        theta = np.arange(n)[:, None] * base ** (-2.0 * np.arange(half) / hd)
-        c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-        if neox:
-            a, b = x[..., :half], x[..., half:]
-            return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
-        y = np.empty_like(x)
-        a, b = x[..., 0::2], x[..., 1::2]
-        y[..., 0::2], y[..., 1::2] = a * c - b * s, a * s + b * c
-        return y
-
-    def silu(x):
-        return x / (1 + np.exp(-x))
-
-    x = w["token_embd.weight"][tokens]
-    causal = np.triu(np.ones((n, n), bool), 1)
-    for li in range(md["llama.block_count"]):
-        p = f"blk.{li}."
-        h = rms(x, w[p + "attn_norm.weight"])
-        q = rope((h @ w[p + "attn_q.weight"].T).reshape(n, n_head, hd))
-        k = rope((h @ w[p + "attn_k.weight"].T).reshape(n, n_kv, hd))
-        v = (h @ w[p + "attn_v.weight"].T).reshape(n, n_kv, hd)
-        att = np.empty((n, n_head, hd))
-        for head in range(n_head):
-            kv = head // (n_head // n_kv)
-            s = q[:, head] @ k[:, kv].T / np.sqrt(hd)
-            s[causal] = -np.inf
-            pr = np.exp(s - s.max(-1, keepdims=True))
-            att[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + att.reshape(n, d) @ w[p + "attn_output.weight"].T
-        h = rms(x, w[p + "ffn_norm.weight"])
-        if n_exp:
-            logits = h @ w[p + "ffn_gate_inp.weight"].T
-            pr = np.exp(logits - logits.max(-1, keepdims=True))
-            pr /= pr.sum(-1, keepdims=True)
-            y = np.zeros_like(h)
-            for t in range(n):
-                top = np.argsort(-pr[t], kind="stable")[:k_used]
-                for e, g in zip(top, pr[t, top] / pr[t, top].sum(), strict=True):
-                    gate = w[p + "ffn_gate_exps.weight"][e] @ h[t]
-                    up = w[p + "ffn_up_exps.weight"][e] @ h[t]
-                    y[t] += g * (w[p + "ffn_down_exps.weight"][e] @ (silu(gate) * up))
-        else:
-            y = (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[
-                p + "ffn_down.weight"].T  # fmt: skip
-        x = x + y
-    return rms(x, w["output_norm.weight"]) @ w["output.weight"].T
-
-
 @pytest.mark.parametrize(
     "name, cache, tol",
-    [("f32", "f32", 1e-9), ("f32_neox", "f32", 1e-9), ("moe", "f32", 1e-9), ("q8_0", "f16", 2e-4)],
-)
+    [("f32", "f32", 1e-9), ("moe", "f32", 1e-9), ("q8_0", "f16", 2e-4),
+     *((a, "f32", 1e-9) for a in ARCH_MODELS)],
+)  # fmt: skip
 def test_logits_match_numpy_float64(models, name, cache, tol):
-    """Prefill (all rows) and then decode steps, against the float64 numpy forward pass."""
-    w, md = _np_weights(models[name])
-    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], 10)
-    want = _np_llama(w, md, tokens)
+    """Prefill (all rows) and then decode steps, against the float64 numpy forward pass (from
+    the checkpoint's side: llama's rows unpermuted and rotate-half rope, gemma's 1 + w norms)."""
+    w, md = decoder_ref.read(models[name])
+    n = 12 if name.startswith("gemma3") else 10  # past gemma3's window of 8
+    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], n)
+    want = decoder_ref.forward(w, md, tokens)
     m = LlamaModel.from_gguf(models[name], [accelplane.device("CPU")], n_ctx=32, kv_pad=16,
                              cache_type=cache)  # fmt: skip
     try:
@@ -282,6 +288,20 @@ def test_logits_match_numpy_float64(models, name, cache, tol):
     e = nmse(got, want)
     assert e < tol, (name, e)
     assert np.array_equal(pre.ids, want[:6].argmax(-1))
+
+
+def test_numpy_oracle_sees_the_conventions(models):
+    """The oracle is not blind to what it checks: without Llama 3's rope factors, or without
+    gemma's sliding window, it gives other logits."""
+    tokens = np.random.default_rng(5).integers(0, TINY["n_vocab"], 12)
+    drops = {
+        "llama3": lambda w, md: ({k: v for k, v in w.items() if "rope" not in k}, md),
+        "gemma3": lambda w, md: (w, {**md, "gemma3.attention.sliding_window": 0}),
+    }
+    for name, drop in drops.items():
+        w, md = decoder_ref.read(models[name])
+        want = decoder_ref.forward(w, md, tokens)
+        assert nmse(decoder_ref.forward(*drop(w, md), tokens), want) > 1e-6, name
 
 
 def test_kv_cache_decode_equals_full_prefill(models):
@@ -414,8 +434,8 @@ def test_merge_skips_groups_of_mixed_types(reg, models):
     layer's Q/K/V unmerged; gate/up of one type still merge; the logits equal merge=False."""
     from accelplane.models.gguf import read_gguf
 
-    cfg = read_gguf(models["f32"]).llama_config()
-    w, _ = _np_weights(models["f32"])
+    cfg = read_gguf(models["f32"]).model_config()
+    w, _ = decoder_ref.read(models["f32"])
     types = {n: ("f32" if n.endswith("attn_v.weight") or w[n].ndim == 1 else "q8_0") for n in w}
     tokens = [3, 1, 4, 1, 5]
     out = []
@@ -424,7 +444,8 @@ def test_merge_skips_groups_of_mixed_types(reg, models):
         try:
             m.set_weights({n: v.astype(np.float32) for n, v in w.items()})
             if merge:
-                assert sorted(m.merged) == sorted(f"blk.{i}.ffn_gate_up" for i in range(TINY["n_layers"]))
+                want = [f"blk.{i}.ffn_gate_up.weight" for i in range(TINY["n_layers"])]
+                assert sorted(m.merged) == sorted(want)
             out.append(np.concatenate([m.eval([t]).logits for t in tokens]))
         finally:
             m.free()
@@ -436,15 +457,17 @@ def _nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sum((a - b) ** 2) / np.sum(b * b))
 
 
-def test_split_tensor_matches_split_none(reg, models):
+@pytest.mark.parametrize("name", ["f32", "llama3", "qwen2", "qwen3", "gemma3"])
+def test_split_tensor_matches_split_none(reg, models, name):
     """Tensor split over the two asynchronous test devices (meta device): the prefill's logits
-    for every token and a decode step through the split KV cache match split none."""
+    for every token and a decode step through the split KV cache match split none (biases split
+    with their projections, per-head norms, post norms of all-reduced sums, rope factors)."""
     cpu = reg.device("CPU")
     devs = [reg.device("ASYNC0"), reg.device("ASYNC1")]
     toks = [3, 17, 5, 125, 9, 1, 77, 4, 120, 33, 2, 8]
     outs = {}
     for split, d in (("none", devs[:1]), ("tensor", devs)):
-        m = LlamaModel.from_gguf(models["f32"], d, cpu=cpu, split=split)
+        m = LlamaModel.from_gguf(models[name], d, cpu=cpu, split=split)
         try:
             pre = m.eval(toks, all_logits=True)
             dec = m.eval([int(pre.ids[-1])])
@@ -566,7 +589,7 @@ def test_split_modes(reg, models):
         assert "blk.0" in plan and "ASYNC1" in plan and "KV cache on ASYNC0" in plan
     finally:
         m.free()
-    cfg = read_gguf(models["moe"]).llama_config()
+    cfg = read_gguf(models["moe"]).model_config()
     assert cfg.split_role("blk.0.attn_q.weight").kind is SplitKind.COLUMN
     assert cfg.split_role("blk.0.ffn_down_exps.weight").kind is SplitKind.ROW
     assert cfg.split_role("blk.0.attn_output.weight").granularity == cfg.head_dim
@@ -585,6 +608,53 @@ def cli_env(tmp_path_factory):
     return dict(os.environ, ACCELPLANE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
                 ACCELPLANE_PLUGINS="cpu,asynctest", ACCELPLANE_TEST_DELAY_US="20",
                 ACCELPLANE_EXTRA_PLUGINS="asynctest=accelplane.testing.asyncdev")  # fmt: skip
+
+
+def test_make_model_writes_every_architecture(tmp_path, capsys):
+    """`accelplane make-model --arch A` for every architecture accelplane reads: the file says
+    A, loads, and describes itself."""
+    from accelplane import cli
+    from accelplane.models import ARCHITECTURES
+
+    for arch in ARCHITECTURES:
+        p = tmp_path / f"{arch}.gguf"
+        assert cli.main(["make-model", str(p), "--arch", arch, "--preset", "tiny", "--jobs", "1"]) == 0
+        assert f": {arch}, 2 layers" in capsys.readouterr().out
+        with read_gguf(p) as f:
+            assert f.get("general.architecture") == arch and f.model_config().arch == arch
+            assert ("accelplane.rope.neox" in f.metadata) is False
+
+
+def test_make_model_architectures_are_one_table():
+    """make-model's --arch choices, its presets table and the synthetic makers name the same
+    architectures: every decoder, then bert."""
+    from accelplane import cli
+    from accelplane.models import ARCHITECTURES
+    from accelplane.models.gguf import SYNTHETIC_ARCHS
+    from accelplane.models.runner import MAKE_ARCHS
+
+    assert cli.MAKE_ARCH_NAMES == list(MAKE_ARCHS) == list(SYNTHETIC_ARCHS) == [*ARCHITECTURES, "bert"]
+
+
+def test_run_prompt_on_every_decoder_architecture(tmp_path, capsys):
+    """`run --prompt` tokenizes with the synthetic file's vocabulary and generates on every
+    decoder architecture, up to --tokens tokens."""
+    from accelplane import cli
+    from accelplane.models import ARCHITECTURES
+    from accelplane.models.tokenizer import Tokenizer
+
+    for arch in ARCHITECTURES:
+        p = tmp_path / f"{arch}.gguf"
+        assert cli.main(["make-model", str(p), "--arch", arch, "--preset", "tiny", "--vocab", "300",
+                         "--jobs", "1"]) == 0  # fmt: skip
+        capsys.readouterr()
+        rc = cli.main(["run", "--model", str(p), "--prompt", "hi", "--tokens", "4", "-d", "CPU"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        tok = Tokenizer.from_gguf(str(p))
+        assert f"prompt: {len(tok.encode('hi', add_special=True))} tokens" in err, err
+        n = int(re.search(r"generated (\d+) tokens; stopped at", err).group(1))
+        assert 0 <= n <= 4 and out.endswith("\n")
 
 
 def test_accelplane_run_end_to_end(cli_env):

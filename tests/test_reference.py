@@ -331,6 +331,40 @@ def test_rope_angles_hand(mode):
         assert abs(g1[0, 0, i] - math.sin(theta)) < 1e-6
 
 
+@pytest.mark.parametrize("mode", [0, 2])
+def test_rope_freq_factors_hand(mode):
+    # unit vectors (1, 0) in every pair: pair i turns by pos * base**(-2i/n) / ff[i]
+    n_dims, base, p = 6, 100.0, 7
+    ff = np.array([1.0, 2.5, 8.0])
+    ctx = Context()
+    a = ctx.new_tensor("f32", (1, 1, n_dims))
+    pos = ctx.new_tensor("i32", (1,))
+    fv = ctx.new_tensor("f32", (n_dims // 2,))
+    out = ctx.rope(a, pos, n_dims, mode, freq_base=base, freq_factors=fv)
+    assert out.src[2] is fv
+    x = np.zeros((1, 1, n_dims))
+    if mode == 2:
+        x[..., : n_dims // 2] = 1
+    else:
+        x[..., 0::2] = 1
+    g0, g1 = _pairs(one(ctx, out, {a: x, pos: np.array([p]), fv: ff}), mode, n_dims)
+    for i in range(n_dims // 2):
+        theta = p * base ** (-2 * i / n_dims) / ff[i]
+        assert abs(g0[0, 0, i] - math.cos(theta)) < 1e-6 and abs(g1[0, 0, i] - math.sin(theta)) < 1e-6
+
+
+def test_rope_freq_factors_must_fit():
+    from accelplane.errors import ShapeError, TypeMismatchError
+
+    ctx = Context()
+    a, pos = ctx.new_tensor("f32", (2, 1, 8)), ctx.new_tensor("i32", (2,))
+    cases = ((ShapeError, ctx.new_tensor("f32", (3,))), (TypeMismatchError, ctx.new_tensor("f16", (4,))),
+             (ShapeError, ctx.new_tensor("f32", (2, 4))))  # too short, not F32, not a vector
+    for err, bad in cases:
+        with pytest.raises(err, match="ROPE"):
+            ctx.rope(a, pos, 8, freq_factors=bad)
+
+
 def test_rope_neox_is_normal_on_interleaved_dims():
     n = 8
     perm = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # neox slot <- normal dim

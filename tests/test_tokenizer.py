@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from accelplane.errors import ConfigError, GGUFError, OutOfRangeError, TokenizerError
-from accelplane.models.gguf import MetaValue, llama_metadata, make_model, read_gguf, write_gguf
-from accelplane.models.llama import LlamaConfig
+from accelplane.models.decoder import DecoderConfig
+from accelplane.models.gguf import MetaValue, make_model, model_metadata, read_gguf, write_gguf
 from accelplane.models.runner import generate_text
 from accelplane.models.sampling import Sampler
 from accelplane.models.tokenizer import Tokenizer
@@ -225,8 +225,8 @@ def test_defaults_when_the_metadata_gives_no_ids():
 def test_synthetic_models_carry_a_byte_vocabulary():
     """make-model's vocabulary: every text encodes (byte fallback) and decodes back, spaces as
     the ▁ that has no token of its own there."""
-    md = llama_metadata(LlamaConfig(n_vocab=300, d_model=8, n_layers=1, n_head=1, n_head_kv=1, d_ff=8,
-                                    n_ctx_train=64))  # fmt: skip
+    md = model_metadata(DecoderConfig(n_vocab=300, d_model=8, n_layers=1, n_head=1, n_head_kv=1, d_ff=8,
+                                      n_ctx_train=64))  # fmt: skip
     tok = Tokenizer.from_metadata(md)
     text = "Grüße, 世界 🦙"
     assert tok.decode(tok.encode(text)) == "\u2581" + text.replace(" ", "\u2581")  # with the space prefix

@@ -337,18 +337,18 @@ META_RECORD = flag(
 )  # fmt: skip
 
 
-# --- the llama model (accelplane.models) ---------------------------------------------------------
+# --- the decoder model (accelplane.models) -------------------------------------------------------
 MODEL_EMBD = choice(
     "ACCELPLANE_MODEL_EMBD", "auto", ("auto", "cpu", "device"),
-    "where the llama model keeps its token embeddings (auto: the first layer's device when it is "
+    "where the decoder model keeps its token embeddings (auto: the first layer's device when it is "
     "not a CPU and runs their GET_ROWS)",
 )  # fmt: skip
 MODEL_POLICY = choice(
     "ACCELPLANE_MODEL_POLICY", "relaxed", ("relaxed", "strict"),
-    "the llama model's scheduler policy (docs/ordering.md)",
+    "the decoder model's scheduler policy (docs/ordering.md)",
 )  # fmt: skip
 MODEL_MERGE = flag(
-    "ACCELPLANE_MODEL_MERGE", True, "the llama model merges Q/K/V and gate/up into one matrix each"
+    "ACCELPLANE_MODEL_MERGE", True, "the decoder model merges Q/K/V and gate/up into one matrix each"
 )
 
 

@@ -51,6 +51,8 @@ def supports(op) -> bool:
         return False
     if o in BINARY or o in SCALAR or o is Op.UNARY or o is Op.GLU:
         return all(x is None or x.type in FLOAT for x in s) and op.type in FLOAT
+    if o is Op.ROPE and len(s) > 2:
+        return False  # frequency factors (ggml's c): the rope kernels rotate without them
     if o in _ANY_TYPE:
         return op.type in FLOAT | {T.I32} if o is Op.CONCAT else True
     if o in (Op.CPY, Op.CONT, Op.DUP):

@@ -60,7 +60,7 @@ _CHECKS: dict[Op, Callable[[Tensor], bool]] = {
     Op.NORM: lambda t: True,  # F32 by the catalog's rule
     Op.RMS_NORM: lambda t: True,
     Op.SOFT_MAX: lambda t: True,  # F32, mask F32/F16
-    Op.ROPE: lambda t: True,  # F32/F16, modes normal and NEOX
+    Op.ROPE: lambda t: len(t.src) == 2,  # F32/F16, modes normal and NEOX; no frequency factors
     Op.GET_ROWS: lambda t: t.src[0].type in GET_ROWS_TYPES,
     Op.SET_ROWS: lambda t: t.src[0].type in F,
     Op.CPY: lambda t: (t.src[0].type in F and t.type in F) or t.src[0].type == t.type == T.I32,

@@ -263,14 +263,16 @@ class Plan:
         self._k("k_soft_max", [n, a, mask if mask is not None else a], extra, n=a.nrows)
 
     def _rope(self, n: Tensor) -> None:
-        a, pos = n.src
+        a, pos = n.src[:2]
+        ff = n.src[2] if len(n.src) > 2 else None  # frequency factors (ggml's c)
         (n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
          beta_fast, beta_slow) = rope_params(n)  # fmt: skip
         corr = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
         mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale) if ext_factor != 0 else 1.0)
         extra = (n_dims, int(mode == ROPE_TYPE_NEOX) * 2, f32bits(freq_base), f32bits(freq_scale),
-                 f32bits(ext_factor), f32bits(mscale), f32bits(corr[0]), f32bits(corr[1]))  # fmt: skip
-        self._k("k_rope", [n, a, pos], extra, n=(a.ne[0] + 1) // 2 * a.nrows)
+                 f32bits(ext_factor), f32bits(mscale), f32bits(corr[0]), f32bits(corr[1]),
+                 int(ff is not None))  # fmt: skip
+        self._k("k_rope", [n, a, pos, pos if ff is None else ff], extra, n=(a.ne[0] + 1) // 2 * a.nrows)
 
     def _mul_mat_id(self, n: Tensor) -> None:
         self._k("k_mul_mat_id", [n, *n.src], err=True)

@@ -383,6 +383,42 @@ def test_mul_mat_vec_q8_quantizes_each_activation_once(vk_devices):
     buf.free()
 
 
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q8_0])
+def test_mul_mat_vec_q8_quantizes_activations_as_ggml(vk_devices, wtype):
+    """Q4_0 / Q8_0 weights by int8 activations: the activation blocks' scales are f16, as ggml's
+    Q8_0 blocks (the product equals the float64 one of the activations quantized by the gguf
+    package, up to float rounding; an f32 scale is ~2e-4 off)."""
+    import gguf
+    from accelplane.core.types import dequantize
+
+    dev = vk_devices()[0]
+    if not (dev.ctx.caps.int_dot and dev.ctx.caps.subgroup):
+        pytest.skip("no integer dot products or subgroup arithmetic: no mul_mat_vec_q8")
+    ctx = Context()
+    k, m, n = 512, 24, 3
+    w = ctx.new_tensor_ne(wtype, k, m, name="w")
+    x = ctx.new_tensor_ne(T.F32, k, n, name="x")
+    y = ctx.mul_mat(w, x)
+    g = ctx.graph(y)
+    buf = alloc_tensors([*ctx.tensors, *g.nodes], dev.buffer_type)
+    rng = np.random.default_rng(4)
+    w.set_bytes(quantize(wtype, rng.uniform(-1, 1, (m, k)).astype(np.float32)).reshape(-1))
+    xv = (rng.standard_normal((n, k)) * np.linspace(0.1, 30, k)).astype(np.float32)
+    x.set(xv)
+    be = dev.new_backend()
+    try:
+        be.compute(g)
+        assert "quantize_b8" in [d.shader for d in kernels.dispatches(y, dev.ctx.caps)]
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        xq = gguf.quants.dequantize(gguf.quants.quantize(xv, q8), q8).astype(np.float64)
+        want = xq @ dequantize(wtype, w.get_bytes(), k).reshape(m, k).T.astype(np.float64)
+        got = y.get().reshape(n, m)
+        assert np.sum((got - want) ** 2) / np.sum(want**2) < 1e-11
+    finally:
+        be.free()
+        buf.free()
+
+
 @pytest.mark.parametrize("keep_norm", [False, True])
 def test_norm_mul_fused(vk_devices, keep_norm):
     """An RMS_NORM read only by the MUL after it is one dispatch (accelplane.core.fusion), the

@@ -14,8 +14,8 @@ import numpy as np
 from accelplane.bench import copy_bandwidth
 from accelplane.errors import DeviceError
 from accelplane.interface import DeviceType
+from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import GGUFFile, total_bytes
-from accelplane.models.llama import LlamaModel
 from accelplane.models.runner import context_for, load, meta_summary, pick_devices
 from accelplane.runtime.backend import Device
 from accelplane.runtime.progress import phase
@@ -52,7 +52,7 @@ def _step(show: bool, what: str) -> phase:
     return phase(what, after_s=0.0, enabled=show)
 
 
-def graph_only_rate(model: LlamaModel, n: int) -> float:
+def graph_only_rate(model: DecoderModel, n: int) -> float:
     """Tokens/s of the last decode step's graph computed ``n`` times back to back, without the
     host's work between tokens (inputs set, results read, Python): what the devices alone
     allow. (It rewrites the last position's cache rows: call it after the timed runs.)"""
@@ -74,11 +74,11 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     model load's bar, then a line per step, the copy bandwidth, the warm-up and each timed
     run with its tokens/s."""
     rows = []
-    n_ctx = context_for(f.llama_config(), max(pp, tg), "--pp/--tg")
+    n_ctx = context_for(f.model_config(), max(pp, tg), "--pp/--tg")
     wbytes = total_bytes(f)
     params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     rng = np.random.default_rng(0)
-    cfg = f.llama_config()
+    cfg = f.model_config()
     copy_bw: dict[str, float | None] = {}  # device name → its copy bandwidth, measured once
     for devs, split in configs:
         label = ",".join(d.name for d in devs)

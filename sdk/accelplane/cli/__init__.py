@@ -449,12 +449,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# make-model's options that set a synthetic_sources keyword: (flag, keyword); the integer ones first
+# make-model: the architectures (the keys of accelplane.models.runner.MAKE_ARCHS, named here so
+# that parsing imports no model code), and its options that set a make_model keyword: (flag,
+# keyword), the integer ones first
+MAKE_ARCH_NAMES = ["llama", "qwen2", "qwen3", "gemma3", "bert"]
 _MAKE_INTS = (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
               ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"), ("--ctx", "n_ctx"),
-              ("--experts", "n_expert"), ("--experts-used", "n_expert_used"), ("--seed", "seed"))  # fmt: skip
-MAKE_FLAGS = _MAKE_INTS + (("--neox", "rope_neox"), ("--output-type", "output_type"),
-                           ("--pooling", "pooling"))  # fmt: skip
+              ("--experts", "n_expert"), ("--experts-used", "n_expert_used"), ("--head-dim", "head_dim"),
+              ("--sliding-window", "sliding_window"), ("--seed", "seed"))  # fmt: skip
+MAKE_FLAGS = _MAKE_INTS + (("--output-type", "output_type"), ("--tied", "tied"), ("--rope-base", "rope_base"),
+                           ("--rope-scaling", "rope_scaling"), ("--rope-factor", "rope_factor"),
+                           ("--logit-softcap", "logit_softcap"), ("--pooling", "pooling"))  # fmt: skip
 
 
 def _model_args(sub, b) -> None:
@@ -471,8 +476,9 @@ def _model_args(sub, b) -> None:
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
     b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
-    r = sub.add_parser("run", help="run a llama model (default: a small synthetic one) on the best "
-                       "devices, print tokens/s and check the logits against the CPU plugin",
+    r = sub.add_parser("run", help="run a GGUF model (llama, qwen2, qwen3, gemma3; default: a small "
+                       "synthetic llama) on the best devices, print tokens/s and check the logits against "
+                       "the CPU plugin",
                        parents=[_quiet_parent()])  # fmt: skip
     r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")
     r.add_argument("-d", "--device", action="append",
@@ -519,19 +525,20 @@ def _model_args(sub, b) -> None:
                         "2 Euclidean (default), >2 p-norm")  # fmt: skip
     e.add_argument("--out", help="write the embeddings to this .npy file (float32, one row per text; "
                    "with --pooling none one row per token) instead of printing them")  # fmt: skip
-    m = sub.add_parser("make-model", help="write a synthetic GGUF model (random weights): llama, or bert",
+    m = sub.add_parser("make-model", help="write a synthetic GGUF model (random weights), as llama.cpp's "
+                       "converter would write a checkpoint of the architecture",
                        parents=[_quiet_parent()])  # fmt: skip
     m.add_argument("out", help="output .gguf file")
-    m.add_argument("--arch", default="llama", choices=["llama", "bert"],
+    m.add_argument("--arch", default="llama", choices=MAKE_ARCH_NAMES,
                    help="architecture (default llama; bert: an embedding model for `embed`)")
     m.add_argument("--preset", choices=["tiny", "small", "1b", "8b", "mini"],
-                   help="shapes: llama tiny, small (the default: the model of `run`), 1b (TinyLlama-1.1B "
+                   help="shapes: decoders tiny, small (the default: the model of `run`), 1b (TinyLlama-1.1B "
                         "shapes), 8b (Llama-3-8B shapes); bert tiny, mini (the default: all-MiniLM-L6-v2 "
                         "shapes)")  # fmt: skip
     m.add_argument("--jobs", type=_int(1, 1024), default=None,
                    help="worker processes making the weights (default: one per CPU; same file for any)")
     for flag, dest in _MAKE_INTS:
-        lo = 0 if dest in ("n_expert", "n_expert_used", "seed") else 1
+        lo = 0 if dest in ("n_expert", "n_expert_used", "seed", "sliding_window") else 1
         m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
     from accelplane.core.types import GGMLType
 
@@ -539,8 +546,15 @@ def _model_args(sub, b) -> None:
     m.add_argument("--wtype", default="q8_0", type=str.lower, choices=wtypes, help="matrix type")
     m.add_argument("--output-type", type=str.lower, choices=wtypes,
                    help="output head type (default: --wtype)")  # fmt: skip
-    m.add_argument("--neox", dest="rope_neox", action="store_true", default=None,
-                   help="NEOX rope (llama.cpp uses normal for llama)")  # fmt: skip
+    m.add_argument("--tied", action="store_true", default=None,
+                   help="no output.weight: the head is the token embedding (gemma3 always)")
+    m.add_argument("--rope-base", type=_positive,
+                   help="rope frequency base (default: the architecture's usual one)")  # fmt: skip
+    m.add_argument("--rope-scaling", choices=["none", "linear", "llama3"],
+                   help="rope scaling (default none): linear (rope.scaling.* keys), llama3 (llama: the "
+                        "rope_freqs tensor)")  # fmt: skip
+    m.add_argument("--rope-factor", type=_positive, help="rope scaling factor (default 8)")
+    m.add_argument("--logit-softcap", type=_positive, help="gemma3: final logit soft-capping")
     m.add_argument("--pooling", choices=["none", "mean", "cls", "last"],
                    help="bert: bert.pooling_type (default mean)")
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from accelplane.bench.model import bench_configs, bench_model, format_bench, plot_bench
 from accelplane.errors import TokenizerError
+from accelplane.models.decoder import check_split
 from accelplane.models.gguf import read_gguf
-from accelplane.models.llama import check_split
 from accelplane.models.runner import (
     MAKE_ARCHS,
     _cpu_of,
@@ -50,7 +50,7 @@ def _open_model(args, p) -> tuple:
     check_split(args.split)
     path = Path(args.model) if args.model else default_model_path()
     f = read_gguf(path)
-    cfg = f.llama_config()
+    cfg = f.model_config()
     tok = None
     if args.prompt is not None:
         try:
@@ -60,7 +60,7 @@ def _open_model(args, p) -> tuple:
         if tok.n_vocab > cfg.n_vocab:
             raise TokenizerError(f"{path}: the vocabulary has {tok.n_vocab} tokens, the model's embedding "
                                  f"{cfg.n_vocab} rows")  # fmt: skip
-    f.check_llama_tensors(cfg)
+    f.check_tensors(cfg)
     reg = accelplane.get_registry()
     p(f"model: {path}")
     p(f"  {describe_model(f)}")
@@ -177,7 +177,7 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
     path = Path(args.model) if args.model else default_model_path()
     f = read_gguf(path)
-    f.check_llama_tensors(f.llama_config())
+    f.check_tensors(f.model_config())
     reg = accelplane.get_registry()
     print(f"model: {path}\n  {describe_model(f)}", file=out)
     for sp in args.split or []:
@@ -227,6 +227,8 @@ def cmd_make_model(args, out: TextIO | None = None) -> int:
         if dest not in settable:
             raise UsageError(f"make-model: {flag} does not apply to --arch {args.arch}")
         kw[dest] = v
+    if args.arch == "gemma3" and "sliding_window" not in kw:
+        kw["sliding_window"] = min(512, kw["n_ctx"] // 4)  # Gemma 3 1B's window, short contexts a quarter
     make_with_bar(args.out, jobs=args.jobs, **kw)
     f = read_gguf(args.out)
     print(f"wrote {args.out}\n  {describe_model(f)}", file=out)

@@ -315,6 +315,22 @@ def _rope() -> Iterator[OpCase]:
                                           "fs": fs, "ef": ef}, build,
                                  _float_thr(ta) if ta != T.F32 else 1e-7,
                                  {"pos": ints(0, 200)})  # fmt: skip
+            # frequency factors (ggml_rope_ext's c, Llama 3's rope_freqs): each pair's frequency
+            # divided by its own factor, with and without YaRN
+            for ne, n_dims in (((64, 4, 5, 1), 64), ((128, 2, 3, 1), 32)):
+                for fs, ef in ((1.0, 0.0), (0.25, 1.0)):
+
+                    def build(ctx, ta=ta, mode=mode, ne=ne, n_dims=n_dims, fs=fs, ef=ef):
+                        a = leaf(ctx, ta, ne, "a")
+                        pos = ctx.new_tensor_ne(T.I32, ne[2], name="pos")
+                        ff = ctx.new_tensor_ne(T.F32, n_dims // 2, name="ff")
+                        return ctx.rope(a, pos, n_dims, mode, n_ctx_orig=512, freq_base=10000.0,
+                                        freq_scale=fs, ext_factor=ef, freq_factors=ff)  # fmt: skip
+
+                    yield OpCase("ROPE", {"type": ta, "mode": mode, "ne": ne, "n_dims": n_dims,
+                                          "fs": fs, "ef": ef, "ff": True}, build,
+                                 _float_thr(ta) if ta != T.F32 else 1e-7,
+                                 {"pos": ints(0, 200), "ff": uniform(0.5, 8.0)})  # fmt: skip
 
 
 def _mul_mat() -> Iterator[OpCase]:

@@ -112,6 +112,8 @@ class Fusion:
         rope, view, sr = self.nodes[i : i + 3]
         if rope.op is not Op.ROPE or view.op not in (Op.RESHAPE, Op.VIEW) or sr.op is not Op.SET_ROWS:
             return None
+        if len(rope.src) > 2:  # frequency factors: the fused kernels rotate without them
+            return None
         # the rope's memory: its own, or for a scheduler clone the original's (the view then
         # views the original too, and the readers are counted there)
         own = _owner(rope)
@@ -166,7 +168,7 @@ class Fusion:
                 return None
         if q is None or k is None or v is None or k_set is None or self.uses.get(id(own), 0) != readers:
             return None
-        if q.src[1] is not k.src[1] or tuple(q.op_params) != tuple(k.op_params):
+        if q.src[1] is not k.src[1] or tuple(q.op_params) != tuple(k.op_params) or len(q.src) > 2:
             return None
         return RopeCache(n, q, k, k_set, v, j - i)
 

@@ -268,17 +268,22 @@ class Context:
         attn_factor: float = 1.0,
         beta_fast: float = 32.0,
         beta_slow: float = 1.0,
+        freq_factors: Tensor | None = None,
     ) -> Tensor:
         """Rotary embedding of a [tokens, heads, head_dim] (ne = [head_dim, heads, tokens]) at
         positions ``pos`` (I32, one per token). Mode 0 rotates pairs (x[2i], x[2i+1]); mode 2
-        (NEOX) rotates (x[i], x[i+n_dims/2]); theta_i = pos * freq_base**(-2i/n_dims), with
-        YaRN scaling (freq_scale, ext_factor, attn_factor, beta_fast/slow) as ggml.
-        op_params = ggml's: (0, n_dims, mode, 0, n_ctx_orig, freq_base, freq_scale, ext_factor,
-        attn_factor, beta_fast, beta_slow); ``accelplane.core.ops.rope_params`` reads them by name."""
+        (NEOX) rotates (x[i], x[i+n_dims/2]); theta_i = pos * freq_base**(-2i/n_dims) / ff[i],
+        with YaRN scaling (freq_scale, ext_factor, attn_factor, beta_fast/slow) as ggml.
+        ``freq_factors``: ggml_rope_ext's ``c``, an F32 vector ff of at least n_dims/2 values
+        (Llama 3's ``rope_freqs``); without it ff = 1. It is the node's third source (src[2]),
+        present only when given. op_params = ggml's: (0, n_dims, mode, 0, n_ctx_orig, freq_base,
+        freq_scale, ext_factor, attn_factor, beta_fast, beta_slow); ``accelplane.core.ops.rope_params``
+        reads them by name."""
         params = (0, int(n_dims), int(mode), 0, int(n_ctx_orig), float(freq_base),
                   float(freq_scale), float(ext_factor), float(attn_factor),
                   float(beta_fast), float(beta_slow))  # fmt: skip
-        return self._op(Op.ROPE, (a, pos), params)
+        src = (a, pos) if freq_factors is None else (a, pos, freq_factors)
+        return self._op(Op.ROPE, src, params)
 
     def rope_neox(self, a: Tensor, pos: Tensor, n_dims: int, **kw) -> Tensor:
         """:meth:`rope` in NEOX mode."""

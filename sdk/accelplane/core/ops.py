@@ -263,7 +263,7 @@ def _soft_max(op, src, params):
 
 
 def _rope(op, src, params):
-    a, pos = src
+    a, pos = src[:2]
     _need_type(op, a, {T.F32, T.F16})
     _need_type(op, pos, {T.I32})
     n_dims, mode = params[1], params[2]
@@ -273,6 +273,12 @@ def _rope(op, src, params):
         raise _shape_err(op, f"n_dims={n_dims} must be even and <= ne0={a.ne[0]}")
     if pos.ne[0] != a.ne[2] or pos.nelements != pos.ne[0]:
         raise _shape_err(op, f"positions ne={list(pos.ne)} must be a vector of ne2={a.ne[2]}")
+    ff = src[2] if len(src) > 2 else None
+    if ff is not None:
+        _need_type(op, ff, {T.F32})
+        if ff.nelements != ff.ne[0] or ff.ne[0] < n_dims // 2 or not ff.is_contiguous():
+            raise _shape_err(op, f"freq_factors {_name(ff)} ne={list(ff.ne)} must be a contiguous vector "
+                                 f"of at least n_dims/2 = {n_dims // 2} values")  # fmt: skip
     return Result(a.type, a.ne)
 
 

@@ -444,7 +444,9 @@ static AP_AVX2 void quant_a32(const float *x, int64_t K, int8_t *q, float *d, fl
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float amax = _mm_cvtss_f32(m4);
-        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* the scale rounded to f16 as ggml's quantize_row_q8_0 stores it (block_q8_0.d); the
+         * elements are scaled by the exact 127 / amax, as ggml does */
+        const float dd = _cvtsh_ss(_cvtss_sh(amax / 127.0f, 0)), id = amax > 0.0f ? 127.0f / amax : 0.0f;
         const __m256 mul = _mm256_set1_ps(id);
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul));
         __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));

@@ -298,7 +298,8 @@ _ROPE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (params, positio
 
 
 def _rope(t: Tensor, view: View) -> Step:
-    a, pos = t.src
+    a, pos = t.src[:2]
+    ffv = view(t.src[2]) if len(t.src) > 2 else None  # freq factors: read at compute time
     (n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
      beta_fast, beta_slow) = rope_params(t)  # fmt: skip
     av, pv, dv = view(a), view(pos), view(t)
@@ -319,11 +320,13 @@ def _rope(t: Tensor, view: View) -> Step:
 
     def angles() -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [tokens, half], packed float32, times mscale."""
-        key = (params, pv.tobytes())  # a step's Q and K ropes, every layer: the same angles
+        ff = None if ffv is None else ffv.reshape(-1)[:half].astype(np.float64)
+        # a step's Q and K ropes, every layer: the same angles
+        key = (params, pv.tobytes(), None if ff is None else ff.tobytes())
         cs = _ROPE_CACHE.get(key)
         if cs is None:
             p = pv.reshape(-1).astype(np.float64)  # one per token (ne2)
-            te = p[:, None] * inv_freq[None, :]
+            te = p[:, None] * (inv_freq if ff is None else inv_freq / ff)[None, :]
             ti = freq_scale * te
             th = ti * (1 - ramp) + te * ramp
             cs = ((np.cos(th) * mscale).astype(F32), (np.sin(th) * mscale).astype(F32))

@@ -43,7 +43,8 @@ from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import ConfigError, DeviceError, GGUFError, OutOfRangeError, ShapeError, TokenizerError
 from accelplane.interface import DeviceType
-from accelplane.models.llama import WeightSpec
+from accelplane.models.decoder import WeightSpec, copy_weight_bytes, set_weight_values
+from accelplane.models.hparams import Keys, common_hparams
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Device
 from accelplane.sched import Scheduler
@@ -82,7 +83,7 @@ ACTIVATIONS = ("gelu", "gelu_erf")  # llama.cpp's bert FFN (tanh form); the exac
 
 @dataclass(frozen=True)
 class BertConfig:
-    """Hyper-parameters, named as :class:`~accelplane.models.llama.LlamaConfig`'s (``n_ctx_train``
+    """Hyper-parameters, named as :class:`~accelplane.models.decoder.DecoderConfig`'s (``n_ctx_train``
     = ``bert.context_length`` = rows of the position embeddings)."""
 
     n_layers: int = 6
@@ -399,41 +400,37 @@ def config_from_gguf(f: GGUFFile) -> BertConfig:
     (required, as llama.cpp requires it), the vocabulary from ``token_embd.weight``. GGUFError
     naming the file and the key otherwise, and for what accelplane's bert does not do: grouped
     KV heads, head sizes other than embedding_length / head_count, RANK pooling."""
-    from accelplane.models.gguf import meta_value as mv
-
     where = f"{f.path}: " if f.path else ""
     md = f.metadata
     try:
-        arch = mv(md, "general.architecture", str)
+        arch = Keys(md, ARCH).get("general.architecture", str)
         if arch != ARCH:
             raise GGUFError(f"architecture {arch!r} is not bert")
-        a = ARCH + "."
-        d_model = mv(md, a + "embedding_length", int)
-        n_head = mv(md, a + "attention.head_count", int)
-        n_kv = mv(md, a + "attention.head_count_kv", int, n_head)
-        if n_kv != n_head:
-            raise GGUFError(f"{a}attention.head_count_kv = {n_kv} differs from head_count = {n_head} "
-                            "(grouped KV heads), which accelplane's bert does not support")  # fmt: skip
-        if n_head > 0 and d_model % n_head == 0:
-            for k in ("key_length", "value_length"):
-                v = mv(md, f"{a}attention.{k}", int, d_model // n_head)
-                if v != d_model // n_head:
-                    raise GGUFError(f"{a}attention.{k} = {v} differs from embedding_length / "
-                                    f"head_count = {d_model // n_head}, which accelplane's bert does not "
-                                    "support")  # fmt: skip
-        n_types = mv(md, "tokenizer.ggml.token_type_count", int, 0)
+        emb = f.tensors.get("token_embd.weight")
+        if emb is None or len(emb.shape) != 2:
+            raise GGUFError("missing tensor 'token_embd.weight' (2 dims), whose rows are the vocabulary")
+        hp = common_hparams(md, f.tensors)  # the keys bert shares with the decoders, as llama.cpp reads them
+        k, a = Keys(md, ARCH), ARCH + "."
+        if hp.n_head_kv != hp.n_head:
+            raise GGUFError(f"{a}attention.head_count_kv = {hp.n_head_kv} differs from head_count = "
+                            f"{hp.n_head} (grouped KV heads), which accelplane's bert does not "
+                            "support")  # fmt: skip
+        hd = hp.n_embd // hp.n_head
+        if hp.n_embd % hp.n_head == 0:
+            for key, v in (("key_length", hp.n_embd_head_k), ("value_length", hp.n_embd_head_v)):
+                if v != hd:
+                    raise GGUFError(f"{a}attention.{key} = {v} differs from embedding_length / head_count = "
+                                    f"{hd}, which accelplane's bert does not support")  # fmt: skip
+        n_types = k.get("tokenizer.ggml.token_type_count", int, 0)
         if n_types == 0:
             raise GGUFError("missing metadata key 'tokenizer.ggml.token_type_count' (llama.cpp's bert needs "
                             "the token type count; convert_hf_to_gguf.py writes it)")  # fmt: skip
-        pooling = mv(md, a + "pooling_type", int, int(Pooling.NONE))
+        pooling = k.arch("pooling_type", int, int(Pooling.NONE))
         if pooling not in (0, 1, 2, 3):
             what = "RANK (a classifier head)" if pooling == Pooling.RANK else "unknown"
             raise GGUFError(f"{a}pooling_type = {pooling} is {what}; accelplane's bert pools by none (0), "
                             f"mean (1), cls (2) or last (3){md[a + 'pooling_type'].at()}")  # fmt: skip
-        emb = f.tensors.get("token_embd.weight")
-        if emb is None or len(emb.shape) != 2:
-            raise GGUFError("missing tensor 'token_embd.weight' (2 dims), whose rows are the vocabulary")
-        n_layers = mv(md, a + "block_count", int)
+        n_layers = hp.n_layer
         if n_layers > len(f.tensors):  # a corrupted block count: do not list its weights
             i = next(i for i in range(len(f.tensors) + 1) if f"blk.{i}.attn_q.weight" not in f.tensors)
             raise GGUFError(f"missing tensor 'blk.{i}.attn_q.weight' required by the bert.* metadata "
@@ -443,10 +440,9 @@ def config_from_gguf(f: GGUFFile) -> BertConfig:
             raise GGUFError(f"tokenizer.ggml.tokens has {len(toks.value)} tokens, token_embd.weight "
                             f"{emb.shape[0]} rows{toks.at()}")  # fmt: skip
         return BertConfig(
-            n_layers=n_layers, d_model=d_model, n_head=n_head,
-            d_ff=mv(md, a + "feed_forward_length", int), n_vocab=emb.shape[0],
-            n_ctx_train=mv(md, a + "context_length", int),
-            eps=mv(md, a + "attention.layer_norm_epsilon", float), n_token_types=n_types,
+            n_layers=n_layers, d_model=hp.n_embd, n_head=hp.n_head, d_ff=hp.n_ff, n_vocab=emb.shape[0],
+            n_ctx_train=hp.n_ctx_train, eps=k.arch("attention.layer_norm_epsilon", float),
+            n_token_types=n_types,
             pooling=Pooling(pooling), act="gelu",
         )  # fmt: skip
     except (ShapeError, ConfigError) as e:
@@ -459,9 +455,9 @@ def check_gguf_tensors(f: GGUFFile, cfg: BertConfig) -> None:
     """Every tensor ``cfg`` needs is present (the optional ones may be absent) with its shape,
     embeddings other than the token embedding, norms and biases of a float type, and no tensor
     a bert model does not have; GGUFError naming it otherwise."""
-    from accelplane.models.gguf import check_tensors
+    from accelplane.models.gguf import check_weights
 
-    check_tensors(f, cfg.weights(), ARCH, optional=cfg.optional(), ignored=CLASSIFIER_TENSORS,
+    check_weights(f, cfg.weights(), ARCH, optional=cfg.optional(), ignored=CLASSIFIER_TENSORS,
                   must_be_float=lambda s: not s.matrix)  # fmt: skip
 
 
@@ -675,23 +671,12 @@ class BertModel:
 
     def load_weights(self, source: Callable[[str], np.ndarray],
                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """Copy every weight's raw bytes (``source(name)``: uint8, the GGUF block layout of its
-        type) into its device buffer. ``progress(nbytes)`` after each tensor."""
-        for name, t in self.w.items():
-            raw = np.asarray(source(name)).reshape(-1).view(np.uint8)
-            if raw.size != t.nbytes:
-                raise ShapeError(f"weight {name}: {raw.size} bytes given, {t.type.name} {t.shape} takes "
-                                 f"{t.nbytes}")  # fmt: skip
-            t.set_bytes(raw)
-            if progress is not None:
-                progress(t.nbytes)
+        """:func:`copy_weight_bytes` into this model's weights."""
+        copy_weight_bytes(self.w, source, progress)
 
     def set_weights(self, values: Mapping[str, np.ndarray]) -> None:
-        """Set weights from float arrays (quantized to each tensor's type on the way in)."""
-        for name, v in values.items():
-            if name not in self.w:
-                raise ShapeError(f"set_weights: the model has no weight {name!r}")
-            self.w[name].set(v)
+        """:func:`set_weight_values` of this model's weights."""
+        set_weight_values(self.w, values)
 
     def _step(self, batch: int, seq: int, pooling: Pooling) -> _Step:
         key = (batch, seq, pooling)

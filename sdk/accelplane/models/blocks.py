@@ -155,13 +155,13 @@ class QKVBlock:
 
 def qkv_block(ctx: Context, wtype: GGMLType, k: int, hd: int, n_head: int, n_kv_head: int, n_ctx: int,
               cache_type: GGMLType = GGMLType.F16, v_rows: bool = True, freq_base: float = 5e5) -> QKVBlock:
-    """The llama decode's attention input for one token, built by models.llama's own
+    """The llama decode's attention input for one token, built by models.decoder's own
     rope_into_cache: one product by the merged Q/K/V weights, Q roped (normal mode), K roped and
     SET_ROWS into the K cache at the position, V set into the transposed V cache, either by one
     slot index per value (``v_rows``, the single-device layout) or per channel at the position
     (the split layout)."""
     from accelplane.core.ops import ROPE_TYPE_NORMAL
-    from accelplane.models.llama import rope_into_cache
+    from accelplane.models.decoder import rope_into_cache
 
     nq, nk = hd * n_head, hd * n_kv_head
     w = ctx.new_tensor_ne(wtype, k, nq + 2 * nk, name="w_qkv")

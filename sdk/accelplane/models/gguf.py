@@ -1,5 +1,5 @@
-"""GGUF files through the ``gguf`` package: reading (memory-mapped), writing, llama metadata,
-and a maker of synthetic llama models so no download is needed.
+"""GGUF files through the ``gguf`` package: reading (memory-mapped), writing, model metadata,
+and a maker of synthetic models of every supported architecture, so no download is needed.
 
 Reading: :func:`read_gguf` opens the file with ``gguf.GGUFReader`` (an ``np.memmap``: tensor
 data is paged in when copied to a device, never read up front) and checks everything but the
@@ -13,19 +13,23 @@ Writing: :func:`write_gguf` streams tensors one at a time (header, metadata, ten
 then each tensor's bytes), so a model larger than memory can be written. Saving what
 :func:`read_gguf` returned gives the same bytes (:func:`save_gguf`).
 
-Metadata uses llama.cpp's keys (``general.architecture = "llama"``, ``llama.block_count``,
-``llama.embedding_length``, ``llama.attention.head_count_kv``, ...). accelplane adds
-``accelplane.rope.neox`` (bool; llama.cpp always uses normal rope for llama and ignores it).
+Metadata uses llama.cpp's keys (``general.architecture``, ``{arch}.block_count``,
+``{arch}.embedding_length``, ``{arch}.attention.head_count_kv``, ...);
+:func:`accelplane.models.archs.config_from_metadata` reads them per architecture.
 
-Synthetic weights (:func:`make_model`): deterministic per (seed, tensor name); matrices are
-N(0, 1/K) (K = row length), the token embedding N(0, 1), norms 1 + N(0, 0.01). F32/F16/BF16,
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS quantize those values with
-:func:`accelplane.core.types.quantize` (byte-exact with ggml), in row chunks so big matrices
-stay fast. Q4_K and Q6_K blocks are written directly as
-random *valid* blocks of the same spread (random quants, positive random sub-block scales,
-a d/dmin pair that centres the values), because their reference quantizers' scale searches
-are too slow for a ~1B model in numpy; the values are still well-formed K-quant data that
-every backend must decode the same way.
+Synthetic models (:func:`make_model`) are written the way llama.cpp's converter would write a
+Hugging Face checkpoint of the architecture: its metadata keys, and its changes to the
+checkpoint's tensors (llama's Q/K row permutation, gemma's ``1 + w`` norms, Llama 3's computed
+``rope_freqs``; see :mod:`accelplane.models.architecture`; bert: :mod:`accelplane.models.bert`).
+The checkpoint's values are deterministic per (seed, tensor name): matrices N(0, 1/K) (K = row
+length), the token, position and token-type embeddings N(0, 1), norms 1 + N(0, 0.1) (gemma: the
+stored 1 + w), biases N(0, 0.1). F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K,
+IQ4_NL and IQ4_XS quantize those values with :func:`accelplane.core.types.quantize` (byte-exact
+with ggml), in row chunks so big matrices stay fast. Q4_K and Q6_K blocks are written directly
+as random *valid* blocks of the same spread (random quants, positive random sub-block scales, a
+d/dmin pair that centres the values), because their reference quantizers' scale searches are
+too slow for a ~1B model in numpy; the values are still well-formed K-quant data that every
+backend must decode the same way.
 """
 
 from __future__ import annotations
@@ -44,14 +48,15 @@ import numpy as np
 
 from accelplane.core.types import GGMLType, parse_type, quantize, row_size
 from accelplane.errors import GGUFError, ShapeError
-from accelplane.models.llama import LlamaConfig, WeightSpec
+from accelplane.models.architecture import Architecture, RopeScaling
+from accelplane.models.archs import ARCHITECTURES, architecture, config_from_metadata
+from accelplane.models.decoder import DecoderConfig, WeightSpec
 
 T = GGMLType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
                    T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)  # fmt: skip
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
-ROPE_NEOX_KEY = "accelplane.rope.neox"
 SEED_KEY = "accelplane.synthetic.seed"
 
 
@@ -130,32 +135,40 @@ class GGUFFile:
         mv = self.metadata.get(key)
         return default if mv is None else mv.value
 
-    def llama_config(self) -> LlamaConfig:
-        """The llama hyper-parameters (GGUFError naming the file and the key when one is
-        missing or bad)."""
+    def model_config(self) -> DecoderConfig:
+        """The model's hyper-parameters, read as llama.cpp reads its architecture (GGUFError
+        naming the file and the key when one is missing or bad, or the architecture is not
+        supported)."""
         try:
             return config_from_metadata(self.metadata, self.tensors)
         except GGUFError as e:
             raise GGUFError(f"{self.path}: {e}" if self.path else str(e)) from None
 
-    def check_llama_tensors(self, cfg: LlamaConfig) -> None:
+    def check_tensors(self, cfg: DecoderConfig) -> None:
         """Every tensor the config needs is present with the right shape and a usable type,
-        and there is no tensor a llama model does not have; GGUFError naming it otherwise."""
+        and there is no tensor the model does not have; GGUFError naming it otherwise."""
         where = f"{self.path}: " if self.path else ""
+        meta = f"the {cfg.arch}.* metadata"
         if cfg.n_layers > len(self.tensors):  # a corrupted block count: do not list its weights
             have = self.tensors
             i = next(i for i in range(len(have) + 1) if f"blk.{i}.attn_norm.weight" not in have)
-            raise GGUFError(f"{where}missing tensor 'blk.{i}.attn_norm.weight' required by the llama.* "
-                            f"metadata (llama.block_count = {cfg.n_layers})")  # fmt: skip
-        check_tensors(self, cfg.weights(), "llama", must_be_float=lambda s: "norm" in s.name)
+            raise GGUFError(f"{where}missing tensor 'blk.{i}.attn_norm.weight' required by {meta} "
+                            f"({cfg.arch}.block_count = {cfg.n_layers})")  # fmt: skip
+        check_weights(self, cfg.weights(), cfg.arch,
+                      must_be_float=lambda s: "norm" in s.name or s.name.endswith(".bias"))  # fmt: skip
+        t = self.tensors.get("rope_freqs.weight")
+        if t is not None and t.type != T.F32:
+            raise GGUFError(f"{where}tensor 'rope_freqs.weight' has type {t.type.name}; rope factors must be "
+                            f"F32 (as ggml_rope_ext takes them){t.at()}")  # fmt: skip
 
 
-def check_tensors(f: GGUFFile, specs: Iterable[WeightSpec], arch: str, *,
+def check_weights(f: GGUFFile, specs: Iterable[WeightSpec], arch: str, *,
                   optional: frozenset[str] = frozenset(), ignored: frozenset[str] = frozenset(),
                   must_be_float: Callable[[WeightSpec], bool] = lambda s: False) -> None:  # fmt: skip
     """``f`` holds a tensor of each spec's shape (those named in ``optional`` may be absent), of a
     float type where ``must_be_float(spec)``, and no other tensor (but those named in
-    ``ignored``); GGUFError naming the file, the tensor and its offset otherwise."""
+    ``ignored``); GGUFError naming the file, the tensor and its offset otherwise. The tensor
+    check of every architecture (:meth:`GGUFFile.check_tensors`, bert's)."""
     where = f"{f.path}: " if f.path else ""
     specs = {s.name: s for s in specs}
     for name, t in f.tensors.items():
@@ -173,7 +186,7 @@ def check_tensors(f: GGUFFile, specs: Iterable[WeightSpec], arch: str, *,
             raise GGUFError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, but the {arch}.* "
                             f"metadata needs {tuple(s.shape)}{t.at()}")  # fmt: skip
         if must_be_float(s) and not t.type.is_float:
-            kind = "norm tensor" if "norm" in name else "tensor"
+            kind = "norm tensor" if "norm" in name else "bias tensor" if name.endswith(".bias") else "tensor"
             raise GGUFError(f"{where}{kind} {name!r} has type {t.type.name}; it must be "
                             f"F32, F16 or BF16{t.at()}")  # fmt: skip
 
@@ -461,107 +474,24 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(p, md, tensors, int(r.alignment), r)
 
 
-# --- llama metadata ------------------------------------------------------------------------------
-_MISSING = object()
-
-
-def _meta(md: Mapping[str, MetaValue], key: str, kind: type, default: Any = _MISSING) -> Any:
-    mv = md.get(key)
-    if mv is None:
-        if default is _MISSING:
-            raise GGUFError(f"missing metadata key {key!r}")
-        return default
-    v = mv.value
-    if kind is int:
-        ok = isinstance(v, int | np.integer) and not isinstance(v, bool)
-    elif kind is float:
-        ok = isinstance(v, int | float | np.number) and not isinstance(v, bool)
-    elif kind is bool:
-        ok = isinstance(v, bool | np.bool_)
-    else:
-        ok = isinstance(v, str)
-    if not ok:
-        want = {int: "an integer", float: "a number", bool: "a bool"}.get(kind, "a string")
-        raise GGUFError(f"metadata key {key!r} must be {want}, got {_shown(v)}{mv.at()}")
-    return kind(v)
-
-
-meta_value = _meta  # the public name: the other architectures' modules read their keys with it
-
-
-def config_from_metadata(md: Mapping[str, MetaValue],
-                         tensors: Mapping[str, GGUFTensor] | None = None) -> LlamaConfig:  # fmt: skip
-    """LlamaConfig from llama.cpp's keys. ``tensors`` supplies the vocabulary size when
-    ``llama.vocab_size`` is absent (as llama.cpp does) and whether the output head is tied."""
-    arch = _meta(md, "general.architecture", str)
-    if arch == "bert":
-        raise GGUFError("architecture 'bert' is an embedding model: run it with accelplane embed")
-    if arch != "llama":
-        raise GGUFError(f"architecture {arch!r} is not supported (accelplane models: llama, bert)")
-    a = arch + "."
-    d_model = _meta(md, a + "embedding_length", int)
-    n_head = _meta(md, a + "attention.head_count", int)
-    tensors = tensors or {}
-    emb = tensors.get("token_embd.weight")
-    n_vocab = _meta(md, a + "vocab_size", int, emb.shape[0] if emb is not None else _MISSING)
-    if n_head > 0 and d_model % n_head == 0:
-        hd = d_model // n_head
-        kl = _meta(md, a + "attention.key_length", int, hd)
-        vl = _meta(md, a + "attention.value_length", int, hd)
-        if kl != hd or vl != hd:
-            raise GGUFError(
-                f"attention.key_length/value_length {kl}/{vl} differ from embedding_length"
-                f" / head_count = {hd}, which accelplane's llama does not support"
-            )
-    try:
-        return LlamaConfig(
-            n_vocab=n_vocab,
-            d_model=d_model,
-            n_layers=_meta(md, a + "block_count", int),
-            n_head=n_head,
-            n_head_kv=_meta(md, a + "attention.head_count_kv", int, n_head),
-            d_ff=_meta(md, a + "feed_forward_length", int),
-            n_ctx_train=_meta(md, a + "context_length", int),
-            rms_eps=_meta(md, a + "attention.layer_norm_rms_epsilon", float, 1e-5),
-            rope_base=_meta(md, a + "rope.freq_base", float, 10000.0),
-            rope_neox=_meta(md, ROPE_NEOX_KEY, bool, False),
-            n_rot=_meta(md, a + "rope.dimension_count", int, 0),
-            n_expert=_meta(md, a + "expert_count", int, 0),
-            n_expert_used=_meta(md, a + "expert_used_count", int, 0),
-            tied_output=bool(tensors) and "output.weight" not in tensors,
-        )
-    except ShapeError as e:
-        raise GGUFError(f"bad llama metadata: {e}") from None
-
-
-def llama_metadata(cfg: LlamaConfig, name: str = "", file_type: int | None = None,
-                   tokenizer: bool = True) -> dict[str, MetaValue]:  # fmt: skip
-    """llama.cpp's metadata for ``cfg`` (value types as llama.cpp's converter writes them).
-    ``tokenizer``: add a minimal SentencePiece-style vocabulary (<unk>, <s>, </s>, the 256
-    byte tokens, then placeholders) when the vocabulary is large enough for it."""
+# --- metadata ----------------------------------------------------------------------------------
+def model_metadata(cfg: DecoderConfig, scaling: RopeScaling | None = None, name: str = "",
+                   file_type: int | None = None, tokenizer: bool = True) -> dict[str, MetaValue]:  # fmt: skip
+    """The metadata llama.cpp's converter writes for a checkpoint of ``cfg``'s architecture
+    (its keys and value types; ``scaling``: the checkpoint's rope scaling). ``tokenizer``: add a
+    minimal SentencePiece-style vocabulary (<unk>, <s>, </s>, the 256 byte tokens, then
+    placeholders) when the vocabulary is large enough for it."""
     gguf = _gguf()
     V = gguf.GGUFValueType
-    a = "llama."
-    md: dict[str, MetaValue] = {"general.architecture": MetaValue("llama", V.STRING)}
+    a = cfg.arch + "."
+    md: dict[str, MetaValue] = {"general.architecture": MetaValue(cfg.arch, V.STRING)}
     if name:
         md["general.name"] = MetaValue(name, V.STRING)
-    u32 = {
-        "context_length": cfg.n_ctx_train, "embedding_length": cfg.d_model,
-        "block_count": cfg.n_layers, "feed_forward_length": cfg.d_ff,
-        "attention.head_count": cfg.n_head, "attention.head_count_kv": cfg.n_head_kv,
-        "rope.dimension_count": cfg.rot, "vocab_size": cfg.n_vocab,
-    }  # fmt: skip
-    for k, v in u32.items():
-        md[a + k] = MetaValue(int(v), V.UINT32)
-    md[a + "rope.freq_base"] = MetaValue(float(np.float32(cfg.rope_base)), V.FLOAT32)
-    md[a + "attention.layer_norm_rms_epsilon"] = MetaValue(float(np.float32(cfg.rms_eps)), V.FLOAT32)
-    if cfg.is_moe:
-        md[a + "expert_count"] = MetaValue(cfg.n_expert, V.UINT32)
-        md[a + "expert_used_count"] = MetaValue(cfg.n_expert_used, V.UINT32)
+    for k, (v, vt) in architecture(cfg.arch).metadata(cfg, scaling or RopeScaling()).items():
+        md[a + k] = MetaValue(float(np.float32(v)) if vt == "FLOAT32" else v, V[vt])
     if file_type is not None:
         md["general.file_type"] = MetaValue(int(file_type), V.UINT32)
         md["general.quantization_version"] = MetaValue(2, V.UINT32)
-    md[ROPE_NEOX_KEY] = MetaValue(bool(cfg.rope_neox), V.BOOL)
     if tokenizer and cfg.n_vocab >= 3 + 256:
         toks = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
         toks += [f"\u2581t{i}" for i in range(len(toks), cfg.n_vocab)]
@@ -697,38 +627,51 @@ def _kquant_rows(ty: GGMLType, rows: int, ne0: int, std: float, rng: np.random.G
     return blk.reshape(rows, -1)
 
 
-def synthetic_tensor(spec: WeightSpec, ty: GGMLType, seed: int) -> np.ndarray:
-    """The synthetic weight ``spec`` as raw bytes of type ``ty`` (see the module docstring)."""
-    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+def synthetic_tensor(spec: WeightSpec, ty: GGMLType, seed: int, cfg: DecoderConfig | None = None,
+                     scaling: RopeScaling | None = None) -> np.ndarray:  # fmt: skip
+    """The synthetic weight ``spec`` of a model of ``cfg`` (default: a checkpoint's value as it
+    is, no converter changes: bert's weights) as raw bytes of type ``ty`` (see the module
+    docstring)."""
+    arch = architecture(cfg.arch) if cfg is not None else Architecture()
     ne0 = spec.shape[-1]
     rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
-    if spec.name.endswith(".bias"):
-        mean, std = 0.0, 0.1
-    elif "norm" in spec.name:
-        mean, std = 1.0, 0.1
-    elif spec.name in ("token_embd.weight", "position_embd.weight", "token_types.weight"):
-        mean, std = 0.0, 1.0
-    else:
-        mean, std = 0.0, 1.0 / np.sqrt(ne0)
+    if cfg is not None:
+        vals = arch.computed(spec, cfg, scaling or RopeScaling())
+        if vals is not None:
+            return quantize(ty, np.asarray(vals, np.float32).reshape(rows, ne0)).reshape(rows, -1)
+    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+    mean, std = arch.hf_spread(spec)
+    mean += arch.norm_shift(spec.name)
+    order = arch.row_order(spec, cfg) if cfg is not None and ty not in (T.Q4_K, T.Q6_K) else None
     out = np.empty((rows, row_size(ty, ne0)), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // ne0)
+    full = np.empty((rows, ne0), np.float32) if order is not None else None
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         if ty in (T.Q4_K, T.Q6_K):
             out[r0:r1] = _kquant_rows(ty, r1 - r0, ne0, std, rng)
+            continue
+        x = rng.standard_normal((r1 - r0, ne0), dtype=np.float32)
+        x *= np.float32(std)
+        x += np.float32(mean)
+        if full is not None:  # the converter reorders rows: quantize once all are drawn
+            full[r0:r1] = x
         else:
-            x = rng.standard_normal((r1 - r0, ne0), dtype=np.float32)
-            x *= np.float32(std)
-            x += np.float32(mean)
             out[r0:r1] = quantize(ty, x)
+    if full is not None:
+        full = full[order]
+        for r0 in range(0, rows, step):
+            out[r0 : r0 + step] = quantize(ty, full[r0 : r0 + step])
     return out
 
 
 def weight_sources(specs: Iterable[WeightSpec], wtype: GGMLType, seed: int,
-                   types: Mapping[str, GGMLType] | None = None) -> list[TensorSource]:  # fmt: skip
-    """One lazily produced :func:`synthetic_tensor` per spec: matrices of ``types[name]``, else
-    ``wtype``; the other weights F32. ShapeError for a type that cannot be written or rows that
-    are not whole blocks of it."""
+                   types: Mapping[str, GGMLType] | None = None, cfg: DecoderConfig | None = None,
+                   scaling: RopeScaling | None = None) -> list[TensorSource]:  # fmt: skip
+    """One lazily produced :func:`synthetic_tensor` per spec (of a model of ``cfg`` with rope
+    ``scaling``, as synthetic_tensor takes them): matrices of ``types[name]``, else ``wtype``; the
+    other weights F32. ShapeError for a type that cannot be written or rows that are not whole
+    blocks of it."""
     srcs = []
     for spec in specs:
         ty = (types or {}).get(spec.name, wtype) if spec.matrix else T.F32
@@ -737,7 +680,8 @@ def weight_sources(specs: Iterable[WeightSpec], wtype: GGMLType, seed: int,
         if spec.shape[-1] % ty.blck_size:
             raise ShapeError(f"{spec.name}: rows of {spec.shape[-1]} elements are not a multiple of "
                              f"{ty.name}'s block size {ty.blck_size}")  # fmt: skip
-        make = functools.partial(synthetic_tensor, spec, ty, seed)  # picklable: worker processes
+        # picklable: worker processes make them
+        make = functools.partial(synthetic_tensor, spec, ty, seed, cfg, scaling)
         srcs.append(TensorSource(spec.name, ty, spec.shape, make))
     return srcs
 
@@ -751,8 +695,9 @@ def _bert_sources(**kw: Any):
 def synthetic_sources(*, arch: str = "llama",
                       **kw: Any) -> tuple[Any, dict[str, MetaValue], list[TensorSource]]:  # fmt: skip
     """The config, metadata and (lazily produced) tensors of a synthetic model of ``arch``
-    (:data:`SYNTHETIC_ARCHS`); keywords as that architecture's maker takes them (llama's:
-    :func:`make_model`; bert's: :func:`accelplane.models.bert.synthetic_sources`)."""
+    (:data:`SYNTHETIC_ARCHS`); keywords as that architecture's maker takes them (the decoders':
+    :func:`make_model`; bert's: :func:`accelplane.models.bert.synthetic_sources`). GGUFError for
+    an architecture without one, ShapeError for a keyword it does not take."""
     maker = SYNTHETIC_ARCHS.get(arch)
     if maker is None:
         raise GGUFError(f"no synthetic {arch!r} model: architectures {', '.join(SYNTHETIC_ARCHS)}")
@@ -762,8 +707,9 @@ def synthetic_sources(*, arch: str = "llama",
         raise ShapeError(f"synthetic {arch} model: {e}") from None
 
 
-def llama_sources(
+def decoder_sources(
     *,
+    arch: str = "llama",
     n_layers: int = 2,
     d_model: int = 64,
     n_head: int = 4,
@@ -776,32 +722,55 @@ def llama_sources(
     output_type: GGMLType | str | None = None,
     n_expert: int = 0,
     n_expert_used: int = 0,
-    rope_neox: bool = False,
-    rope_base: float = 10000.0,
-    rms_eps: float = 1e-5,
+    head_dim: int = 0,
+    rope_base: float | None = None,
+    rope_scaling: str = "none",
+    rope_factor: float = 8.0,
+    rms_eps: float | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
+    tied: bool = False,
     seed: int = 0,
     name: str = "",
-) -> tuple[LlamaConfig, dict[str, MetaValue], list[TensorSource]]:
-    """The config, metadata and (lazily produced) tensors of a synthetic llama; see
+) -> tuple[DecoderConfig, dict[str, MetaValue], list[TensorSource]]:
+    """The config, metadata and (lazily produced) tensors of a synthetic decoder of ``arch``; see
     :func:`make_model` for the arguments."""
-    cfg = LlamaConfig(
-        n_vocab=n_vocab, d_model=d_model, n_layers=n_layers, n_head=n_head,
-        n_head_kv=n_head_kv or n_head, d_ff=d_ff or 4 * d_model, n_ctx_train=n_ctx,
-        rms_eps=rms_eps, rope_base=rope_base, rope_neox=rope_neox, n_expert=n_expert,
-        n_expert_used=n_expert_used,
-    )  # fmt: skip
+    a = architecture(arch)
+    # Llama 3's original context: the model's context over the factor (Llama 3.1: 8192 of 131072)
+    orig = max(1, int(n_ctx / rope_factor))
+    scaling = RopeScaling(rope_scaling, rope_factor, original_max_position_embeddings=orig)
+    extra: dict[str, Any] = {}
+    if sliding_window or logit_softcap:
+        if arch != "gemma3":
+            raise ShapeError(f"sliding_window and logit_softcap are gemma3's; {arch} has neither")
+        extra = dict(n_swa=sliding_window, logit_softcap=logit_softcap)
+    if rope_scaling == "llama3" and not a.rope_freqs:
+        raise ShapeError(f"llama3 rope scaling (rope_freqs) is llama's; {arch} does not read it")
+    base = a.default_rope_base if rope_base is None else rope_base
+    try:
+        cfg = a.synthetic_config(
+            n_vocab=n_vocab, d_model=d_model, n_layers=n_layers, n_head=n_head,
+            n_head_kv=n_head_kv or n_head, d_ff=d_ff or 4 * d_model, n_ctx_train=n_ctx,
+            rms_eps=a.default_rms_eps if rms_eps is None else rms_eps, rope_base=base,
+            rope_scale=1.0 / rope_factor if rope_scaling == "linear" else 1.0,
+            rope_freqs=rope_scaling == "llama3", n_expert=n_expert, n_expert_used=n_expert_used,
+            n_embd_head=head_dim, tied_output=tied, **extra,
+        )  # fmt: skip
+    except TypeError as e:  # a switch the architecture sets itself
+        raise ShapeError(f"{arch}: {e}") from None
     wt = parse_type(wtype)
     types = {"token_embd.weight": parse_type(embd_type or wt), "output.weight": parse_type(output_type or wt)}
-    srcs = weight_sources(cfg.weights(), wt, seed, types)
-    md = llama_metadata(cfg, name or f"synthetic-llama-{wt.name.lower()}", FILE_TYPES.get(wt))
+    srcs = weight_sources(cfg.weights(), wt, seed, types, cfg, scaling)
+    md = model_metadata(cfg, scaling, name or f"synthetic-{arch}-{wt.name.lower()}", FILE_TYPES.get(wt))
     md[SEED_KEY] = MetaValue(int(seed), _gguf().GGUFValueType.UINT32)
     # the config as a reader of the file sees it (float32 epsilon, explicit n_rot)
-    return config_from_metadata(md), md, srcs
+    return config_from_metadata(md, {s.name: s for s in srcs}), md, srcs
 
 
-# general.architecture -> its synthetic model maker (config, metadata, sources)
+# general.architecture -> its synthetic model maker (config, metadata, sources): every decoder
+# architecture (accelplane.models.archs), then bert
 SYNTHETIC_ARCHS: dict[str, Callable[..., tuple[Any, dict[str, MetaValue], list[TensorSource]]]] = {
-    "llama": llama_sources,
+    **{name: functools.partial(decoder_sources, arch=name) for name in ARCHITECTURES},
     "bert": _bert_sources,
 }
 
@@ -855,19 +824,26 @@ def parallel_sources(srcs: list[TensorSource], jobs: int | None = None):
 
 
 def make_model(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None,
-               jobs: int | None = None, arch: str = "llama", **kw: Any) -> Any:  # fmt: skip
-    """Write a synthetic GGUF model of ``arch`` to ``path`` and return its config: a llama (or
-    MoE llama with ``n_expert`` > 0; a LlamaConfig), or a bert (a BertConfig; keywords as
-    :func:`accelplane.models.bert.synthetic_sources` takes them). llama's keywords:
-    ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default n_head), ``d_ff`` (default 4
-    d_model), ``n_vocab``, ``n_ctx`` (context_length), ``wtype`` (matrices; default Q8_0),
-    ``embd_type`` and ``output_type`` (token embedding and head; default wtype), ``n_expert``,
-    ``n_expert_used``, ``rope_neox``, ``rope_base``, ``rms_eps``, ``seed`` (weights are
-    deterministic in it), ``name``. Norms and the router are F32. ``progress(nbytes)`` after
-    each tensor; ``jobs``: worker processes making the weights (default: one per CPU; the file
-    is the same for any number). Raises ShapeError when a row length is not a multiple of a
-    type's block size, or a keyword is not one ``arch`` takes."""
-    cfg, md, srcs = synthetic_sources(arch=arch, **kw)
+               jobs: int | None = None, **kw: Any) -> Any:  # fmt: skip
+    """Write a synthetic GGUF model to ``path``, as llama.cpp's converter would write a checkpoint
+    of its architecture, and return its config. ``arch``: a key of :data:`SYNTHETIC_ARCHS`
+    (llama, qwen2, qwen3, gemma3: a DecoderConfig; bert: a BertConfig, keywords as
+    :func:`accelplane.models.bert.synthetic_sources` takes them; default llama). The decoders'
+    keywords: ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default n_head),
+    ``d_ff`` (default 4 d_model), ``head_dim`` (default d_model / n_head), ``n_vocab``,
+    ``n_ctx`` (context_length), ``wtype`` (matrices; default Q8_0), ``embd_type`` and
+    ``output_type`` (token embedding and head; default wtype), ``tied`` (no output.weight;
+    gemma3 always), ``n_expert``, ``n_expert_used`` (a MoE llama), ``rope_base`` and ``rms_eps``
+    (default: the architecture's usual ones), ``rope_scaling`` (none, linear: the
+    ``rope.scaling.*`` keys; llama3, llama only: the ``rope_freqs`` tensor of Llama 3's scaling
+    from an original context of n_ctx / factor) with its ``rope_factor``, ``sliding_window``
+    (gemma3: the window of five layers in six; 0 = none) and ``logit_softcap`` (gemma3),
+    ``seed`` (weights are deterministic in it), ``name``.
+    Norms, biases, rope factors and the router are F32. ``progress(nbytes)`` after each tensor;
+    ``jobs``: worker processes making the weights (default: one per CPU; the file is the same
+    for any number). Raises ShapeError when a row length is not a multiple of a type's block
+    size or an option does not apply to the architecture, GGUFError for an unknown architecture."""
+    cfg, md, srcs = synthetic_sources(**kw)
     with parallel_sources(srcs, jobs) as srcs:
         write_gguf(path, md, srcs, progress=progress)
     return cfg
@@ -877,10 +853,23 @@ def total_bytes(f: GGUFFile) -> int:
     return sum(t.nbytes for t in f.tensors.values())
 
 
+def tensor_digest(f: GGUFFile) -> str:
+    """sha256 (hex) of every tensor's name, type, shape and bytes in file order: what the model
+    computes with, whatever the metadata beside it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in f.tensors.values():
+        h.update(f"{t.name}|{t.type.name}|{t.shape}\0".encode())
+        h.update(memoryview(np.ascontiguousarray(t.data)))
+    return h.hexdigest()
+
+
 __all__ = [
     "GGUFFile", "GGUFTensor", "MetaValue", "SUPPORTED_TYPES", "TensorSource", "config_from_metadata",
-    "llama_metadata", "make_model", "parallel_sources", "read_gguf", "save_gguf", "synthetic_sources",
-    "synthetic_tensor", "check_tensors", "meta_value", "weight_sources", "llama_sources", "SYNTHETIC_ARCHS",
+    "model_metadata", "make_model", "parallel_sources", "read_gguf", "save_gguf", "synthetic_sources",
+    "synthetic_tensor", "tensor_digest", "check_weights", "weight_sources", "decoder_sources", "FILE_TYPES",
+    "SYNTHETIC_ARCHS",
     "total_bytes",
     "write_gguf",
 ]  # fmt: skip

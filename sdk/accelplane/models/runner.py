@@ -1,8 +1,8 @@
-"""Running a llama GGUF model on the devices this machine has, through the scheduler: the
-default synthetic model (made once and cached), device choice, loading with a progress bar,
-greedy generation of token ids and its teacher-forced replay, and text generation with the
-model's tokenizer and a sampler (what ``accelplane run`` and ``accelplane bench model`` are
-built on)."""
+"""Running a GGUF model of a supported architecture on the devices this machine has, through the
+scheduler: the default synthetic model (made once and cached), device choice, loading with a
+progress bar, greedy generation of token ids and its teacher-forced replay, and text generation
+with the model's tokenizer and a sampler (what ``accelplane run`` and ``accelplane bench model``
+are built on); and the synthetic models ``accelplane make-model`` writes (:data:`MAKE_ARCHS`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import numpy as np
 from accelplane.errors import ComputeError, DeviceError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.models import bert
+from accelplane.models.archs import ARCHITECTURES
+from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import (
     GGUFFile,
     parallel_sources,
@@ -25,7 +27,6 @@ from accelplane.models.gguf import (
     total_bytes,
     write_gguf,
 )
-from accelplane.models.llama import LlamaModel
 from accelplane.models.sampling import Sampler
 from accelplane.models.tokenizer import Tokenizer
 from accelplane.runtime.backend import Device
@@ -36,7 +37,7 @@ from accelplane.runtime.progress import Bar
 # anywhere, big enough that the matrix products dominate (7.3M parameters, 7.4 MiB in Q8_0)
 DEFAULT_MODEL = dict(n_layers=4, d_model=256, n_head=8, n_head_kv=4, d_ff=768, n_vocab=8192,
                      n_ctx=2048, wtype="q8_0", seed=0)  # fmt: skip
-GENERATOR_VERSION = 1  # bump when the synthetic weights change, so cached files are remade
+GENERATOR_VERSION = 2  # bump when the synthetic weights change, so cached files are remade
 # `accelplane make-model --preset`; 1b has TinyLlama-1.1B's shapes (the benchmark model), 8b
 # Llama-3-8B's (the multi-GPU benchmark model)
 PRESETS = {
@@ -47,11 +48,14 @@ PRESETS = {
     "8b": dict(n_layers=32, d_model=4096, n_head=32, n_head_kv=8, d_ff=14336, n_vocab=128256,
                n_ctx=8192),
 }  # fmt: skip
-# `accelplane make-model --arch`: per architecture, its presets, the default one, and the
-# synthetic_sources keywords the command line may set
+# `accelplane make-model --arch`: per architecture of gguf.SYNTHETIC_ARCHS, its presets, the
+# default one, and the make_model keywords the command line may set
+_DECODER_FLAGS = ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
+                  "n_expert_used", "head_dim", "seed", "output_type", "tied", "rope_base", "rope_scaling",
+                  "rope_factor")  # fmt: skip
 MAKE_ARCHS: dict[str, tuple[dict[str, dict], str, tuple[str, ...]]] = {
-    "llama": (PRESETS, "small", ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx",
-                                 "n_expert", "n_expert_used", "seed", "rope_neox", "output_type")),
+    **{name: (PRESETS, "small", _DECODER_FLAGS + (("sliding_window", "logit_softcap") if name == "gemma3"
+                                                   else ())) for name in ARCHITECTURES},
     "bert": (bert.MODEL_PRESETS, "mini", ("n_layers", "d_model", "n_head", "d_ff", "n_vocab", "n_ctx", "seed",
                                           "pooling")),
 }  # fmt: skip
@@ -84,13 +88,15 @@ def describe_model(f: GGUFFile) -> str:
     """One line: the model's name, architecture, shapes, parameters, bytes and types."""
     if f.get("general.architecture") == bert.ARCH:
         return bert.describe(f)
-    cfg = f.llama_config()
+    cfg = f.model_config()
     types = sorted({t.type.name.lower() for t in f.tensors.values()})
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     moe = f", {cfg.n_expert} experts ({cfg.n_expert_used} used)" if cfg.is_moe else ""
-    return (f"{f.get('general.name', f.path.name if f.path else '?')}: llama, {cfg.n_layers} layers, "
-            f"d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_head_kv} kv), d_ff {cfg.d_ff}, vocab "
-            f"{cfg.n_vocab}{moe}, {n_params / 1e6:.1f}M params, {total_bytes(f) / 2**20:.1f} MiB "
+    hd = f", head size {cfg.head_dim}" if cfg.head_dim * cfg.n_head != cfg.d_model else ""
+    swa = f", sliding window {cfg.n_swa} in {sum(cfg.swa_layers)} layers" if cfg.has_swa else ""
+    return (f"{f.get('general.name', f.path.name if f.path else '?')}: {cfg.arch}, {cfg.n_layers} layers, "
+            f"d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_head_kv} kv){hd}, d_ff {cfg.d_ff}, vocab "
+            f"{cfg.n_vocab}{moe}{swa}, {n_params / 1e6:.1f}M params, {total_bytes(f) / 2**20:.1f} MiB "
             f"({'/'.join(types)})")  # fmt: skip
 
 
@@ -116,10 +122,10 @@ def _cpu_of(reg) -> Device:
 
 
 def load(f: GGUFFile, devices: Sequence[Device], cpu: Device, split: str, n_ctx: int,
-         show: bool = True, **kw) -> LlamaModel:  # fmt: skip
-    """LlamaModel.from_gguf with a progress bar over the bytes loaded."""
+         show: bool = True, **kw) -> DecoderModel:  # fmt: skip
+    """DecoderModel.from_gguf with a progress bar over the bytes loaded."""
     with Bar("load", total_bytes(f), "MiB", 2**-20, enabled=show) as bar:
-        return LlamaModel.from_gguf(f, devices, split=split, n_ctx=n_ctx, cpu=cpu,
+        return DecoderModel.from_gguf(f, devices, split=split, n_ctx=n_ctx, cpu=cpu,
                                     progress=bar.update, **kw)  # fmt: skip
 
 
@@ -157,7 +163,7 @@ class RunResult:
     tg_s: float
 
 
-def generate(model: LlamaModel, prompt: Sequence[int], n_decode: int, keep_logits: bool,
+def generate(model: DecoderModel, prompt: Sequence[int], n_decode: int, keep_logits: bool,
              show: bool = True) -> RunResult:  # fmt: skip
     """Prefill ``prompt``, then ``n_decode`` greedy decode steps, timed."""
     model.reset()
@@ -192,7 +198,7 @@ class TextResult:
     tg_s: float
 
 
-def generate_text(model: LlamaModel, tok: Tokenizer, prompt: Sequence[int], n_max: int, sampler: Sampler,
+def generate_text(model: DecoderModel, tok: Tokenizer, prompt: Sequence[int], n_max: int, sampler: Sampler,
                   on_text: Callable[[str], None] | None = None) -> TextResult:  # fmt: skip
     """Prefill ``prompt``, then pick up to ``n_max`` tokens with ``sampler``, stopping early at an
     end-of-generation token (which is not kept). ``on_text(s)`` gets the text as it is made
@@ -234,7 +240,7 @@ def generate_text(model: LlamaModel, tok: Tokenizer, prompt: Sequence[int], n_ma
     return TextResult(list(map(int, prompt)), out, "".join(text), eog, pp, steps, tg)
 
 
-def teacher_forced(model: LlamaModel, prompt: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
+def teacher_forced(model: DecoderModel, prompt: Sequence[int], tokens: Sequence[int]) -> list[np.ndarray]:
     """Logits of the same steps as :func:`generate`, feeding ``tokens`` instead of sampling."""
     model.reset()
     out = [model.eval(prompt).logits[-1].copy()]

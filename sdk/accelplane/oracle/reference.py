@@ -16,7 +16,7 @@ and read their owner's memory when their turn comes; CPY (into ``src[1]``) and S
 view of it, sees the write.
 
 Semantics follow ggml's CPU backend (ggml-cpu/ops.cpp), computed exactly rather than in float32:
-ROPE's YaRN correction with ``theta = pos * freq_base**(-2i/n_dims)``, the tanh GELU (the
+ROPE's YaRN correction with ``theta = pos * freq_base**(-2i/n_dims) / freq_factors[i]``, the tanh GELU (the
 exact erf GELU is its own op), SOFTPLUS's threshold (x itself above 20), ROUND's halves away
 from zero, SOFT_MAX's ALiBi slopes, IM2COL's ``[N, OH, OW, IC*KH*KW]`` layout. Where ggml is
 unspecified (ARGSORT ties: std::sort is not stable; NaN breaks its ordering) the oracle sorts
@@ -417,10 +417,14 @@ def _yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
 def rope_cos_sin(
     pos: np.ndarray, n_dims: int, n_ctx_orig: int, freq_base: float, freq_scale: float,
     ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float,
+    freq_factors: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """cos/sin (times YaRN's mscale) per position and rotated pair: arrays [len(pos), n_dims/2]."""
+    """cos/sin (times YaRN's mscale) per position and rotated pair: arrays [len(pos), n_dims/2].
+    ``freq_factors`` (ggml's ``c``): each pair's frequency is divided by its factor."""
     i = np.arange(n_dims // 2, dtype=np.float64)
     theta_extrap = np.asarray(pos, np.float64)[:, None] * freq_base ** (-2.0 * i / n_dims)
+    if freq_factors is not None:
+        theta_extrap = theta_extrap / np.asarray(freq_factors, np.float64).reshape(-1)[: n_dims // 2]
     theta = freq_scale * theta_extrap
     mscale = attn_factor
     if ext_factor != 0.0:
@@ -433,10 +437,11 @@ def rope_cos_sin(
 
 
 def _rope(node, s):
-    a, pos = s
+    a, pos = s[:2]
+    ff = s[2] if len(s) > 2 else None
     n_dims, mode, n_ctx_orig, base, fscale, ext, attn, bfast, bslow = rope_params(node)
     p = pos.reshape(-1)[: a.shape[1]]
-    cos, sin = rope_cos_sin(p, n_dims, n_ctx_orig, base, fscale, ext, attn, bfast, bslow)
+    cos, sin = rope_cos_sin(p, n_dims, n_ctx_orig, base, fscale, ext, attn, bfast, bslow, ff)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # positions run along ne2
     out = a.copy()
     if mode == ROPE_TYPE_NEOX:

@@ -24,7 +24,7 @@ tensors are derived per op (:meth:`MetaDevice.describe` lists them):
 =========================================  =============================================
 elementwise / broadcast (ADD, MUL, SCALE…)  operands agree; a mirrored operand is sliced
 per row (RMS_NORM, SOFT_MAX, ARGMAX, …)      any state but AXIS_0 (a split GLU pairs halves)
-ROPE                                         heads or tokens split; positions mirrored
+ROPE                                         heads or tokens split; positions, freq factors mirrored
 VIEW, RESHAPE, PERMUTE, TRANSPOSE            the split follows the axis (heads, fused parts)
 GET_ROWS                                     a table split on AXIS_0 (embedding columns)
 SET_ROWS, CPY                                destination split on AXIS_0, 2 or 3, not its rows
@@ -973,7 +973,13 @@ class _Plan:
         p = self.mirror(p, sp)
         if a.state.axis == 2:  # tokens split: each device takes its tokens' positions
             p = self.to_state(p, SplitState(SplitAxis.AXIS_0, a.state.segments), sp)
-        return self._same(n, a.state, [a, p])  # rotation is linear: PARTIAL stays PARTIAL
+        srcs = [a, p]
+        if len(n.src) > 2:  # frequency factors: one per rotated pair, whole on every device
+            sf = n.src[2]
+            f = self._v(sf)
+            assert f is not None and sf is not None
+            srcs.append(self.mirror(f, sf))
+        return self._same(n, a.state, srcs)  # rotation is linear: PARTIAL stays PARTIAL
 
     def _mul_mat(self, n: Tensor) -> _Val:
         sa, sb = n.src[0], n.src[1]

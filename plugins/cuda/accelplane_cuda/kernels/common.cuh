@@ -269,8 +269,9 @@ __device__ __forceinline__ i64 offs4(i64 li, const i64* ne, const i64* nb) {
 // ---- activations quantized for the integer mat-vecs ------------------------------------------------
 // N rows of K floats, quantized per 32-element unit: xq int8 as two planes of 16 bytes per unit
 // (plane 0: elements 0..15 of every unit, then plane 1: elements 16..31), so lanes on
-// consecutive units read consecutive 16-byte words; then xd float [N][K/32], then xs int
-// [N][K/32] (sums of the quants). total = N * K, a multiple of 32.
+// consecutive units read consecutive 16-byte words; then xd float [N][K/32] (the scale, rounded
+// to f16 as ggml's block_q8_1 stores it; the quants use the unrounded one, as ggml's
+// quantize_q8_1), then xs int [N][K/32] (sums of the quants). total = N * K, a multiple of 32.
 // Elements e..e+3 (v) of the total into that layout at sx. Called by all 32 lanes of a warp
 // together, lanes 8i..8i+7 holding one 32-element unit (the shuffles reduce over them).
 __device__ __forceinline__ void quantize4(char* sx, float4 v, int e, int total) {
@@ -291,7 +292,7 @@ __device__ __forceinline__ void quantize4(char* sx, float4 v, int e, int total) 
         const int l = e & 31;  // 4 | 16: a lane's 4 elements stay in one plane
         *(int*)(xq + (l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)) =
             (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24);
-        if ((lane & 7) == 0) { xd[e / 32] = d; xs[e / 32] = sum; }
+        if ((lane & 7) == 0) { xd[e / 32] = __half2float(__float2half_rn(d)); xs[e / 32] = sum; }
     }
 }
 
@@ -306,7 +307,7 @@ __device__ __forceinline__ void quantize1(char* sx, float v, int e, int total) {
     const int l = e & 31;
     ((signed char*)sx)[(l >> 4) * (total / 2) + 16 * (e >> 5) + (l & 15)] = (signed char)q;
     if (l == 0) {
-        ((float*)(sx + total))[e / 32] = d;
+        ((float*)(sx + total))[e / 32] = __half2float(__float2half_rn(d));
         ((int*)(sx + total + total / 32 * 4))[e / 32] = sum;
     }
 }

@@ -64,15 +64,17 @@ __kernel void k_soft_max(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* M) {
     }
 }
 
-// P: dst, a, pos, n_dims, mode, freq_base, freq_scale, ext_factor, mscale (attn_factor with
-// YaRN's factor), corr0, corr1. one work-item per pair of elements (i, i + step) of a row
-__kernel void k_rope(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* POS) {
+// P: dst, a, pos, freq factors (F32; pos again when absent), n_dims, mode, freq_base,
+// freq_scale, ext_factor, mscale (attn_factor with YaRN's factor), corr0, corr1, has factors.
+// one work-item per pair of elements (i, i + step) of a row
+__kernel void k_rope(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* POS, cbuf* FF) {
     params p = P + pi;
-    td_t d = td(p), a = td(p + TD_WORDS), ps = td(p + 2 * TD_WORDS);
-    long n_dims = p[30];
-    int neox = p[31] == 2;
-    acc_t freq_base = pf(p, 32), freq_scale = pf(p, 33), ext = pf(p, 34), mscale = pf(p, 35);
-    acc_t corr0 = pf(p, 36), corr1 = pf(p, 37);
+    td_t d = td(p), a = td(p + TD_WORDS), ps = td(p + 2 * TD_WORDS), f = td(p + 3 * TD_WORDS);
+    long n_dims = p[40];
+    int neox = p[41] == 2;
+    acc_t freq_base = pf(p, 42), freq_scale = pf(p, 43), ext = pf(p, 44), mscale = pf(p, 45);
+    acc_t corr0 = pf(p, 46), corr1 = pf(p, 47);
+    int has_ff = p[48] != 0;
     long half_row = (a.ne[0] + 1) / 2, g = get_global_id(0);
     long k = g % half_row, r = g / half_row;
     long i1 = r % a.ne[1], i2 = (r / a.ne[1]) % a.ne[2], i3 = r / a.ne[1] / a.ne[2];
@@ -86,6 +88,7 @@ __kernel void k_rope(params P, ulong pi, gbuf* dst, cbuf* A, cbuf* POS) {
     long e0 = neox ? k : 2 * k, e1 = neox ? k + n_dims / 2 : 2 * k + 1;
     acc_t pos = (acc_t)*(__global const int*)(POS + ps.off + i2 * ps.nb[0]);
     acc_t theta_extrap = pos * pow(freq_base, -2 * (acc_t)k / n_dims);
+    if (has_ff) theta_extrap /= (acc_t)*(__global const float*)(FF + f.off + k * f.nb[0]);
     acc_t theta = freq_scale * theta_extrap;
     if (ext != 0) {
         acc_t y = ((acc_t)k - corr0) / fmax((acc_t)0.001, corr1 - corr0);

@@ -45,22 +45,24 @@ def _mmv_q(a: Tensor, ncols: int, id_mode: int, tb: GGMLType, caps: Caps):
     return "mul_mat_vec_q_sm", (int(ta), int(tb), ncols, id_mode, rows, 1, wg, a4), rows
 
 
-def _quantize_b8(b: Tensor) -> Dispatch:
+def _quantize_b8(b: Tensor, wtype: GGMLType) -> Dispatch:
     """b's columns as int8 blocks for mul_mat_vec_q8: per column K bytes, then per column K/32
-    float scales (one region, laid out by quantize_b8.comp)."""
+    float scales (one region, laid out by quantize_b8.comp); for Q4_0 and Q8_0 weights the
+    scales rounded to f16, as ggml's Q8_0 activation blocks store them."""
     cols = b.ne[1] * b.ne[2] * b.ne[3]
     nbytes = cols * b.ne[0] + cols * (b.ne[0] // 32) * 4
     push = pack(b.ne, enb(b), eoffs(b), 0)  # the region's offset goes into the last word
     scratch = Scratch(b, nbytes, 3, len(push) - 4, True)
     groups = workgroups(cols * b.ne[0] // 8, LOCAL_SIZE["quantize_b8"])  # a thread per 8 values
-    return Dispatch("quantize_b8", (int(b.type),), (b, None, None, None), push, groups, scratch)
+    f16_scale = int(wtype in (GGMLType.Q4_0, GGMLType.Q8_0))
+    return Dispatch("quantize_b8", (int(b.type), f16_scale), (b, None, None, None), push, groups, scratch)
 
 
 def _mmv_dispatches(q, a: Tensor, b: Tensor, c: Tensor | None, t: Tensor, push: bytes, groups: int):
     shader, spec, _ = q
     if shader != "mul_mat_vec_q8":
         return [Dispatch(shader, spec, (a, b, c, t), push, groups)]
-    pre = _quantize_b8(b)
+    pre = _quantize_b8(b, a.type)
     reads = Scratch(b, pre.scratch.nbytes, 1, PUSH_OFFB, False)  # type: ignore[union-attr]
     return [pre, Dispatch(shader, spec, (a, None, c, t), push, groups, reads)]
 

@@ -47,7 +47,8 @@ def soft_max(t: Tensor) -> list[Dispatch]:
 
 
 def rope(t: Tensor) -> list[Dispatch]:
-    a, pos = t.src
+    a, pos = t.src[:2]
+    ff = t.src[2] if len(t.src) > 2 else None  # frequency factors: a contiguous F32 vector
     n_dims, mode, n_ctx_orig, base, fscale, ext, attn, bfast, bslow = rope_params(t)
     low, high = rope_yarn_corr_dims(n_dims, n_ctx_orig, base, bfast, bslow)
     if not math.isfinite(high):
@@ -62,6 +63,7 @@ def rope(t: Tensor) -> list[Dispatch]:
         eoffs(t),
         enb(pos)[0],
         int(n_dims),
+        eoffs(ff) if ff is not None else 0,
         -2.0 * math.log2(base) / n_dims,
         float(fscale),
         float(ext),
@@ -70,4 +72,5 @@ def rope(t: Tensor) -> list[Dispatch]:
         float(high),
     )
     n = (a.ne[0] + 1) // 2 * a.ne[1] * a.ne[2] * a.ne[3]
-    return elementwise("rope", (a.type, int(mode == ROPE_TYPE_NEOX)), (a, pos, None, t), push, n)
+    spec = (a.type, int(mode == ROPE_TYPE_NEOX), int(ff is not None))
+    return elementwise("rope", spec, (a, pos, ff, t), push, n)

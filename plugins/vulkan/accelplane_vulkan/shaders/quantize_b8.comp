@@ -1,12 +1,14 @@
 #version 450
 // The activations of a few-column quantized MUL_MAT (b: F32/F16, any strides) as int8 blocks
-// for mul_mat_vec_q8: per 32 values of a column, d = max|x| / 127 and q = round(x / d).
+// for mul_mat_vec_q8: per 32 values of a column, d = max|x| / 127 and q = round(x / d); with
+// F16D (Q4_0 and Q8_0 weights) d is stored rounded to f16, as ggml's block_q8_0 holds it.
 // Region in D at word offq: the columns' bytes (column c at word c * K/4, packed 4 a word),
 // then their scales (column c's at word cols * K/4 + c * K/32). Columns c = n + ne1 * (i2 + ne2 * i3).
 // A thread quantizes 8 values; the 4 threads of a block share its maximum in shared memory.
 #include "common.glsl"
 layout(local_size_x = 64) in;
 layout(constant_id = 0) const uint TB = 0u;
+layout(constant_id = 1) const uint F16D = 0u;
 layout(push_constant) uniform PC { uvec4 ne; uvec4 nb; uint offb; uint offq; } pc;
 
 shared float amax[64];
@@ -42,6 +44,8 @@ void main() {
         uint o = pc.offq + c * (K / 4u) + j0 / 4u;
         Di[o] = int(w[0]);
         Di[o + 1u] = int(w[1]);
-        if ((j0 & 31u) == 0u) Df[pc.offq + cols * (K / 4u) + c * (K / 32u) + j0 / 32u] = d;
+        if ((j0 & 31u) == 0u) {
+            Df[pc.offq + cols * (K / 4u) + c * (K / 32u) + j0 / 32u] = F16D != 0u ? f16_to_f32(f32_to_f16(d)) : d;
+        }
     }
 }

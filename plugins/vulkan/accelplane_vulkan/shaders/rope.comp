@@ -1,12 +1,14 @@
 #version 450
 // ROPE (normal and NEOX) with YaRN, one invocation per pair of elements; positions (I32,
-// one per token along ne2) in binding B. Dimensions past n_dims are copied.
+// one per token along ne2) in binding B; with FF, frequency factors (F32, one per rotated
+// pair: ggml's c) in binding C. Dimensions past n_dims are copied.
 #include "common.glsl"
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint TA = 0u;  // source and destination type (F32 or F16)
 layout(constant_id = 1) const uint NEOX = 0u;
+layout(constant_id = 2) const uint FF = 0u;
 layout(push_constant) uniform PC {
-    uvec4 ne; uvec4 nba; uvec4 nbd; uint offa; uint offb; uint offd; uint nbb0; uint n_dims;
+    uvec4 ne; uvec4 nba; uvec4 nbd; uint offa; uint offb; uint offd; uint nbb0; uint n_dims; uint offc;
     float log2_theta_scale; float freq_scale; float ext_factor; float mscale; float corr_low; float corr_high;
 } pc;
 
@@ -27,6 +29,7 @@ void main() {
     }
     float pos = float(Bi[pc.offb + idx.z * pc.nbb0]);
     float theta_extrap = pos * exp2(float(p) * pc.log2_theta_scale);
+    if (FF != 0u) theta_extrap /= Cf[pc.offc + p];
     float theta = pc.freq_scale * theta_extrap;
     if (pc.ext_factor != 0.0) {
         float y = (float(p) - pc.corr_low) / max(0.001, pc.corr_high - pc.corr_low);

@@ -1,0 +1,1004 @@
+"""The decoder-only transformer of every supported architecture (llama, qwen2, qwen3, gemma3;
+:mod:`accelplane.models.archs` reads each one's GGUF into a :class:`DecoderConfig`), built only
+with the public host API and run through the scheduler.
+
+The forward pass is llama.cpp's graph builders (src/models/llama.cpp, qwen2.cpp, qwen3.cpp,
+gemma3.cpp) written as accelplane graph ops, each architecture's differences being switches of
+the config:
+
+* token embedding: GET_ROWS of ``token_embd`` (on the first layer's device where it runs there, else
+  in host memory like llama.cpp's input layer: the ``embd`` argument), times ``embd_scale`` when set
+  (gemma3: sqrt(n_embd));
+* per layer: RMS_NORM · attn_norm → Q/K/V projections (+ their biases where the file has them:
+  qwen2) → per-head RMS_NORM · attn_q_norm / attn_k_norm (``qk_norm``: qwen3, gemma3) → ROPE
+  (normal or NEOX, the layer's own frequency base and scale, Llama 3's ``rope_freqs`` factors) →
+  K and V written into the KV cache with SET_ROWS at the tokens' positions → grouped-query
+  attention over a fixed window of the cache with a causal mask, or for a sliding-window layer
+  (gemma3) one that also hides keys ``n_swa`` or more positions back (SOFT_MAX with scale and
+  mask; the query heads sharing a kv head are batched into one MUL_MAT per kv head, so a decode
+  step issues n_head_kv products, not n_head) → output projection (+ bias) → RMS_NORM ·
+  post_attention_norm (``post_norms``: gemma3) → residual; RMS_NORM · ffn_norm → the gated FFN (SWIGLU,
+  or GEGLU with the tanh GELU for gemma3; or the MoE FFN: router, SOFT_MAX, ARGSORT top-k,
+  MUL_MAT_ID experts weighted by the renormalized router probabilities) → RMS_NORM ·
+  post_ffw_norm (``post_norms``) → residual;
+* RMS_NORM · output_norm → output head (logits; + output.bias) → final soft-capping
+  ``c * tanh(logits / c)`` (``logit_softcap``) → ARGMAX (greedy sampling on the device).
+
+Norm weights are used as stored: gemma's ``x * (1 + w)`` is ``x * w'`` with the ``w' = 1 + w`` that
+llama.cpp's converter writes.
+
+Each layer's Q, K and V matrices (and the FFN's gate and up, and their biases) are stored as one
+tensor when their types match (``merge``), so a decode step runs one product per group; prefill
+batches multiply by the per-projection views of it, which keep the GGUF names.
+
+The KV cache persists across calls: K is stored as rows ``[n_ctx, n_head_kv * head_dim]``,
+V transposed ``[n_head_kv * head_dim, n_ctx]`` (llama.cpp's non-flash-attention layout, so
+``kq · v`` is a plain MUL_MAT); both F16 or F32. A graph is built once per
+``(n_tokens, kv window, all rows)`` and reused: the window is the number of cache slots
+attended, rounded up to ``kv_pad`` (so a decode graph is the same object for ``kv_pad``
+consecutive tokens and the backends' plan caches hit), unused slots hidden by the mask.
+
+Placement (``split``): ``none`` puts every layer on ``devices[0]``; ``layer`` cuts the layers
+into contiguous, even chunks over ``devices`` (llama.cpp ``-sm layer``); the output layer goes
+with the last layer; ``tensor`` runs every layer on all the devices at once through the meta
+device (accelplane.parallel.meta: weights split by :meth:`DecoderConfig.split_role`, attention
+heads and FFN columns per device, row-parallel products all-reduced).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from accelplane import env
+from accelplane.core.graph import Context, Graph
+from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, VIEW_OPS, SortOrder, op_desc
+from accelplane.core.tensor import Tensor
+from accelplane.core.types import GGMLType, parse_type
+from accelplane.errors import ConfigError, DeviceError, OutOfRangeError, ShapeError
+from accelplane.interface import DeviceType
+from accelplane.runtime.alloc import alloc_tensors
+from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Device
+from accelplane.sched import Scheduler
+
+if TYPE_CHECKING:
+    from accelplane.models.gguf import GGUFFile
+
+T = GGMLType
+SPLIT_MODES = ("none", "layer", "tensor")
+_Namer = Callable[[Tensor, str], Tensor]  # names a node and records its group (inp/blk.N/out)
+
+
+# --- configuration ---------------------------------------------------------------------------
+class SplitKind(Enum):
+    """A weight's role under tensor parallelism (Megatron pattern, llama.cpp ``-sm tensor``)."""
+
+    COLUMN = "column"  # output features (weight rows, ggml axis 1) split: outputs concatenate
+    ROW = "row"  # input features (ggml axis 0) split: partial sums need an all-reduce
+    MIRRORED = "mirrored"  # a full copy on every device
+
+
+@dataclass(frozen=True)
+class SplitRole:
+    """How a tensor-split device would cut one weight or cache tensor.
+
+    ``axis``: the ggml axis that is split (None when mirrored); ``granularity``: elements along
+    that axis that must stay on one device (a whole attention head, or 1)."""
+
+    kind: SplitKind
+    axis: int | None
+    granularity: int = 1
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One weight of the model: GGUF name, numpy-ordered shape, layer (-1 = input layer,
+    n_layers = output layer) and whether it is a matrix (quantizable) or a norm vector."""
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int
+    matrix: bool
+
+
+# the tensors that may carry a ``.bias`` beside their ``.weight`` (llama.cpp's optional biases)
+BIASED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+FFN_ACTS = ("silu", "gelu")  # SWIGLU; GEGLU with the tanh GELU (llama.cpp's LLM_FFN_GELU)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Hyper-parameters of a decoder, named after llama.cpp's hparams (``{arch}.embedding_length``
+    = d_model, ``{arch}.block_count`` = n_layers, ...; :mod:`accelplane.models.archs` reads them
+    from a GGUF file), and the switches that make one architecture's graph (module docstring).
+
+    ``n_embd_head``: the attention head size (``attention.key_length``; 0 = d_model / n_head);
+    ``rope_scale``: ggml's freq_scale (1 / the linear scaling factor); ``rope_freqs``: the file
+    has Llama 3's ``rope_freqs.weight`` factors; ``swa_layers``: per layer, whether it attends
+    through the sliding window of ``n_swa`` positions (and ropes with ``rope_base_swa`` and
+    ``rope_scale_swa``), empty = none does; ``attn_scale``: the attention's scale (0 = 1 /
+    sqrt(head size)); ``biases``: the :data:`BIASED` names that have a bias tensor;
+    ``embd_scale``: the token embeddings' factor (0 = none); ``logit_softcap``: the final
+    soft-capping (0 = none)."""
+
+    n_vocab: int
+    d_model: int
+    n_layers: int
+    n_head: int
+    n_head_kv: int
+    d_ff: int
+    n_ctx_train: int = 2048
+    rms_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_mode: int = ROPE_TYPE_NORMAL  # llama GGUF files use normal rope (Q/K rows permuted at conversion)
+    n_rot: int = 0  # rotary dimensions; 0 = head_dim
+    n_expert: int = 0  # > 0: MoE FFN (Mixtral-style llama)
+    n_expert_used: int = 0
+    tied_output: bool = False  # no output.weight: the head reuses token_embd
+    arch: str = "llama"
+    n_embd_head: int = 0
+    rope_scale: float = 1.0
+    rope_attn_factor: float = 1.0
+    rope_freqs: bool = False
+    n_swa: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_base_swa: float = 10000.0
+    rope_scale_swa: float = 1.0
+    attn_scale: float = 0.0
+    biases: frozenset[str] = frozenset()
+    qk_norm: bool = False
+    post_norms: bool = False
+    ffn_act: str = "silu"
+    embd_scale: float = 0.0
+    logit_softcap: float = 0.0
+
+    def __post_init__(self) -> None:
+        what = f"{self.arch} config"
+        for k in ("n_vocab", "d_model", "n_layers", "n_head", "n_head_kv", "d_ff", "n_ctx_train"):
+            if getattr(self, k) <= 0:
+                raise ShapeError(f"{what}: {k} must be > 0, got {getattr(self, k)}")
+        if not self.n_embd_head and self.d_model % self.n_head:
+            raise ShapeError(f"{what}: d_model={self.d_model} is not a multiple of "
+                             f"n_head={self.n_head}")  # fmt: skip
+        if self.n_embd_head < 0:
+            raise ShapeError(f"{what}: n_embd_head must be >= 0, got {self.n_embd_head}")
+        if self.n_head % self.n_head_kv:
+            raise ShapeError(f"{what}: n_head={self.n_head} is not a multiple of "
+                             f"n_head_kv={self.n_head_kv}")  # fmt: skip
+        if self.rot <= 0 or self.rot % 2 or self.rot > self.head_dim:
+            raise ShapeError(f"{what}: n_rot={self.rot} must be even, > 0 and <= head_dim={self.head_dim}")
+        if self.rope_mode not in (ROPE_TYPE_NORMAL, ROPE_TYPE_NEOX):
+            raise ShapeError(f"{what}: rope mode {self.rope_mode} (0 normal, 2 neox)")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ShapeError(f"{what}: n_expert_used={self.n_expert_used} must be in "
+                             f"1..n_expert={self.n_expert}")  # fmt: skip
+        if self.swa_layers and (len(self.swa_layers) != self.n_layers or self.n_swa <= 0):
+            raise ShapeError(f"{what}: swa_layers needs one flag per layer ({self.n_layers}) and n_swa > 0, "
+                             f"got {len(self.swa_layers)} flags and n_swa={self.n_swa}")  # fmt: skip
+        if self.ffn_act not in FFN_ACTS:
+            raise ShapeError(f"{what}: ffn_act {self.ffn_act!r} is not one of {', '.join(FFN_ACTS)}")
+        bad = sorted(set(self.biases) - set(BIASED))
+        if bad or (self.is_moe and set(self.biases) & {"ffn_gate", "ffn_up", "ffn_down"}):
+            raise ShapeError(f"{what}: biases {sorted(self.biases)}: only {', '.join(BIASED)} may have one "
+                             "(and no FFN bias in a MoE)")  # fmt: skip
+        for k in ("rope_base", "rope_scale", "rope_base_swa", "rope_scale_swa", "rms_eps"):
+            v = getattr(self, k)
+            if not (v > 0 and math.isfinite(v)):
+                raise ShapeError(f"{what}: {k} must be a positive number, got {v}")
+        for k in ("attn_scale", "embd_scale", "logit_softcap"):
+            v = getattr(self, k)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ShapeError(f"{what}: {k} must be >= 0, got {v}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd_head or self.d_model // self.n_head
+
+    @property
+    def rot(self) -> int:
+        return self.n_rot or self.head_dim
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def rope_neox(self) -> bool:
+        return self.rope_mode == ROPE_TYPE_NEOX
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def has_swa(self) -> bool:
+        return any(self.swa_layers)
+
+    def is_swa(self, il: int) -> bool:
+        """Layer ``il`` attends through the sliding window."""
+        return bool(self.swa_layers) and self.swa_layers[il]
+
+    def rope_of(self, il: int) -> tuple[float, float]:
+        """(frequency base, frequency scale) of layer ``il``'s rope (llama.cpp's
+        get_rope_freq_base/scale: a sliding-window layer has its own)."""
+        if self.is_swa(il):
+            return self.rope_base_swa, self.rope_scale_swa
+        return self.rope_base, self.rope_scale
+
+    @property
+    def kq_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def weights(self) -> list[WeightSpec]:
+        """Every weight, in llama.cpp's GGUF names and order (rope_freqs first, as its converter
+        writes it)."""
+        d, ff, hd = self.d_model, self.d_ff, self.head_dim
+        nq, nkv = self.n_embd_q, self.n_embd_kv
+        out = []
+
+        def add(base: str, shape: tuple[int, ...], layer: int, matrix: bool = True) -> None:
+            out.append(WeightSpec(base + ".weight", shape, layer, matrix))
+            name = base.rsplit(".", 1)[-1]
+            if name in self.biases:
+                out.append(WeightSpec(base + ".bias", shape[:1], layer, False))
+
+        if self.rope_freqs:
+            out.append(WeightSpec("rope_freqs.weight", (self.rot // 2,), 0, False))  # with the first layer
+        out.append(WeightSpec("token_embd.weight", (self.n_vocab, d), -1, True))
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            add(p + "attn_norm", (d,), i, False)
+            add(p + "attn_q", (nq, d), i)
+            add(p + "attn_k", (nkv, d), i)
+            add(p + "attn_v", (nkv, d), i)
+            if self.qk_norm:
+                add(p + "attn_q_norm", (hd,), i, False)
+                add(p + "attn_k_norm", (hd,), i, False)
+            add(p + "attn_output", (d, nq), i)
+            if self.post_norms:
+                add(p + "post_attention_norm", (d,), i, False)
+            add(p + "ffn_norm", (d,), i, False)
+            if self.is_moe:
+                e = self.n_expert
+                out += [
+                    WeightSpec(p + "ffn_gate_inp.weight", (e, d), i, False),
+                    WeightSpec(p + "ffn_gate_exps.weight", (e, ff, d), i, True),
+                    WeightSpec(p + "ffn_down_exps.weight", (e, d, ff), i, True),
+                    WeightSpec(p + "ffn_up_exps.weight", (e, ff, d), i, True),
+                ]
+            else:
+                add(p + "ffn_gate", (ff, d), i)
+                add(p + "ffn_down", (d, ff), i)
+                add(p + "ffn_up", (ff, d), i)
+            if self.post_norms:
+                add(p + "post_ffw_norm", (d,), i, False)
+        add("output_norm", (d,), self.n_layers, False)
+        if not self.tied_output:
+            add("output", (self.n_vocab, d), self.n_layers)
+        elif "output" in self.biases:
+            out.append(WeightSpec("output.bias", (self.n_vocab,), self.n_layers, False))
+        return out
+
+    def split_role(self, name: str) -> SplitRole:
+        """The tensor-parallel role of a weight or KV-cache tensor (llama.cpp's
+        ``llama_meta_device_get_split_state``): Q/K/V, gate/up (experts too) and the output
+        head are column-parallel, their biases split the same way; attn_output and down are
+        row-parallel (their products are partial sums to all-reduce); norms, embeddings, the
+        router, the rope factors and the biases of row-parallel products are mirrored. The KV
+        cache splits by kv heads (K rows on axis 0, the transposed V on axis 1)."""
+        base, _, kind = name.rpartition(".")
+        base = base.rsplit(".", 1)[-1] if kind in ("weight", "bias") else name
+        hd = self.head_dim
+        if name.startswith("cache_k"):
+            return SplitRole(SplitKind.COLUMN, 0, hd)
+        if name.startswith("cache_v"):
+            return SplitRole(SplitKind.COLUMN, 1, hd)
+        col = 0 if kind == "bias" else 1  # a bias vector is split along its only axis
+        if base in ("attn_q", "attn_k", "attn_v"):
+            return SplitRole(SplitKind.COLUMN, col, hd)
+        if base in ("ffn_gate", "ffn_up", "ffn_gate_exps", "ffn_up_exps", "output"):
+            return SplitRole(SplitKind.COLUMN, col)
+        if kind == "bias":
+            return SplitRole(SplitKind.MIRRORED, None)
+        if base == "attn_output":
+            return SplitRole(SplitKind.ROW, 0, hd)
+        if base in ("ffn_down", "ffn_down_exps"):
+            return SplitRole(SplitKind.ROW, 0)
+        return SplitRole(SplitKind.MIRRORED, None)
+
+
+# --- the model ---------------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """One reusable graph and its inputs/outputs."""
+
+    graph: Graph
+    n_tokens: int
+    n_kv: int
+    all_rows: bool
+    tokens: Tensor
+    pos: Tensor  # positions = cache rows written (the cache is linear: slot i holds position i)
+    mask: Tensor | None  # None when every layer has the sliding window
+    v_idx: Tensor
+    logits: Tensor
+    argmax: Tensor
+    groups: dict[int, str] = field(default_factory=dict)  # id(node) -> "inp" / "blk.N" / "out"
+    mask_swa: Tensor | None = None  # the sliding-window layers' mask
+
+
+@dataclass
+class EvalResult:
+    """``ids``: the greedy next token after each output row; ``logits``: F32 [rows, n_vocab]
+    (None when not requested). Rows: every token (all_logits) or the last one."""
+
+    ids: np.ndarray
+    logits: np.ndarray | None
+
+
+def _packed(ctx: Context, cb: _Namer, t: Tensor, name: str) -> Tensor:
+    """``t`` packed: a CONT where its layout needs one; a permute that moves only dimensions
+    of size 1 (every single-token step) is already packed, and costs no copy."""
+    return t if t.is_contiguous() else cb(ctx.cont(t), name)
+
+
+def rope_into_cache(ctx: Context, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, kc: Tensor, vc: Tensor,
+                    v_idx: Tensor, *, hd: int, n_head: int, n_kv_head: int, rot: int, mode: int,
+                    per_channel_v: bool = False, name: _Namer = lambda t, _: t,
+                    qk_norm: Callable[[Tensor, str], Tensor] | None = None,
+                    **rope_kw) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's inputs for tokens whose projections are ``q``, ``k``, ``v`` (a row of
+    n_head hd, n_kv_head hd and n_kv_head hd values per token): Q roped; K roped and written
+    into the K cache ``kc`` (a row per position) at ``pos``; V written into the transposed V
+    cache ``vc`` (a row per channel), by one slot index per value (``v_idx``: channel n_ctx +
+    position) or, ``per_channel_v``, per channel at ``pos`` (indices local to a tensor-split
+    shard). ``qk_norm(t, "q" | "k")`` normalizes the [hd, heads, tokens] Q and K per head before
+    their rope. ``rope_kw``: :meth:`Context.rope`'s keywords (freq_base, freq_factors, ...).
+    Returns (roped Q, the K cache write, the V cache write). ``name`` names each node."""
+    n_tok, e_kv, n_ctx = pos.ne[0], n_kv_head * hd, kc.ne[1]
+    q = ctx.reshape_ne(q, hd, n_head, n_tok)
+    k = ctx.reshape_ne(k, hd, n_kv_head, n_tok)
+    if qk_norm is not None:
+        q, k = qk_norm(q, "q"), qk_norm(k, "k")
+    q = name(ctx.rope(q, pos, rot, mode, **rope_kw), "Qrope")
+    k = name(ctx.rope(k, pos, rot, mode, **rope_kw), "Krope")
+    k_set = name(ctx.set_rows(kc, ctx.reshape_ne(k, e_kv, n_tok), pos), "k_cache_write")
+    if per_channel_v:
+        esz = vc.nb[0]
+        v_set = ctx.set_rows(ctx.view(vc, (1, n_ctx, e_kv), (esz, esz, n_ctx * esz)),
+                             ctx.view(v, (1, n_tok, e_kv), (v.nb[0], v.nb[1], v.nb[0])), pos)  # fmt: skip
+    else:
+        v_set = ctx.set_rows(ctx.reshape_ne(vc, 1, n_ctx * e_kv), ctx.reshape_ne(v, 1, n_tok * e_kv), v_idx)
+    return q, k_set, name(v_set, "v_cache_write")
+
+
+def check_split(split: str) -> None:
+    """DeviceError unless ``split`` is one of none, layer, tensor."""
+    if split not in SPLIT_MODES:
+        raise DeviceError(f"unknown split mode {split!r} (none, layer, tensor)")
+
+
+def _gets_rows(dev: Device, ty: GGMLType, cfg: DecoderConfig) -> bool:
+    """``dev`` runs the token embedding's GET_ROWS for weights of type ``ty``."""
+    ctx = Context("embd-probe")
+    w = ctx.new_tensor_ne(ty, cfg.d_model, cfg.n_vocab)
+    return dev.supports_op(ctx.get_rows(w, ctx.new_tensor_ne(T.I32, 1)))
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a tensor-split weight lives, for reports: all the meta device's devices."""
+
+    name: str
+
+
+def layer_devices(n_layers: int, n_devices: int) -> list[int]:
+    """Device index per layer for ``split=layer``: contiguous chunks as even as possible,
+    earlier devices take the remainder (llama.cpp's default tensor_split is even too)."""
+    base, rem = divmod(n_layers, n_devices)
+    out: list[int] = []
+    for d in range(n_devices):
+        out += [d] * (base + (1 if d < rem else 0))
+    return out
+
+
+def copy_weight_bytes(w: Mapping[str, Tensor], source: Callable[[str], np.ndarray],
+                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    """Copy every weight's raw bytes (``source(name)``: uint8, the GGUF block layout of the
+    tensor's type) into its device buffer; ``progress(nbytes)`` after each tensor. ShapeError
+    when a size differs from the tensor's."""
+    for name, t in w.items():
+        raw = np.asarray(source(name)).reshape(-1).view(np.uint8)
+        if raw.size != t.nbytes:
+            raise ShapeError(f"weight {name}: {raw.size} bytes given, {t.type.name} {t.shape} takes "
+                             f"{t.nbytes}")  # fmt: skip
+        t.set_bytes(raw)
+        if progress is not None:
+            progress(t.nbytes)
+
+
+def set_weight_values(w: Mapping[str, Tensor], values: Mapping[str, np.ndarray]) -> None:
+    """Set weights from float arrays (quantized to each tensor's type on the way in);
+    ShapeError for a name the model does not have."""
+    for name, v in values.items():
+        if name not in w:
+            raise ShapeError(f"set_weights: the model has no weight {name!r}")
+        w[name].set(v)
+
+
+class DecoderModel:
+    """A decoder model placed on ``devices`` and run through a :class:`~accelplane.sched.Scheduler`.
+
+    ``devices``: where the weights go, in priority order (``split='none'``: all on the
+    first; ``'layer'``: layers spread over all of them). The scheduler's backends are the
+    non-CPU devices in that order, then a CPU device (``cpu``, or a CPU device among
+    ``devices``, or the global registry's "CPU"), which holds the inputs and the token
+    embeddings. ``types``: weight type by GGUF name (default F32). ``n_ctx``: KV cache size;
+    ``cache_type``: F16 or F32; ``kv_pad``: attention window granularity (see the module
+    docstring). ``merge``: store each layer's Q, K and V (and FFN gate and up) projections as
+    one matrix when their types match, so a decode step runs one product where it ran three
+    (two); the GGUF names stay as views of it. Default: on, unless ACCELPLANE_MODEL_MERGE=0;
+    never with ``split='tensor'`` (the shards cut per projection). ``embd``: where the token
+    embeddings live: "device" (the first layer's device, so a step on one device is one
+    scheduler split, with no host computation and copy before it; not with ``split='tensor'``),
+    "cpu" (host memory, llama.cpp's input layer) or "auto" (the default, unless
+    ACCELPLANE_MODEL_EMBD says otherwise): "device" when the first layer's device is not a CPU
+    and runs GET_ROWS of the embeddings' type, else "cpu". Call :meth:`load_weights` (or use
+    :meth:`from_gguf`) before :meth:`eval`. ``policy``: the scheduler's synchronization policy
+    (docs/ordering.md), default ACCELPLANE_MODEL_POLICY or else "relaxed": a decode step's four
+    inputs then go to the device as asynchronous copies behind one synchronize instead of four
+    blocking ones (2.5 % more tokens/s on an H200); devices whose caps exclude it stay strict.
+    """
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        devices: Sequence[Device],
+        *,
+        split: str = "none",
+        n_ctx: int | None = None,
+        cache_type: GGMLType | str = T.F16,
+        kv_pad: int = 256,
+        types: Mapping[str, GGMLType | str | int] | None = None,
+        cpu: Device | None = None,
+        policy: str | None = None,
+        merge: bool | None = None,
+        embd: str | None = None,
+    ) -> None:
+        check_split(split)
+        if not devices:
+            raise DeviceError("a model needs at least one device")
+        self.cfg = cfg
+        self.split = split
+        self.n_ctx = int(n_ctx or min(cfg.n_ctx_train, 512))
+        if self.n_ctx <= 0:
+            raise ShapeError(f"n_ctx must be > 0, got {self.n_ctx}")
+        self.kv_pad = max(1, int(kv_pad))
+        self.cache_type = parse_type(cache_type)
+        if self.cache_type not in (T.F16, T.F32):
+            raise ShapeError(f"KV cache type must be F16 or F32, got {self.cache_type.name}")
+        given = list(devices)
+        self.devices = list(dict.fromkeys(devices))
+        cpus = [d for d in self.devices if d.type == DeviceType.CPU]
+        if cpu is None:
+            if cpus:
+                cpu = cpus[0]
+            else:
+                from accelplane.runtime.registry import get_registry
+
+                cpu = get_registry().device("CPU")
+        self.cpu = cpu
+        self.layer_dev: list[Device] = (
+            [self.devices[0]] * cfg.n_layers if split == "none"
+            else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
+        )  # fmt: skip
+        self.output_dev = self.layer_dev[-1]
+        embd = embd or env.MODEL_EMBD.get()
+        if embd not in ("auto", "cpu", "device"):
+            raise ConfigError(f"embd must be auto, cpu or device, got {embd!r}")
+        first = self.layer_dev[0]
+        if embd == "auto":
+            ety = parse_type((types or {}).get("token_embd.weight", T.F32))
+            embd = "device" if first.type != DeviceType.CPU and _gets_rows(first, ety, cfg) else "cpu"
+        self.embd_dev = first if embd == "device" and split != "tensor" else cpu
+        self.meta = None
+        policy = policy or env.MODEL_POLICY.get()
+        if policy not in ("strict", "relaxed"):
+            raise ConfigError(f"policy must be relaxed or strict, got {policy!r}")
+        if split == "tensor":
+            from accelplane.parallel.meta import MetaDevice
+
+            # the same device may appear twice (one device as two shards): keep repeats
+            tp = [d for d in given if d.type != DeviceType.CPU] or given
+            self.meta = MetaDevice(tp, self._tp_split_state)
+            self.sched = self.meta  # the same alloc_graph / graph_compute / synchronize / free
+            self.backends: list[Backend] = list(self.meta.backends)
+        else:
+            sched_devs = [d for d in self.devices if d.type != DeviceType.CPU] + [cpu]
+            self.backends = [d.new_backend() for d in sched_devs]
+            self.sched = Scheduler(self.backends, policy=policy)
+        self.n_past = 0
+        self._steps: dict[tuple[int, int, bool], _Step] = {}
+        self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
+        self.buffers: list[Buffer] = []
+        if merge is None:
+            merge = env.MODEL_MERGE.get()
+        self.merge = bool(merge) and self.meta is None
+        self._build_weights(types or {})
+
+    # --- weights and cache ---------------------------------------------------------------------
+    def _device_of(self, spec: WeightSpec) -> Device:
+        if spec.layer < 0:  # the input layer (``embd``), unless the head shares it
+            return self.output_dev if self.cfg.tied_output else self.embd_dev
+        if spec.layer >= self.cfg.n_layers:
+            return self.output_dev
+        return self.layer_dev[spec.layer]
+
+    def _build_weights(self, types: Mapping[str, GGMLType | str | int]) -> None:
+        cfg = self.cfg
+        self.wctx = Context(f"{cfg.arch}-weights")
+        self.w: dict[str, Tensor] = {}
+        self.placement: dict[str, Device] = {}
+        self.merged: dict[str, Tensor] = {}  # "blk.i.attn_qkv" / "blk.i.ffn_gate_up" → matrix
+        by_dev: dict[Device, list[Tensor]] = {}
+        specs = {s.name: s for s in cfg.weights()}
+        tys = {n: parse_type(types.get(n, T.F32)) for n in specs}
+        views: dict[str, Tensor] = {}
+        if self.merge:
+            for merged, parts in self._merge_groups():
+                if any(p not in specs for p in parts) or len({tys[p] for p in parts}) != 1:
+                    continue
+                shapes = [specs[p].shape for p in parts]
+                rows = sum(sh[0] for sh in shapes)
+                m = self.wctx.new_tensor(tys[parts[0]], (rows, *shapes[0][1:]), merged).set_param()
+                self.merged[merged] = m
+                by_dev.setdefault(self._device_of(specs[parts[0]]), []).append(m)
+                r0 = 0
+                for p, sh in zip(parts, shapes, strict=True):
+                    # rows r0 .. r0 + sh[0] of the merged matrix (elements of a merged bias)
+                    step = m.nb[1] if len(sh) > 1 else m.nb[0]
+                    views[p] = self.wctx.view(m, tuple(reversed(sh)), None, r0 * step).set_name(p)
+                    r0 += sh[0]
+        for spec in specs.values():
+            t = views.get(spec.name)
+            if t is None:
+                t = self.wctx.new_tensor(tys[spec.name], spec.shape, spec.name).set_param()
+            self.w[spec.name] = t
+            dev = self._device_of(spec)
+            self.placement[spec.name] = dev
+            by_dev.setdefault(dev, []).append(t)
+        self.cache_k: list[Tensor] = []
+        self.cache_v: list[Tensor] = []
+        cache_by_dev: dict[Device, list[Tensor]] = {}
+        for i in range(cfg.n_layers):
+            k = self.wctx.new_tensor(self.cache_type, (self.n_ctx, cfg.n_embd_kv), f"cache_k_l{i}")
+            v = self.wctx.new_tensor(self.cache_type, (cfg.n_embd_kv, self.n_ctx), f"cache_v_l{i}")
+            self.cache_k.append(k)
+            self.cache_v.append(v)
+            cache_by_dev.setdefault(self.layer_dev[i], []).extend((k, v))
+        if self.meta is not None:
+            place = _Place("+".join(d.name for d in self.meta.devices))
+            self.placement = {name: place for name in self.w}
+            try:
+                self.buffers.append(self.meta.alloc_weights(list(self.w.values())))
+                cb = self.meta.alloc_weights(self.cache_k + self.cache_v, usage=BufferUsage.ANY)
+                cb.clear(0)
+                self.buffers.append(cb)
+            except Exception:
+                self.free()
+                raise
+            return
+        try:
+            for dev, ts in by_dev.items():
+                buf = alloc_tensors(ts, dev.buffer_type, BufferUsage.WEIGHTS)
+                if buf is not None:
+                    self.buffers.append(buf)
+            for dev, ts in cache_by_dev.items():
+                buf = alloc_tensors(ts, dev.buffer_type, BufferUsage.ANY)
+                if buf is not None:
+                    # unwritten slots are masked out, but 0 * NaN garbage would still be NaN
+                    buf.clear(0)
+                    self.buffers.append(buf)
+        except Exception:
+            self.free()
+            raise
+
+    def _merge_groups(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(merged name, its parts in row order) per layer: the projections that read the same
+        activations, and their biases. Gate rows come before up rows: SWIGLU (GEGLU) of one
+        tensor gates its first half."""
+        out = []
+        for i in range(self.cfg.n_layers):
+            p = f"blk.{i}."
+            groups = [("attn_qkv", ("attn_q", "attn_k", "attn_v"))]
+            if not self.cfg.is_moe:
+                groups.append(("ffn_gate_up", ("ffn_gate", "ffn_up")))
+            for merged, parts in groups:
+                for kind in ("weight", "bias"):
+                    out.append((f"{p}{merged}.{kind}", tuple(f"{p}{x}.{kind}" for x in parts)))
+        return out
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights per device name."""
+        out: dict[str, int] = {}
+        for name, t in self.w.items():
+            d = self.placement[name].name
+            out[d] = out.get(d, 0) + t.nbytes
+        return out
+
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for t in self.cache_k + self.cache_v)
+
+    def split_state(self, t: Tensor) -> SplitRole:
+        """The tensor-parallel role of one of this model's weight or KV-cache tensors (what
+        ggml_backend_meta_get_split_state_t gives for statically allocated tensors)."""
+        return self.cfg.split_role(t.name)
+
+    def _tp_split_state(self, t: Tensor):
+        """The meta device's split callback: mirrored, or split along the role's axis in units
+        that keep a head (whole GQA groups for Q and the output projection) on one device."""
+        role = self.cfg.split_role(t.name)
+        if role.kind is SplitKind.MIRRORED or role.axis is None:
+            return None
+        g = role.granularity
+        if t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_output.weight")):
+            g = self.cfg.head_dim * (self.cfg.n_head // self.cfg.n_head_kv)
+        return self.meta.split(t, role.axis, g)
+
+    def load_weights(self, source: Callable[[str], np.ndarray],
+                     progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        """:func:`copy_weight_bytes` into this model's weights."""
+        copy_weight_bytes(self.w, source, progress)
+
+    def set_weights(self, values: Mapping[str, np.ndarray]) -> None:
+        """:func:`set_weight_values` of this model's weights."""
+        set_weight_values(self.w, values)
+
+    @classmethod
+    def from_gguf(cls, source: str | GGUFFile, devices: Sequence[Device], *,
+                  progress: Callable[[int], None] | None = None, **kw) -> DecoderModel:  # fmt: skip
+        """Load a GGUF file of a supported architecture (path or an opened
+        :class:`~accelplane.models.gguf.GGUFFile`) onto ``devices``; other keyword arguments as
+        the constructor."""
+        from accelplane.models.gguf import GGUFFile, read_gguf
+
+        f = source if isinstance(source, GGUFFile) else read_gguf(source)
+        cfg = f.model_config()
+        f.check_tensors(cfg)
+        kw.setdefault("n_ctx", min(cfg.n_ctx_train, 512))
+        m = cls(cfg, devices, types={n: t.type for n, t in f.tensors.items()}, **kw)
+        try:
+            m.load_weights(lambda n: f.tensors[n].data, progress)
+        except Exception:
+            m.free()
+            raise
+        return m
+
+    def free(self) -> None:
+        """Release buffers, backends and the scheduler's memory."""
+        if getattr(self, "sched", None) is not None:
+            self.sched.free()
+            self.sched = None  # type: ignore[assignment]
+        for b in getattr(self, "backends", []):
+            b.free()
+        self.backends = []
+        for buf in self.buffers:
+            buf.free()
+        self.buffers = []
+        self._steps = {}
+        self._positions_set = None
+
+    # --- graph --------------------------------------------------------------------------------
+    def window(self, n_end: int) -> int:
+        """Cache slots attended when the last position is ``n_end - 1``."""
+        return min(self.n_ctx, -(-n_end // self.kv_pad) * self.kv_pad)
+
+    def step(self, n_tokens: int, n_kv: int, all_rows: bool = False) -> _Step:
+        """The (cached) graph for a batch of ``n_tokens`` attending ``n_kv`` cache slots;
+        ``all_rows``: logits for every token, else only for the last."""
+        key = (n_tokens, n_kv, all_rows or n_tokens == 1)
+        st = self._steps.get(key)
+        if st is None:
+            st = self._steps[key] = self._build(*key)
+        return st
+
+    def _build(self, n_tok: int, n_kv: int, all_rows: bool) -> _Step:
+        """Build the forward graph (module docstring) for one batch shape."""
+        cfg, w = self.cfg, self.w
+        ctx = Context(f"{cfg.arch}-{n_tok}x{n_kv}")
+        groups: dict[int, str] = {}
+        group = "inp"
+
+        def cb(t: Tensor, name: str) -> Tensor:
+            groups[id(t)] = group
+            return t.set_name(f"{group}.{name}" if group.startswith("blk") else name)
+
+        def norm(x: Tensor, weight: str, name: str) -> Tensor:
+            return cb(ctx.mul(cb(ctx.rms_norm(x, cfg.rms_eps), "norm"), w[weight]), name)
+
+        def qk_norm(t: Tensor, which: str) -> Tensor:  # per head, in the layer being built (p)
+            return norm(t, f"{p}attn_{which}_norm.weight", f"{which.upper()}cur_normed")
+
+        d, hd, n_head, n_kv_head = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_head_kv
+        e_kv = cfg.n_embd_kv
+        tokens = ctx.new_tensor(T.I32, (n_tok,), "inp_tokens").set_input()
+        pos = ctx.new_tensor(T.I32, (n_tok,), "inp_pos").set_input()
+        g = n_head // n_kv_head
+        # row t * g + r: token t, query head r of its group (see the attention below)
+        mask = mask_swa = None
+        if not all(cfg.is_swa(il) for il in range(cfg.n_layers)):  # a layer attends to the whole cache
+            mask = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask").set_input()
+        if cfg.has_swa:  # the sliding-window layers' own mask
+            mask_swa = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask_swa").set_input()
+        v_idx = ctx.new_tensor(T.I32, (n_tok * e_kv,), "inp_v_idxs").set_input()
+        ff = w.get("rope_freqs.weight")
+        esz = self.cache_type.type_size
+
+        cur = cb(ctx.get_rows(w["token_embd.weight"], tokens), "inp_embd")
+        if cfg.embd_scale:
+            cur = cb(ctx.scale(cur, cfg.embd_scale), "inp_scaled")
+        for il in range(cfg.n_layers):
+            group = f"blk.{il}"
+            p = f"blk.{il}."
+            inp = cur
+            x = norm(cur, p + "attn_norm.weight", "attn_norm")
+            q, k, v = self._qkv(ctx, cb, x, p, n_tok)
+            base, scale = cfg.rope_of(il)
+            # KV cache writes; the attention reads views of the SET_ROWS results, so the graph
+            # orders the writes before the reads
+            q, k_set, v_set = rope_into_cache(
+                ctx, q, k, v, pos, self.cache_k[il], self.cache_v[il], v_idx, hd=hd, n_head=n_head,
+                n_kv_head=n_kv_head, rot=cfg.rot, mode=cfg.rope_mode, per_channel_v=self.meta is not None,
+                name=cb, qk_norm=qk_norm if cfg.qk_norm else None, n_ctx_orig=cfg.n_ctx_train,
+                freq_base=base, freq_scale=scale, attn_factor=cfg.rope_attn_factor,
+                freq_factors=ff)  # fmt: skip
+            kk = ctx.view(k_set, (hd, n_kv, n_kv_head), (esz, e_kv * esz, hd * esz))
+            vv = ctx.view(v_set, (n_kv, hd, n_kv_head), (esz, self.n_ctx * esz, hd * self.n_ctx * esz))
+            # grouped-query attention as one product per kv head: its g query heads' rows
+            # (token-major, head-minor) form one [g * n_tok, hd] matrix
+            qg = _packed(ctx, cb, ctx.permute(ctx.reshape_ne(q, hd, g, n_kv_head, n_tok), 0, 1, 3, 2),
+                         "q_grouped")  # [n_head_kv, n_tok, g, hd]  # fmt: skip
+            qg = ctx.reshape_ne(qg, hd, g * n_tok, n_kv_head)
+            kq = cb(ctx.mul_mat(kk, qg), "kq")  # [n_head_kv, n_tok * g, n_kv]
+            kq = cb(ctx.soft_max(kq, mask_swa if cfg.is_swa(il) else mask, cfg.kq_scale), "kq_soft_max")
+            kqv = cb(ctx.mul_mat(vv, kq), "kqv")  # [n_head_kv, n_tok * g, hd]
+            o = ctx.permute(ctx.reshape_ne(kqv, hd, g, n_tok, n_kv_head), 0, 1, 3, 2)
+            o = _packed(ctx, cb, o, "kqv_merged")  # [n_tok, n_head_kv, g, hd] = [n_tok, n_head, hd]
+            o = self._linear(ctx, cb, p + "attn_output", ctx.reshape_ne(o, cfg.n_embd_q, n_tok), "attn_out")
+            if cfg.post_norms:
+                o = norm(o, p + "post_attention_norm.weight", "attn_post_norm")
+            ffn_inp = cb(ctx.add(o, inp), "ffn_inp")
+            x = norm(ffn_inp, p + "ffn_norm.weight", "ffn_norm")
+            f = self._moe(ctx, cb, x, p, n_tok) if cfg.is_moe else self._ffn(ctx, cb, x, p)
+            if cfg.post_norms:
+                f = norm(f, p + "post_ffw_norm.weight", "ffn_post_norm")
+            cur = cb(ctx.add(f, ffn_inp), "l_out")
+
+        group = "out"
+        if not all_rows and n_tok > 1:
+            cur = ctx.view(cur, (d, 1), (cur.nb[0], cur.nb[1]), (n_tok - 1) * cur.nb[1])
+        cur = norm(cur, "output_norm.weight", "result_norm")
+        head = w["token_embd.weight"] if cfg.tied_output else w["output.weight"]
+        logits = cb(ctx.mul_mat(head, cur), "result_head")
+        if "output.bias" in w:
+            logits = cb(ctx.add(logits, w["output.bias"]), "result_head_b")
+        if cfg.logit_softcap:
+            c = cfg.logit_softcap
+            logits = ctx.scale(cb(ctx.tanh(cb(ctx.scale(logits, 1.0 / c), "softcap_in")), "softcap_tanh"), c)
+        logits = cb(logits, "result_output")  # the last of them
+        ids = cb(ctx.argmax(logits), "result_argmax")
+        graph = ctx.graph(logits, ids)
+        return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa)
+
+    def _linear(self, ctx: Context, cb: _Namer, base: str, x: Tensor, name: str) -> Tensor:
+        """``x`` times weight ``base``.weight, plus ``base``.bias when the model has one."""
+        y = cb(ctx.mul_mat(self.w[base + ".weight"], x), name)
+        b = self.w.get(base + ".bias")
+        return y if b is None else cb(ctx.add(y, b), name + "_b")
+
+    def _qkv(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The Q, K and V projections (with their biases) of activations ``x``: one product by
+        the merged matrix for a single token (Q, K, V are contiguous slices of its one row),
+        else one per projection."""
+        qkv_w = self.merged.get(p + "attn_qkv.weight")
+        if qkv_w is None or n_tok != 1:
+            return tuple(self._linear(ctx, cb, p + n, x, c) for n, c in  # type: ignore[return-value]
+                         (("attn_q", "Qcur"), ("attn_k", "Kcur"), ("attn_v", "Vcur")))  # fmt: skip
+        qkv = cb(ctx.mul_mat(qkv_w, x), "QKVcur")
+        qkv_b = self.merged.get(p + "attn_qkv.bias")
+        if qkv_b is not None:
+            qkv = cb(ctx.add(qkv, qkv_b), "QKVcur_b")
+        fsz, r0, out = qkv.nb[0], 0, []
+        nq, nkv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        for n, rows in (("attn_q", nq), ("attn_k", nkv), ("attn_v", nkv)):
+            t = ctx.view(qkv, (rows, 1), None, r0 * fsz)
+            b = self.w.get(p + n + ".bias")
+            out.append(t if b is None or qkv_b is not None else cb(ctx.add(t, b), n + "_b"))
+            r0 += rows
+        return out[0], out[1], out[2]
+
+    def _ffn(self, ctx: Context, cb: _Namer, x: Tensor, p: str) -> Tensor:
+        """The gated FFN: act(gate) * up, down (``act``: SILU, or the tanh GELU)."""
+        glu = ctx.geglu if self.cfg.ffn_act == "gelu" else ctx.swiglu
+        act = f"ffn_{'geglu' if self.cfg.ffn_act == 'gelu' else 'swiglu'}"
+        gu_w = self.merged.get(p + "ffn_gate_up.weight")
+        bias_ok = (p + "ffn_gate.bias" in self.w) == (p + "ffn_gate_up.bias" in self.merged)
+        if gu_w is not None and bias_ok:  # GLU of one tensor: act(first half) * second half, per row
+            gu = cb(ctx.mul_mat(gu_w, x), "ffn_gate_up")
+            gu_b = self.merged.get(p + "ffn_gate_up.bias")
+            if gu_b is not None:
+                gu = cb(ctx.add(gu, gu_b), "ffn_gate_up_b")
+            a = cb(glu(gu), act)
+        else:
+            g = self._linear(ctx, cb, p + "ffn_gate", x, "ffn_gate")
+            u = self._linear(ctx, cb, p + "ffn_up", x, "ffn_up")
+            a = cb(glu(g, u), act)
+        return self._linear(ctx, cb, p + "ffn_down", a, "ffn_out")
+
+    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int) -> Tensor:
+        """llama.cpp's build_moe_ffn for llama: softmax gating, top-k, weights renormalized."""
+        w, cfg = self.w, self.cfg
+        n_exp, k = cfg.n_expert, cfg.n_expert_used
+        logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
+        probs = cb(ctx.soft_max(logits), "ffn_moe_probs")
+        order = cb(ctx.argsort(probs, SortOrder.DESC), "ffn_moe_argsort")
+        ids = ctx.view(order, (k, n_tok), (order.nb[0], order.nb[1]))  # top-k expert ids
+        wts = cb(ctx.get_rows(ctx.reshape_ne(probs, 1, n_exp, n_tok), ids), "ffn_moe_weights")
+        wts = ctx.reshape_ne(wts, k, n_tok)
+        wts = cb(ctx.div(wts, cb(ctx.sum_rows(wts), "ffn_moe_weights_sum")), "ffn_moe_weights_norm")
+        wts = ctx.reshape_ne(wts, 1, k, n_tok)
+        xb = ctx.reshape_ne(x, cfg.d_model, 1, n_tok)
+        g = cb(ctx.mul_mat_id(w[p + "ffn_gate_exps.weight"], xb, ids), "ffn_moe_gate")
+        u = cb(ctx.mul_mat_id(w[p + "ffn_up_exps.weight"], xb, ids), "ffn_moe_up")
+        a = cb(ctx.swiglu(g, u), "ffn_moe_swiglu")  # [T, k, d_ff]
+        dn = cb(ctx.mul_mat_id(w[p + "ffn_down_exps.weight"], a, ids), "ffn_moe_down")  # [T, k, d]
+        dn = cb(ctx.mul(dn, wts), "ffn_moe_weighted")
+        out = None
+        for j in range(k):  # sum over the used experts (views, as llama.cpp)
+            vj = ctx.view(dn, (cfg.d_model, n_tok), (dn.nb[0], dn.nb[2]), j * dn.nb[1])
+            out = vj if out is None else cb(ctx.add(out, vj), "ffn_moe_out")
+        if k == 1:
+            out = cb(ctx.cont(out), "ffn_moe_out")
+        return out
+
+    # --- running ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the context (positions restart at 0; stale cache slots are masked)."""
+        self.n_past = 0
+
+    def _set_positions(self, st: _Step, n_past: int) -> None:
+        """Write step ``st``'s position inputs for tokens at ``n_past ..``: the positions, the
+        causal masks (per query row of a GQA group; the sliding window's also hides slots
+        n_swa or more positions back, llama.cpp's is_masked_swa) and the V cache slots."""
+        n = st.n_tokens
+        pos = np.arange(n_past, n_past + n, dtype=np.int32)
+        st.pos.set(pos)
+        g = self.cfg.n_head // self.cfg.n_head_kv
+        slot = np.arange(st.n_kv)[None, :]
+        # slots up to each token's own position are visible
+        visible = slot <= pos[:, None]
+        if st.mask is not None:
+            st.mask.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))
+        if st.mask_swa is not None:
+            visible &= pos[:, None] - slot < self.cfg.n_swa
+            st.mask_swa.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))
+        if self.meta is None:
+            e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
+            st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
+
+    def eval(self, tokens: Sequence[int] | np.ndarray, *, all_logits: bool = False,
+             want_logits: bool = True) -> EvalResult:  # fmt: skip
+        """Run ``tokens`` at positions ``n_past ..``: write their K/V into the cache, return
+        the greedy next ids and (``want_logits``) the logits of the last token, or of every
+        token with ``all_logits``. Advances ``n_past``."""
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = toks.size
+        if n == 0:
+            raise ShapeError("eval: no tokens")
+        if self.n_past + n > self.n_ctx:
+            raise OutOfRangeError(f"eval: {self.n_past} + {n} tokens exceed the context of "
+                                  f"{self.n_ctx}")  # fmt: skip
+        if toks.min() < 0 or toks.max() >= self.cfg.n_vocab:
+            raise OutOfRangeError(f"eval: token ids must be in 0..{self.cfg.n_vocab - 1}")
+        st = self.step(n, self.window(self.n_past + n), all_logits)
+        self.sched.alloc_graph(st.graph)
+        st.tokens.set(toks.astype(np.int32))
+        ready = self._positions_set
+        if ready is None or ready[0] is not st or ready[1] != self.n_past:
+            self._set_positions(st, self.n_past)
+        self._positions_set = None
+        self.sched.graph_compute(st.graph)
+        # a decode step usually follows at the next position: write its positions while the
+        # devices work, where the scheduler is done with this step's inputs (and not through
+        # the meta device, whose inputs are its devices' memory)
+        nxt = self.n_past + n
+        early = n == 1 and self.meta is None and nxt < self.n_ctx and self.sched.inputs_released()
+        if early and self.step(1, self.window(nxt + 1), False) is st:
+            self._set_positions(st, nxt)
+            self._positions_set = (st, nxt)
+        self.sched.synchronize()
+        self.n_past += n
+        ids = st.argmax.get().astype(np.int64)
+        logits = st.logits.get() if want_logits else None
+        return EvalResult(ids, logits)
+
+    def generate(self, prompt: Sequence[int], n_new: int,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:  # fmt: skip
+        """Greedy: ``n_new`` tokens after ``prompt`` (continuing the context); the first comes
+        from the prefill, each further one from a decode step."""
+        out: list[int] = []
+        if n_new <= 0:
+            return out
+        tok = int(self.eval(prompt, want_logits=False).ids[-1])
+        while True:
+            out.append(tok)
+            if on_token:
+                on_token(tok)
+            if len(out) == n_new:
+                return out
+            tok = int(self.eval([tok], want_logits=False).ids[-1])
+
+    # --- reporting ------------------------------------------------------------------------------
+    def describe_plan(self, n_tokens: int = 1) -> list[str]:
+        """Lines saying where the weights are and which device runs which ops of the graph
+        for ``n_tokens`` (planned and allocated by the scheduler; nothing is computed)."""
+        st = self.step(n_tokens, self.window(max(1, n_tokens)), False)
+        self.sched.alloc_graph(st.graph)
+        lines = []
+        for dev, nb in self.weight_bytes().items():
+            lines.append(f"weights on {dev}: {nb / 2**20:.1f} MiB")
+        if self.meta is not None:
+            lines.append(f"tensor split over {len(self.meta.devices)} devices "
+                         f"({', '.join(d.name for d in self.meta.devices)}):")  # fmt: skip
+            return lines + [f"  {x}" for x in self.meta.describe(st.graph)]
+        caches: dict[str, int] = {}
+        for i, dev in enumerate(self.layer_dev):
+            caches[dev.name] = caches.get(dev.name, 0) + self.cache_k[i].nbytes + self.cache_v[i].nbytes
+        for dev, nb in caches.items():
+            lines.append(f"KV cache on {dev}: {nb / 2**20:.1f} MiB ({self.cache_type.name}, n_ctx "
+                         f"{self.n_ctx})")  # fmt: skip
+        per_group: dict[str, Counter] = {}
+        ops_on: dict[str, dict[str, list[str]]] = {}
+        for n in st.graph.nodes:
+            if n.op in VIEW_OPS:
+                continue
+            g = st.groups.get(id(n), "?")
+            b = self.sched.get_tensor_backend(n)
+            bn = b.device.name if b is not None else "?"
+            per_group.setdefault(g, Counter())[bn] += 1
+            ops_on.setdefault(g, {}).setdefault(bn, []).append(op_desc(n))
+        rows: list[tuple[str, str]] = []
+        for g, cnt in per_group.items():
+            parts = []
+            for bn, c in cnt.most_common():
+                ops = sorted(set(ops_on[g][bn]))
+                parts.append(f"{bn} ({c} ops)" if len(cnt) == 1 or c > 3
+                             else f"{bn} ({', '.join(ops)})")  # fmt: skip
+            rows.append((g, ", ".join(parts)))
+        # compress runs of layers with the same placement
+        merged: list[tuple[str, str]] = []
+        run_start = run_end = None
+        for g, desc in rows + [("", "")]:
+            if g.startswith("blk.") and run_start is not None and desc == merged[-1][1] and (
+                    int(g[4:]) == int(run_end[4:]) + 1):  # fmt: skip
+                run_end = g
+                merged[-1] = (f"{run_start} - {run_end}", desc)
+                continue
+            if g:
+                merged.append((g, desc))
+            run_start = run_end = g if g.startswith("blk.") else None
+        lines.append(f"graph for {n_tokens} token(s): {self.sched.stats.splits} split(s), "
+                     f"{self.sched.stats.copies} input copies")  # fmt: skip
+        w = max(len(g) for g, _ in merged)
+        for g, desc in merged:
+            lines.append(f"  {g:<{w}}  {desc}")
+        return lines
