@@ -51,6 +51,7 @@ def one_line(err: str, *parts: str) -> None:
     (["run", "--tokens", "x"], ["--tokens", "expected an integer, got 'x'"]),
     (["run", "--prompt-tokens", "0"], ["--prompt-tokens", ">= 1"]),
     (["run", "--model", "/nonexistent/m.gguf"], ["--model /nonexistent/m.gguf: no such file"]),
+    (["run", "--model", "m" * 300], [f"--model {'m' * 300}: File name too long"]),  # (the fuzz found it)
     (["run", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["make-model", "/nonexistent/dir/m.gguf"], ["directory /nonexistent/dir does not exist"]),
     (["make-model", "x.gguf", "--layers", "0"], ["--layers", "from 1 to"]),

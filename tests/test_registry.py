@@ -216,6 +216,7 @@ PROBE = textwrap.dedent(
     info["api_version_impls"] = len(reg.pm.hook.api_version.get_hookimpls())
     info["devices"] = [d.name for d in reg.devices]
     info["cpu_plugin_imported"] = "accelplane.cpu.plugin" in sys.modules
+    info["metadata_imported"] = "importlib.metadata" in sys.modules
     reg.pm.check_pending()  # what failed left nothing behind in the plugin manager
     print(json.dumps(info))
     """
@@ -311,6 +312,42 @@ def test_default_install_imports_nothing_heavy():
     assert "error" not in info, info
     assert "cpu" in [p["name"] for p in info["plugins"]]
     assert info["heavy"] == []
+
+
+def test_entry_points_are_read_as_importlib_metadata_reads_them(site, monkeypatch, tmp_path):
+    """The registry reads entry_points.txt itself (importing importlib.metadata costs more than
+    the rest of discovery): the same entry points and versions, the first distribution of a name
+    on sys.path winning; a zip archive on sys.path goes through importlib.metadata."""
+    import zipfile
+
+    from accelplane.runtime import registry
+
+    def ours():
+        return sorted((e.name, e.value, e.version) for e in registry.entry_points())
+
+    def theirs():
+        return sorted((e.name, e.value, e.dist.version) for e in metadata.entry_points(group=registry.GROUP))
+
+    shadow = tmp_path / "shadow"  # a later copy of the hostdev distribution: not read
+    shadow.mkdir()
+    _dist(shadow, "accelplane-hostdev", "9.9", {"hostdev": "elsewhere"})
+    monkeypatch.setattr(sys, "path", [str(site), str(shadow), *sys.path])
+    got = ours()
+    assert got == theirs()
+    assert ("hostdev", "fakeplug_hostdev", "0.3") in got and "elsewhere" not in str(got)
+    assert ("bad_import", "fakeplug_bad_import", "0.1") in got
+    archive = tmp_path / "plugins.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        info = "zipped_plugin-1.2.dist-info"
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: zipped-plugin\nVersion: 1.2\n")
+        z.writestr(f"{info}/entry_points.txt", "[accelplane.plugins]\nzipped = zmod\n")
+    monkeypatch.setattr(sys, "path", [str(archive), *sys.path])
+    got = ours()
+    assert ("zipped", "zmod", "1.2") in got and got == theirs()
+
+
+def test_discovery_reads_entry_points_without_importlib_metadata(full):
+    assert full["metadata_imported"] is False
 
 
 # --- allow and block lists -----------------------------------------------------------------------

@@ -84,13 +84,13 @@ def machine(dev: Any) -> dict:
 @contextmanager
 def _onemkl(dev: Any, on: bool):
     """Plans built inside use oneMKL (dpnp) for MUL_MAT when ``on``, the own kernel otherwise."""
-    saved = dev.ctx._onemkl
+    saved = dev.runtime._onemkl
     if not on:
-        dev.ctx._onemkl = False
+        dev.runtime._onemkl = False
     try:
         yield
     finally:
-        dev.ctx._onemkl = saved
+        dev.runtime._onemkl = saved
 
 
 def _ms(t0: float) -> float:
@@ -106,7 +106,7 @@ def bench_overlap(
     two queues (medians over ``reps``, in ms)."""
     from accelplane.runtime.backend import tensor_copy_async
 
-    if gemm == "onemkl" and dev.ctx.onemkl() is None:
+    if gemm == "onemkl" and dev.runtime.onemkl() is None:
         return {"gemm": gemm, "copy": copy, "skipped": "dpnp (oneMKL) is not installed"}
     m, k, n = mkn or DEFAULT_MATMUL[gemm]
     nel = copy_mb * (1 << 20) // 4

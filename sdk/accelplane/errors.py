@@ -48,6 +48,12 @@ class DeviceError(AccelplaneError):
     """A device, buffer, backend or event was misused: freed, of another device, absent."""
 
 
+class DeviceOpenError(DeviceError):
+    """A device's runtime (its contexts, queues, library) failed to open on the device's first
+    use: listing devices only probes them. The message names the plugin, the device and the
+    cause, which is chained as ``__cause__``; every later use of the device raises it again."""
+
+
 class BufferFreedError(DeviceError):
     """A buffer (or a tensor in it) was used after the buffer was freed."""
 

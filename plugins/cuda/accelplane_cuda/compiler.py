@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from accelplane.errors import ComputeError
+from accelplane.runtime.progress import phase
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 STD = "--std=c++17"
@@ -144,7 +145,9 @@ class DeviceKernels:
         with cp.cuda.Device(self.device):
             mod = cp.RawModule(code=fam.source(), options=fam.options(), name_expressions=names)
             try:
-                mod.compile()
+                what = f"cuda: CUDA{self.device}: compiling kernels/{fam.file}.cu ({len(names)} kernels)"
+                with phase(what):
+                    mod.compile()  # NVRTC (seconds; CuPy caches the result on disk)
             except cp.cuda.compiler.CompileException as e:
                 err = ComputeError(f"CUDA kernels/{fam.file}.cu failed to compile: {e}")
                 self._failed[fam.file] = err

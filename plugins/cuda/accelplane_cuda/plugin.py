@@ -8,10 +8,13 @@ matrix products of float weights and large batches go through cuBLAS. graph_comp
 graph once and, from the second run of an unchanged graph on, replays it as a CUDA graph.
 
 This module holds the hook implementations only; the objects behind the handles are in
-runtime.py. Nothing heavy is imported at module load: CuPy is imported in get_devices.
+runtime.py. Nothing heavy is imported at module load: get_devices asks the driver (runtime.probe,
+no CuPy, no context), and CuPy is imported when a device opens (its first use).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 from accelplane.errors import CommTimeoutError, ComputeError, DeviceError
@@ -39,6 +42,8 @@ from .runtime import (
     dlpack_wait,
     memcpy,
     memset,
+    open_device,
+    probe,
     raw_io,
 )
 
@@ -53,26 +58,21 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    try:
-        cp = cupy()
-        n = cp.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no CuPy, no driver, no device
-        raise DeviceError(f"no CUDA device: {type(e).__name__}: {e}") from None
-    if n == 0:
-        raise DeviceError("no CUDA device: the CUDA runtime reports 0 devices")
+    found = probe()  # DeviceError when CuPy, the driver or a device is missing
     settings = tuning.read()
     out = []
     caps = DeviceCaps(async_=True, host_buffer=True, events=True)
-    for i in range(n):
-        p = cp.cuda.runtime.getDeviceProperties(i)
-        name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
-        desc = f"{name} (sm_{p['major']}{p['minor']}, {p['totalGlobalMem'] / 2**30:.0f} GiB)"
-        out.append(DeviceSpec(f"CUDA{i}", desc, DeviceType.GPU, caps, DevCtx(i, p, settings)))
+    for i, (name, cc, total) in enumerate(found):
+        ctx = DevCtx(i, name, cc, total, settings)
+        desc = f"{name} (sm_{cc[0]}{cc[1]}, {total / 2**30:.0f} GiB)"
+        out.append(DeviceSpec(f"CUDA{i}", desc, DeviceType.GPU, caps, ctx, open=partial(open_device, ctx)))
     return out
 
 
 @hookimpl
 def device_memory(device):
+    if not device.is_open:
+        return None  # free memory needs a context: the listing shows the total in the description
     cp = cupy()
     with cp.cuda.Device(device.ctx.index):
         free, total = cp.cuda.runtime.memGetInfo()
@@ -81,7 +81,7 @@ def device_memory(device):
 
 @hookimpl
 def init_backend(device, backend, params):
-    return StreamCtx(device.ctx.index)
+    return StreamCtx(device.ctx.index)  # (the SDK has opened the device: CuPy is imported)
 
 
 @hookimpl

@@ -1,18 +1,24 @@
 """The CUDA plugin's objects behind the SDK handles (plugin.py's hooks): device, buffer memory,
 stream, error flag, recording; and raw copies on CuPy's runtime API.
 
-CuPy is imported on first use (:func:`cupy`), never at module load.
+Listing devices asks the driver (libcuda through ctypes: :func:`probe`), without CuPy; CuPy is
+imported when a device opens (its first use: :func:`open_device`), never at module load.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+from dataclasses import dataclass
+
 import numpy as np
-from accelplane.errors import AllocationError, DLPackError
+from accelplane.errors import AllocationError, DeviceError, DLPackError
 from accelplane.runtime.plancache import PlanCache
 
 from . import tuning
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
+CC_MAJOR, CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
 
 
 def cupy():
@@ -21,13 +27,64 @@ def cupy():
     return cupy
 
 
+@dataclass(frozen=True)
 class DevCtx:
-    """A device: its index and properties, and the plugin's settings when the devices opened."""
+    """A device as the driver lists it (``device.ctx``), and the plugin's settings when the
+    devices were listed."""
 
-    def __init__(self, index: int, props: dict, settings: tuning.Tuning) -> None:
-        self.index = index
-        self.props = props
-        self.tuning = settings
+    index: int
+    name: str
+    cc: tuple[int, int]
+    total_memory: int
+    tuning: tuning.Tuning
+
+
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def probe() -> list[tuple[str, tuple[int, int], int]]:
+    """(name, compute capability, memory bytes) of each device the driver lists: cuInit and
+    attribute queries of libcuda, no context (no CuPy, no memory on the GPU). DeviceError when
+    CuPy, the driver or a device is missing ("no device")."""
+    if importlib.util.find_spec("cupy") is None:
+        raise DeviceError("no CUDA device: CuPy is not installed (pip install cupy-cuda13x)")
+    try:
+        cu = _driver()
+    except OSError as e:
+        raise DeviceError(f"no CUDA device: the NVIDIA driver's libcuda.so.1 does not load ({e})") from None
+
+    def check(r: int, what: str) -> None:
+        if r != 0:
+            msg = ctypes.c_char_p()
+            cu.cuGetErrorName(r, ctypes.byref(msg))
+            raise DeviceError(f"no CUDA device: {what}: {(msg.value or b'').decode() or f'CUresult {r}'}")
+
+    check(cu.cuInit(0), "cuInit")
+    n = ctypes.c_int()
+    check(cu.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+    if n.value == 0:
+        raise DeviceError("no CUDA device: the CUDA driver reports 0 devices")
+    out = []
+    for i in range(n.value):
+        dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        total, name = ctypes.c_size_t(), ctypes.create_string_buffer(256)
+        check(cu.cuDeviceGet(ctypes.byref(dev), i), f"cuDeviceGet({i})")
+        check(cu.cuDeviceGetName(name, len(name), dev), f"cuDeviceGetName({i})")
+        check(cu.cuDeviceTotalMem_v2(ctypes.byref(total), dev), f"cuDeviceTotalMem({i})")
+        check(cu.cuDeviceGetAttribute(ctypes.byref(major), CC_MAJOR, dev), f"cuDeviceGetAttribute({i})")
+        check(cu.cuDeviceGetAttribute(ctypes.byref(minor), CC_MINOR, dev), f"cuDeviceGetAttribute({i})")
+        out.append((name.value.decode(errors="replace"), (major.value, minor.value), total.value))
+    return out
+
+
+def open_device(ctx: DevCtx) -> DevCtx:
+    """A device's runtime, on its first use: CuPy imported, and the device among CuPy's (the
+    runtime sees what the driver listed). Returns ``ctx`` (the hooks reach CuPy through cupy())."""
+    n = cupy().cuda.runtime.getDeviceCount()
+    if ctx.index >= n:
+        raise DeviceError(f"CUDA{ctx.index}: the driver lists it, but CuPy's runtime sees {n} device(s)")
+    return ctx
 
 
 class DevMem:

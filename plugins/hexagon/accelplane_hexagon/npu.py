@@ -3,6 +3,7 @@ on first use, so importing the plugin stays cheap."""
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 from typing import Any
 
@@ -16,16 +17,23 @@ ERRORS = {
 }
 
 
+NOT_BUILT = ("accelplane_hexagon._htp (the emulated NPU's C kernels) is not built: "
+             "pip install -e plugins/hexagon, or python plugins/hexagon/accelplane_hexagon/_build.py")
+
+
+def check_built() -> None:
+    """DeviceError when the NPU side is not built, without loading it (listing devices)."""
+    if importlib.util.find_spec(f"{__package__}._htp") is None:
+        raise DeviceError(NOT_BUILT)
+
+
 @cache
 def load() -> tuple[Any, Any]:
     """(ffi, lib) of the compiled NPU side; DeviceError when it is not built."""
     try:
         from ._htp import ffi, lib
     except ImportError as e:
-        raise DeviceError(
-            "accelplane_hexagon._htp (the emulated NPU's C kernels) is not built: "
-            "pip install -e plugins/hexagon, or python plugins/hexagon/accelplane_hexagon/_build.py"
-        ) from e
+        raise DeviceError(NOT_BUILT) from e
     return ffi, lib
 
 

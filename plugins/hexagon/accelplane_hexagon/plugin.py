@@ -38,9 +38,10 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    npu.load()  # a missing build is a broken runtime, reported by the registry
-    return [DeviceSpec(f"HTP{i}", DESCRIPTION, DeviceType.ACCEL, DeviceCaps(emulated=True), DevState(i))
-            for i in range(tuning.read().ndev)]  # fmt: skip
+    npu.check_built()  # a missing build is a broken runtime, reported by the registry
+    # the emulator loads on a device's first backend (npu.load: the device's runtime)
+    return [DeviceSpec(f"HTP{i}", DESCRIPTION, DeviceType.ACCEL, DeviceCaps(emulated=True), DevState(i),
+                       open=npu.load) for i in range(tuning.read().ndev)]  # fmt: skip
 
 
 @hookimpl
@@ -50,7 +51,7 @@ def device_memory(device):
 
 @hookimpl
 def init_backend(device, backend, params):
-    return BackendState(Options.parse(params))
+    return BackendState(Options.parse(params))  # (the SDK has opened the device: the emulator is loaded)
 
 
 @hookimpl

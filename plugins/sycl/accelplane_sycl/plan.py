@@ -25,6 +25,7 @@ from accelplane.core.ops import ROPE_TYPE_NEOX, VIEW_OPS, Op, UnaryOp, rope_para
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 from accelplane.errors import ComputeError
+from accelplane.runtime.progress import phase
 
 from .runtime import DevState, UsmBuffer, usm_view
 
@@ -128,6 +129,14 @@ class Plan:
         self._launch(kernel, pi, mems, tensors[0].nelements if n is None else n, wg)
 
     def _bind(self) -> list[Step]:
+        """The launches bound to their kernels, building the ones this device has not built yet
+        (the OpenCL CPU compiler takes about 0.3 s each: a model's first graph says so on a
+        terminal)."""
+        new = {item[0] for item in self.launches if not callable(item)} - self.dev.built()
+        if new:
+            with phase(f"sycl: {self.dev.name}: compiling {len(new)} kernel{'s' * (len(new) != 1)}"):
+                for k in sorted(new):
+                    self.dev.kernel(k)
         steps: list[Step] = []
         pmem = self._pbuf.mem
         for item in self.launches:

@@ -1,7 +1,9 @@
 """The SYCL plugin's hookimpls (entry point ``sycl = "accelplane_sycl.plugin"``).
 
-dpctl is imported on the first get_devices (runtime.open_dpctl), never at discovery. Semantics follow
-llama.cpp's SYCL per-instance-queue work (docs/ordering.md):
+dpctl is imported on the first get_devices (runtime.open_dpctl), never at discovery; get_devices
+lists dpctl's devices (runtime.Probe) and a device's context and queue (runtime.DevState, its
+``device.runtime``) are made on its first use. Semantics follow llama.cpp's SYCL
+per-instance-queue work (docs/ordering.md):
 
 - every Backend owns a new in-order queue on its device's context (never a shared default
   queue), so a second backend of one device (a copy or prefetch stream) overlaps with compute;
@@ -15,6 +17,8 @@ llama.cpp's SYCL per-instance-queue work (docs/ordering.md):
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
 from accelplane.interface import (
@@ -27,7 +31,7 @@ from accelplane.interface import (
     hookimpl,
 )
 
-from .runtime import ALIGNMENT, BuftInfo, discover, usm_of
+from .runtime import ALIGNMENT, BuftInfo, DevState, discover, usm_of
 from .stream import EventState, Stream
 
 
@@ -41,21 +45,21 @@ def api_version():
 def get_devices():
     # like ggml-sycl, every SYCL device is a GPU-type device (its own memory space, USM device);
     # one on an OpenCL CPU runtime runs on the host's cores
-    return [DeviceSpec(d.name, d.description, DeviceType.GPU,
-                       DeviceCaps(async_=True, host_buffer=True, events=True, emulated=d.dev.is_cpu), d)
-            for d in discover()]  # fmt: skip
+    return [DeviceSpec(p.name, p.description, DeviceType.GPU,
+                       DeviceCaps(async_=True, host_buffer=True, events=True, emulated=p.dev.is_cpu),
+                       p, open=partial(DevState, p))
+            for p in discover()]  # fmt: skip
 
 
 @hookimpl
 def device_memory(device):
-    dev = device.ctx
-    total = int(dev.dev.global_mem_size)
-    return max(0, total - dev.allocated), total
+    total = int(device.ctx.dev.global_mem_size)  # the probe's: no need to open the device
+    return max(0, total - (device.runtime.allocated if device.is_open else 0)), total
 
 
 @hookimpl
 def init_backend(device, backend, params):
-    return Stream(device.ctx)
+    return Stream(device.runtime)
 
 
 @hookimpl
@@ -89,8 +93,7 @@ def supports_buft(device, buft):
 # --- buffers -------------------------------------------------------------------------------------
 @hookimpl
 def buft_alloc(buft, buffer, size):
-    info: BuftInfo = buft.ctx
-    return info.dev.alloc(size, info.host)
+    return buft.device.runtime.alloc(size, buft.ctx.host)  # the device opens on its first buffer
 
 
 @hookimpl
@@ -159,10 +162,10 @@ def buffer_dlpack(buffer, tensor):
 
 @hookimpl
 def buft_from_dlpack(buft, buffer, memory, size):
-    info: BuftInfo = buft.ctx
-    if memory.device_type != DLDeviceType.ONE_API or memory.device_id != info.dev.dlpack_id:
+    dev = buft.device.runtime  # (open: the SDK opens the device before this hook)
+    if memory.device_type != DLDeviceType.ONE_API or memory.device_id != dev.dlpack_id:
         return None
-    return info.dev.wrap(memory.ptr, size, info.host, memory.owner)
+    return dev.wrap(memory.ptr, size, buft.ctx.host, memory.owner)
 
 
 @hookimpl
@@ -256,7 +259,7 @@ def event_wait(backend, event):
     if st.ev is None:
         return
     bs: Stream = backend.ctx
-    if event.device.ctx.ctx != bs.dev.ctx:
+    if event.device.runtime.ctx != bs.dev.ctx:
         # another context (a logical device): wait on the host, as for an event of another
         # plugin; a device-side dependency across contexts is not reliable on this runtime
         st.ev.wait()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,8 @@ def kernel_sources() -> dict[str, str]:
     """{kernel name: the source of its program} (common.cl, its family's helpers, the kernel)."""
     global _sources
     if _sources is None:
+        from importlib import resources  # here: its import is a tenth of listing the devices
+
         root = resources.files(__package__).joinpath(KERNEL_DIR)
         common = root.joinpath(COMMON).read_text()
         out: dict[str, str] = {}

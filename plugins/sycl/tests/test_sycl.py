@@ -44,7 +44,7 @@ def test_each_backend_owns_an_in_order_queue(d0):
     b1, b2 = d0.new_backend(), d0.new_backend()
     q1, q2 = b1.ctx.queue, b2.ctx.queue
     assert q1 != q2 and q1 is not q2
-    assert q1 != d0.ctx.queue and q2 != d0.ctx.queue, "a backend must not use the device's queue"
+    assert q1 != d0.runtime.queue and q2 != d0.runtime.queue, "a backend must not use the device's queue"
     assert q1.is_in_order and q2.is_in_order
     b1.free()
     b2.free()
@@ -52,7 +52,7 @@ def test_each_backend_owns_an_in_order_queue(d0):
 
 def test_logical_devices_have_their_own_contexts(d0, d1):
     assert d0.ctx.phys_index == d1.ctx.phys_index
-    assert d0.ctx.ctx != d1.ctx.ctx
+    assert d0.runtime.ctx != d1.runtime.ctx
     assert "logical device" in d0.description
 
 
@@ -250,7 +250,7 @@ def test_host_buffer_is_host_memory(d0):
 # --- matrix products: oneMKL and own kernels agree ------------------------------------------------
 @pytest.mark.parametrize("type_", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K], ids=str)
 def test_mul_mat_paths_agree(d0, type_):
-    if d0.ctx.onemkl() is None:
+    if d0.runtime.onemkl() is None:
         pytest.skip("dpnp (oneMKL) is not installed: only the own kernels run")
     rng = np.random.default_rng(3)
     k = 512
@@ -263,16 +263,16 @@ def test_mul_mat_paths_agree(d0, type_):
     b.set(rng.uniform(-1, 1, (32, k)))
     results = []
     for onemkl in (True, False):
-        saved = d0.ctx._onemkl
+        saved = d0.runtime._onemkl
         if not onemkl:
-            d0.ctx._onemkl = False
+            d0.runtime._onemkl = False
         try:
             be = d0.new_backend()
             be.compute(g)
             results.append(g.nodes[-1].get())
             be.free()
         finally:
-            d0.ctx._onemkl = saved
+            d0.runtime._onemkl = saved
     want = b.get().astype(np.float64) @ a.get().astype(np.float64).T
     for r in results:
         np.testing.assert_allclose(r, want, rtol=1e-3, atol=1e-3)
@@ -360,7 +360,7 @@ def test_kernel_build_failure_names_device_and_has_log(d0, monkeypatch):
     bad = "__kernel void k_broken(__global int* a) { a[0] = no_such_name; }\n"
     monkeypatch.setattr(program, "_sources", {"k_broken": bad})
     with pytest.raises(ComputeError) as e:
-        d0.ctx.kernel("k_broken")
+        d0.runtime.kernel("k_broken")
     msg = str(e.value)
     assert "SYCL0" in msg and "k_broken" in msg
     assert "no_such_name" in msg, f"no build log in {msg!r}"
@@ -368,15 +368,61 @@ def test_kernel_build_failure_names_device_and_has_log(d0, monkeypatch):
 
 def test_allocation_failure_names_device(d0):
     with pytest.raises(AllocationError, match="SYCL0"):
-        d0.ctx.alloc(1 << 52, host=False)
+        d0.runtime.alloc(1 << 52, host=False)
 
 
-def test_no_device_is_a_clear_error(monkeypatch):
+@pytest.mark.parametrize("path", ["c", "dpctl"])
+def test_no_device_is_a_clear_error(monkeypatch, path):
     import dpctl
 
-    monkeypatch.setattr(dpctl, "get_devices", lambda *a, **k: [])
-    with pytest.raises(DeviceError, match="^no SYCL device: "):
+    if path == "c":  # dpctl's C interface lists none
+        monkeypatch.setattr(runtime, "list_devices_c", lambda lib: [])
+    else:
+        monkeypatch.setattr(runtime, "_dpctl_c", lambda: None)
+        monkeypatch.setattr(dpctl, "get_devices", lambda *a, **k: [])
+    with pytest.raises(DeviceError, match="^no SYCL device: dpctl .* lists none"):
         runtime.discover()
+
+
+# --- listing through dpctl's C interface ----------------------------------------------------------------
+def test_listing_through_the_c_interface_is_dpctls(monkeypatch):
+    """What the C interface lists (each field) is what dpctl's Python API says of its devices,
+    in its order; without the library, listing goes through dpctl and says the same."""
+    import dpctl
+
+    lib = runtime._dpctl_c()
+    assert lib is not None, "dpctl's C interface did not load"
+    ours = runtime.list_devices_c(lib)
+    theirs = [runtime.SyclDeviceInfo.of(d) for d in dpctl.get_devices()]
+    assert [d._key() for d in ours] == [d._key() for d in theirs] and ours
+    monkeypatch.setattr(runtime, "_dpctl_c", lambda: None)
+    assert runtime.list_devices() == theirs
+
+
+def test_listing_does_not_import_dpctl_and_first_use_does():
+    code = ("import sys, accelplane; d = [d for d in accelplane.devices() if d.plugin.name == 'sycl'];"
+            "print(len(d), 'dpctl' in sys.modules); d[0].runtime; print('dpctl' in sys.modules)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    n, listed, used = r.stdout.split()
+    assert int(n) >= 1 and (listed, used) == ("False", "True"), r.stdout
+
+
+def test_a_device_list_that_changed_does_not_open(monkeypatch):
+    """Opening takes the listed device's dpctl device by its index and checks it is the same."""
+    import dpctl
+
+    probe = runtime.discover()[0]
+    other = runtime.SyclDeviceInfo("Another", "opencl:gpu:0", "1", 1 << 30, 1 << 28, False)
+    monkeypatch.setattr(runtime, "_dpctl_devices", None)
+    monkeypatch.setattr(dpctl, "get_devices", lambda *a, **k: [])
+    with pytest.raises(DeviceError, match="SYCL0: dpctl lists .* now, not the"):
+        runtime.DevState(probe)
+    moved = runtime.Probe(probe.index, other, probe.phys_index, probe.shared, probe.settings)
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime, "_dpctl_devices", None)
+    with pytest.raises(DeviceError, match="'Another'"):
+        runtime.DevState(moved)
 
 
 @pytest.mark.parametrize("bad", ["0,99", "a", "0,,1", "-1"])

@@ -41,7 +41,7 @@ def _registry(monkeypatch, devices: str | None) -> Registry:
 @pytest.fixture
 def dev(monkeypatch):
     d = _registry(monkeypatch, None).devices_of("sycl")[0]
-    if d.ctx.dlpack_id is None:
+    if d.runtime.dlpack_id is None:
         pytest.skip(f"{d.name}: the platform's default context is not this device's alone")
     return d
 
@@ -61,7 +61,7 @@ def _tensor(buft, shape, values):
 def test_usm_device_memory_goes_to_dpnp_without_a_copy(dev):
     v = np.arange(24, dtype=np.float32).reshape(4, 6)
     ctx, t, buf = _tensor(dev.buffer_type, (4, 6), v)
-    assert t.__dlpack_device__() == (DLDeviceType.ONE_API, dev.ctx.dev.get_device_id())
+    assert t.__dlpack_device__() == (DLDeviceType.ONE_API, dev.runtime.dev.get_device_id())
     a = dpt.from_dlpack(t)
     assert _usm(a) == buf.ctx.ptr + t.offs and a.usm_type == "device"
     assert np.array_equal(dpt.asnumpy(a), v)
@@ -78,7 +78,7 @@ def test_usm_device_memory_goes_to_dpnp_without_a_copy(dev):
 
 
 def test_dpnp_arrays_import_without_a_copy(dev):
-    q = dev.ctx.queue
+    q = dev.runtime.queue
     x = dpt.reshape(dpt.arange(12, dtype="f4", sycl_queue=q), (3, 4))
     t = accelplane.from_dlpack(x, device=dev)
     assert t.buffer.device is dev and t.buffer.ctx.ptr == _usm(x)
@@ -141,7 +141,7 @@ def test_host_usm_is_shared_as_cpu_memory(dev):
 
 def test_logical_devices_with_own_contexts_export_copies(monkeypatch):
     d0 = _registry(monkeypatch, "0,0").devices_of("sycl")[0]
-    assert d0.ctx.dlpack_id is None
+    assert d0.runtime.dlpack_id is None
     ctx, t, buf = _tensor(d0.buffer_type, (5,), np.arange(5))
     assert t.__dlpack_device__() == (DLDeviceType.CPU, 0)
     assert np.array_equal(np.from_dlpack(t), np.arange(5))

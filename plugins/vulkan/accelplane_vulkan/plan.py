@@ -20,6 +20,7 @@ from accelplane.core.fusion import Fusion
 from accelplane.core.ops import VIEW_OPS
 from accelplane.core.tensor import Tensor
 from accelplane.errors import ComputeError, UnsupportedOpError
+from accelplane.runtime.progress import phase
 
 from . import kernels
 from .runtime import N_BINDINGS, NULL, Memory, Stream, V, check, cmd_barrier, ffi, lib, new_struct
@@ -172,6 +173,13 @@ class Plan:
         return (*((m if m is not None else d).buf for m in mems), self.stream.err.buf)
 
     def _record(self, dev, work, sets) -> None:
+        # the driver compiles each pipeline it has not made yet (lavapipe: to LLVM, seconds for a
+        # model's first graph): made first, so a terminal is told
+        new = sorted({(w.d.shader, w.d.spec) for w in work} - dev.pipelines.keys())
+        if new:
+            with phase(f"vulkan: {dev.label}: compiling {len(new)} pipeline{'s' * (len(new) != 1)}"):
+                for shader, spec in new:
+                    dev.pipeline(shader, spec)
         stream, cmd = self.stream, self.cmd
         stream.begin(V.VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT, cmd)
         limits = dev.phys.limits["maxComputeWorkGroupCount"]

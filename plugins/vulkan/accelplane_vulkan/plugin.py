@@ -8,22 +8,21 @@ coherent, mapped: is_host). A backend is a Stream (runtime/stream.py): one queue
 timeline semaphore; graph_compute records a graph once (plan.py) and resubmits it; events are
 timeline values; copies between devices that cannot share semaphores cross a host bridge.
 
-Nothing heavy at import: the runtime (and the ``vulkan`` package, which needs libvulkan) is
-imported by get_devices, which raises DeviceError("no Vulkan driver found: ...") when the
-loader or driver is missing; the registry records that and the host carries on.
+Nothing heavy at import. get_devices probes (probe.py: libvulkan through ctypes, the instance,
+the physical devices' properties), raising DeviceError("no Vulkan driver found: ...") when the
+loader or driver is missing; the registry records that and the host carries on. A device's
+runtime (runtime/: the ``vulkan`` package, a VkDevice with its queues; its shaders at the first
+backend) opens on its first use (``device.runtime``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
 
 from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.plancache import PlanCache
 
-from . import tuning
-
-if TYPE_CHECKING:
-    from .runtime import DeviceCtx
+from . import probe, tuning
 
 
 def _rt():
@@ -38,27 +37,35 @@ def api_version():
     return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
+def _open(ctx: probe.DeviceCtx):
+    return _rt().LogicalDevice(ctx.phys, ctx.label)  # DeviceError when the vulkan package cannot load
+
+
 @hookimpl
 def get_devices():
-    rt = _rt()  # DeviceError when libvulkan is missing
     return [
         DeviceSpec(d.label, d.description, DeviceType.IGPU if d.phys.type == 1 else DeviceType.GPU,
-                   DeviceCaps(async_=True, host_buffer=True, events=True, emulated=d.phys.type == 4), d)
-        for d in rt.open_devices(tuning.read())
+                   DeviceCaps(async_=True, host_buffer=True, events=True, emulated=d.phys.type == 4), d,
+                   open=partial(_open, d))
+        for d in probe.list_devices(tuning.read())  # DeviceError when libvulkan is missing
     ]  # (physical type 4: a CPU, i.e. lavapipe)
 
 
 @hookimpl
 def device_memory(device):
-    return device.ctx.memory()
+    """The device-local heap, less what this device allocated (the probe's size: no need to open)."""
+    total = device.ctx.phys.heap_size
+    return max(0, total - (device.runtime.allocated if device.is_open else 0)), total
 
 
 @hookimpl
 def init_backend(device, backend, params):
+    dev = device.runtime  # first: the runtime's own failure to load is the device's DeviceOpenError
+    dev.load_shaders()  # a shader that does not compile fails here, before any backend exists
     from .plan import Plan
 
-    ctx: DeviceCtx = device.ctx
-    stream = _rt().Stream(ctx.open(), backend.name)
+    ctx: probe.DeviceCtx = device.ctx
+    stream = _rt().Stream(dev, backend.name)
     stream.delay_s = (tuning.read().delay_us or 0.0) * 1e-6
     stream.plans = PlanCache(lambda graph: Plan(stream, graph, ctx.caps))
     return stream
@@ -72,12 +79,12 @@ def backend_free(backend):
 # --- buffer types -------------------------------------------------------------------------------
 @hookimpl
 def get_buffer_type(device):
-    return BufferTypeSpec(device.name, _rt().BuftCtx(device.ctx, host=False))
+    return BufferTypeSpec(device.name, probe.BuftCtx(device.ctx, host=False))
 
 
 @hookimpl
 def get_host_buffer_type(device):
-    return BufferTypeSpec(f"{device.name}_Host", _rt().BuftCtx(device.ctx, host=True))
+    return BufferTypeSpec(f"{device.name}_Host", probe.BuftCtx(device.ctx, host=True))
 
 
 @hookimpl
@@ -92,12 +99,12 @@ def supports_buft(device, buft):
     # kernels read and write the device's own device-local buffers; the host type is for
     # transfers (over PCIe a kernel would crawl), as ggml's pinned host buffers
     c = buft.ctx
-    return isinstance(c, _rt().BuftCtx) and not c.host and c.dev is device.ctx
+    return isinstance(c, probe.BuftCtx) and not c.host and c.dev is device.ctx
 
 
 @hookimpl
 def buft_alloc(buft, buffer, size):
-    return _rt().Memory(buft.ctx.dev.open(), size, host=buft.ctx.host)
+    return _rt().Memory(buft.device.runtime, size, host=buft.ctx.host)  # the device opens on its first buffer
 
 
 @hookimpl

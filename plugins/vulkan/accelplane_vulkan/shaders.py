@@ -20,6 +20,7 @@ from pathlib import Path
 
 from accelplane.errors import KernelCompileError
 from accelplane.runtime.plancache import cache_dir
+from accelplane.runtime.progress import phase
 
 from . import tuning
 
@@ -80,14 +81,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _built(name: str, shader_dir: Path) -> tuple[Path, Path | None]:
+    """(where the cache keeps the SPIR-V of this source, the file that has it now or None)."""
+    fname = f"{name}-{source_key(name, shader_dir)}.spv"
+    cached = cache_dir("vulkan", "spirv") / fname
+    return cached, next((p for p in (cached, PREBUILT_DIR / fname) if p.is_file()), None)
+
+
 def spirv(name: str, shader_dir: Path = SHADER_DIR) -> bytes:
     """The SPIR-V of shaders/<name>.comp, compiled on first use and cached."""
-    key = source_key(name, shader_dir)
-    fname = f"{name}-{key}.spv"
-    cached = cache_dir("vulkan", "spirv") / fname
-    for p in (cached, PREBUILT_DIR / fname):
-        if p.is_file():
-            return p.read_bytes()
+    cached, found = _built(name, shader_dir)
+    if found is not None:
+        return found.read_bytes()
     code = run_glslc(shader_dir / f"{name}.comp", shader_dir)
     _write_atomic(cached, code)
     for old in cached.parent.glob(f"{name}-*.spv"):  # earlier versions of this shader
@@ -97,8 +102,14 @@ def spirv(name: str, shader_dir: Path = SHADER_DIR) -> bytes:
 
 
 def compile_all(shader_dir: Path = SHADER_DIR) -> dict[str, bytes]:
-    """Every shader's SPIR-V (all or nothing)."""
-    return {n: spirv(n, shader_dir) for n in shader_names(shader_dir)}
+    """Every shader's SPIR-V (all or nothing); compiling the ones not cached says so on a
+    terminal when it takes a while (a new install, an edited shader)."""
+    names = shader_names(shader_dir)
+    todo = [n for n in names if _built(n, shader_dir)[1] is None]
+    if not todo:
+        return {n: spirv(n, shader_dir) for n in names}
+    with phase(f"vulkan: compiling {len(todo)} shader{'s' * (len(todo) != 1)} with glslc"):
+        return {n: spirv(n, shader_dir) for n in names}
 
 
 def build_prebuilt() -> list[Path]:

@@ -37,10 +37,10 @@ def _affine_graph(dev, n=1000):
 
 # --- devices ----------------------------------------------------------------------------------------
 def test_one_device_per_physical_device_and_memory(vk_devices):
-    from accelplane_vulkan import runtime
+    from accelplane_vulkan import probe
 
     devs = vk_devices()
-    phys = runtime.instance().physical
+    phys = probe.instance().physical
     usable = [p for p in phys if not p.usable]
     gpus = [p for p in usable if p.type != 4]
     assert len(devs) == len(gpus or usable)
@@ -492,7 +492,32 @@ def test_missing_driver_is_a_clear_line():
 
 
 def test_missing_loader_is_a_clear_line(tmp_path):
-    # what the ``vulkan`` package does without libvulkan.so.1: OSError at import
+    out = _devices_output({"ACCELPLANE_VK_LOADER": str(tmp_path / "libvulkan.so.1")})
+    line = next((x for x in out.splitlines() if x.startswith("plugin vulkan: no device")), "")
+    assert "no Vulkan driver found: ACCELPLANE_VK_LOADER" in line and "libvulkan.so.1" in line, out
+    assert "CPU" in out
+
+
+def test_missing_loader_on_the_library_path_is_no_device(monkeypatch):
+    import ctypes
+
+    from accelplane.errors import DeviceError
+    from accelplane_vulkan import probe
+
+    def no_library(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.delenv("ACCELPLANE_VK_LOADER", raising=False)
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    with pytest.raises(DeviceError, match="^no Vulkan driver found: the Vulkan loader libvulkan.so.1 is not"):
+        probe.load_loader()
+
+
+def test_a_runtime_that_does_not_open_is_listed_failing(tmp_path):
+    """The probe (ctypes) finds the device, but the ``vulkan`` package does not load (as
+    without libvulkan.so.1: OSError at its import): listing still names the device; its first
+    use raises DeviceOpenError naming the plugin and the cause, and `accelplane devices` shows
+    it failing and leaves it out of the default order."""
     stub = tmp_path / "vulkan"
     stub.mkdir()
     (stub / "__init__.py").write_text(
@@ -502,9 +527,31 @@ def test_missing_loader_is_a_clear_line(tmp_path):
     """)
     )
     out = _devices_output({}, str(tmp_path))
-    line = next((x for x in out.splitlines() if x.startswith("plugin vulkan: no device")), "")
-    assert "no Vulkan driver found" in line and "libvulkan.so.1" in line, out
-    assert "CPU" in out
+    if "plugin vulkan: no device" in out:
+        pytest.skip(f"no Vulkan device: {out}")
+    lines = out.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.strip().startswith("Vulkan0"))
+    assert lines[i + 1].strip().startswith("did not open: plugin 'vulkan': device Vulkan0"), out
+    assert "no Vulkan driver found" in lines[i + 1] and "libvulkan.so.1" in lines[i + 1], out
+    assert "vulkan/Vulkan0" not in next(x for x in lines if x.startswith("default order")), out
+    code = textwrap.dedent("""
+        import accelplane
+        from accelplane.errors import DeviceOpenError
+        dev = accelplane.device("Vulkan0")
+        assert not dev.is_open
+        for attempt in range(2):  # the failure is kept: the same error every time
+            try:
+                dev.new_backend()
+            except DeviceOpenError as e:
+                print(type(e.__cause__).__name__, e)
+        """)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ACCELPLANE_DISABLE_PLUGINS": "sycl,hexagon,cuda"}  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    got = p.stdout.splitlines()
+    assert len(got) == 2 and got[0] == got[1], (p.stdout, p.stderr)
+    want = "DeviceError plugin 'vulkan': device Vulkan0 did not open: DeviceError: no Vulkan driver found"
+    assert got[0].startswith(want), got
 
 
 def test_plugin_module_imports_nothing_heavy():

@@ -7,7 +7,7 @@ device copy bandwidth."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import GGUFFile, total_bytes
 from accelplane.models.runner import context_for, load, meta_summary, pick_devices
 from accelplane.runtime.backend import Device
+from accelplane.runtime.progress import phase
 
 
 def bench_configs(
@@ -46,6 +47,11 @@ def bench_configs(
     return out
 
 
+def _step(show: bool, what: str) -> phase:
+    """A benchmark step: its line at once (``what ...``, then its time and note) when ``show``."""
+    return phase(what, after_s=0.0, enabled=show)
+
+
 def graph_only_rate(model: DecoderModel, n: int) -> float:
     """Tokens/s of the last decode step's graph computed ``n`` times back to back, without the
     host's work between tokens (inputs set, results read, Python): what the devices alone
@@ -61,10 +67,12 @@ def graph_only_rate(model: DecoderModel, n: int) -> float:
 
 
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
-                reps: int = 2, progress: Callable[[str], None] | None = None,
-                profiler=None) -> list[dict]:  # fmt: skip
+                reps: int = 2, profiler=None, show: bool = False) -> list[dict]:  # fmt: skip
     """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
-    cProfile.Profile enabled around the timed tg runs (where the host time of a token goes)."""
+    cProfile.Profile enabled around the timed tg runs (where the host time of a token goes).
+    ``show``: progress on stderr (accelplane.runtime.progress: on a terminal, not quiet): each
+    model load's bar, then a line per step, the copy bandwidth, the warm-up and each timed
+    run with its tokens/s."""
     rows = []
     n_ctx = context_for(f.model_config(), max(pp, tg), "--pp/--tg")
     wbytes = total_bytes(f)
@@ -75,10 +83,10 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     for devs, split in configs:
         label = ",".join(d.name for d in devs)
         if len(devs) == 1 and label not in copy_bw and tg > 0:
-            if progress:
-                progress(f"{label}: copy bandwidth")
-            copy_bw[label] = copy_bandwidth(devs[0])
-        model = load(f, devs, cpu, split, n_ctx, show=False)
+            with _step(show, f"{label}: copy bandwidth") as ph:
+                copy_bw[label] = bw = copy_bandwidth(devs[0])
+                ph.note(f"{bw / 1e9:.1f} GB/s" if bw else "not measured")
+        model = load(f, devs, cpu, split, n_ctx, show=show)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
                 if n <= 0:
@@ -86,23 +94,25 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                 toks = rng.integers(0, cfg.n_vocab, n).tolist()
                 times = []
                 for rep in range(reps + 1):  # the first run is the warm-up
-                    if progress:
-                        progress(f"{label} split={split} {test}{n}: run {rep + 1}/{reps + 1}")
-                    model.reset()
-                    prof = profiler if rep and test == "tg" else None
-                    if prof is not None:
-                        prof.enable()
-                    t0 = time.perf_counter()
-                    if test == "pp":
-                        model.eval(toks, want_logits=False)
-                    else:
-                        tok = toks[0]
-                        for _ in range(n):
-                            tok = int(model.eval([tok], want_logits=False).ids[-1])
-                    if prof is not None:
-                        prof.disable()
+                    what = f"timed run {rep}/{reps}" if rep else "warm-up"
+                    with _step(show, f"{label} split={split} {test}{n}: {what}") as ph:
+                        model.reset()
+                        prof = profiler if rep and test == "tg" else None
+                        if prof is not None:
+                            prof.enable()
+                        t0 = time.perf_counter()
+                        if test == "pp":
+                            model.eval(toks, want_logits=False)
+                        else:
+                            tok = toks[0]
+                            for _ in range(n):
+                                tok = int(model.eval([tok], want_logits=False).ids[-1])
+                        if prof is not None:
+                            prof.disable()
+                        dt = time.perf_counter() - t0
+                        ph.note(f"{n / dt:.1f} tokens/s")
                     if rep:
-                        times.append(time.perf_counter() - t0)
+                        times.append(dt)
                 tps = [n / t for t in times]
                 row = {"model": f.get("general.name", ""), "size_bytes": wbytes, "params": params,
                        "devices": label, "split": split, "test": f"{test}{n}", "n_tokens": n,

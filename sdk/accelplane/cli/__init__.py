@@ -112,11 +112,10 @@ def check_output(path: str | None, what: str) -> None:
 
 
 def _progress(msg: str) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[K{msg}")
-        sys.stderr.flush()
-    else:
-        print(msg, file=sys.stderr, flush=True)
+    """Which case a benchmark is at: a transient line on a terminal (accelplane.runtime.progress)."""
+    from accelplane.runtime.progress import status
+
+    status(msg)
 
 
 def cmd_env() -> int:
@@ -149,7 +148,9 @@ def cmd_devices(args) -> int:
 
     if args.env:
         return cmd_env()
-    info = accelplane.get_registry().info()
+    # opening every device (no kernel is compiled) is what makes the listing honest: a device
+    # whose runtime fails is shown failing; --no-open lists what the probes say, as devices() does
+    info = accelplane.get_registry().info(open=not args.no_open)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -159,10 +160,13 @@ def cmd_devices(args) -> int:
         print(f"plugin {p['name']} {p['version']} (API {p['api_version'][0]}."
               f"{p['api_version'][1]})")  # fmt: skip
         for d in p["devices"]:
-            mem = (f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free"
+            mem = ("memory: on open" if d["memory_total"] is None else
+                   f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free"
                    if d["memory_total"] else "memory: n/a")  # fmt: skip
             caps = ",".join(k for k, v in d["caps"].items() if v) or "sync"
             print(f"  {d['name']:<10} {d['type']:<5} {mem:<24} [{caps}] {d['description']}")
+            if d["open_error"]:
+                print(f"    did not open: {d['open_error']}")
     for f in info["failures"]:
         if f["no_device"]:  # installed, but its hardware or runtime is not here: not broken
             print(f"plugin {f['name']}: no device ({f['reason']})")
@@ -172,6 +176,9 @@ def cmd_devices(args) -> int:
         # the order `run` and best_device() place work in when no device is named
         print("default order: " + ", ".join(f"{r['device']} ({r['why']})"
                                             for r in info["default_order"]))  # fmt: skip
+    if args.no_open:
+        print("(listed from each plugin's probe; runtimes open on first use: without --no-open, "
+              "every device is opened and any that fails is shown)")  # fmt: skip
     return 0
 
 
@@ -290,6 +297,16 @@ def cmd_bench(args) -> int:
         from accelplane.cli.run import cmd_bench_model
 
         return cmd_bench_model(args)
+    if args.what == "startup":  # fresh processes measure it: this one lists nothing
+        from accelplane.bench.startup import bench_startup, format_startup
+
+        res = bench_startup(args.runs, _progress)
+        _progress("")
+        print(format_startup(res))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": bench.machine(), **res}, indent=1))
+            print(f"wrote {args.json}")
+        return 0
     reg = accelplane.get_registry()
     if args.what == "graph":
         from accelplane.bench.graph import bench_graph, format_graph
@@ -297,8 +314,7 @@ def cmd_bench(args) -> int:
         cpu = [d for d, _ in reg.ranked() if d.type.value == "CPU"][:1]
         devs = [reg.device(n) for n in args.device] if args.device else reg.accelerators() or cpu
         rows = bench_graph(args.preset, devs, args.reps or 10, args.batch, args.seq, _progress)
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         print(format_graph(rows))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": bench.machine(), "results": rows}, indent=1))
@@ -315,8 +331,7 @@ def cmd_bench(args) -> int:
         if args.peer_json:
             kw["peer"] = _peer_rows(args.peer_json)
         res = bench.bench_tp(devs, progress=_progress, **kw)
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         print(bench.format_tp(res))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": bench.machine(), **res}, indent=1))
@@ -325,8 +340,7 @@ def cmd_bench(args) -> int:
         dev = args.device[0] if args.device else None
         rows = (bench.bench_sched(device=dev, progress=_progress) if args.what == "sched"
                 else bench.bench_moe_prefetch(device=dev, progress=_progress))  # fmt: skip
-        if sys.stderr.isatty():
-            sys.stderr.write("\r\033[K")
+        _progress("")
         keys = list(rows[0])
         print("  ".join(f"{k:>17}" for k in keys))
         for r in rows:
@@ -336,8 +350,7 @@ def cmd_bench(args) -> int:
         return 0
     devs = [reg.device(n) for n in args.device] if args.device else reg.devices
     results = bench.bench_ops(devs, args.set, args.pattern, args.time, _progress, args.repeat)
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
+    _progress("")
     print(bench.format_table(results))
     if args.json:
         Path(args.json).write_text(bench.to_json(results))
@@ -366,11 +379,23 @@ def _sizes(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _quiet_parent() -> argparse.ArgumentParser:
+    """-q/--quiet of the commands that show progress (on stderr, on a terminal only)."""
+    q = argparse.ArgumentParser(add_help=False)
+    q.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (shown on a terminal only: model bars, kernel "
+                        "builds over a second, benchmark runs)")  # fmt: skip
+    return q
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="accelplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("devices", help="plugins, devices, memory; plugins with no device or broken, and why")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--no-open", action="store_true",
+                   help="list what each plugin's probe says, opening no device's runtime (the "
+                        "default opens each, compiling no kernel, and shows any that fails)")  # fmt: skip
     d.add_argument("--env", action="store_true",
                    help="the ACCELPLANE_* variables that are set, with their meaning, and the others known")
     o = sub.add_parser("ops", help="op support matrix of every installed plugin")
@@ -391,13 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-no-device", action="store_true",
                    help="a plugin that is installed but has no device (hardware or runtime absent) "
                         "prints 'skipped: no device: <reason>' and exits 0")  # fmt: skip
-    b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "graph", "tp"],
+    b = sub.add_parser("bench", help="benchmarks", parents=[_quiet_parent()])
+    b.add_argument("what", choices=["ops", "dispatch", "sched", "moe", "model", "graph", "tp", "startup"],
                    help="ops: op perf; dispatch: hook call cost; sched: sync policies; "
                         "moe: expert prefetch; model: llama-bench pp/tg tokens/s; graph: a host-API "
                         "graph (--preset) beside PyTorch; tp: tensor "
                         "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
-                        "device to give it several backends)")  # fmt: skip
+                        "device to give it several backends); startup: import accelplane and "
+                        "list the devices in fresh processes, every plugin and each alone")  # fmt: skip
     b.add_argument("--preset", default="bert-mini", choices=["bert-mini", "bert-tiny"],
                    help="graph: the encoder's shapes (default bert-mini: 6 layers, d 384, 12 heads)")
     b.add_argument("--batch", type=_int(1, 4096), default=16, help="graph: sequences per batch (default 16)")
@@ -410,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=_int(1, 1 << 16), default=None,
                    help="ops per graph (default: 1 on CPU devices, 16 on others)")  # fmt: skip
     b.add_argument("--json", help="write results as JSON")
+    b.add_argument("--runs", type=_int(1, 1000), default=7,
+                   help="startup: fresh processes per figure, the median shown (default 7)")  # fmt: skip
     b.add_argument("--sizes", type=_sizes,
                    help="tp: all-reduce sizes in bytes, e.g. 4K,1M,64M,1G (default 64K,1M,16M)")
     b.add_argument("--peer-json", help="tp: a peer's all-reduce rows from the same run (JSON with 'rows', "
@@ -450,7 +478,8 @@ def _model_args(sub, b) -> None:
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
     r = sub.add_parser("run", help="run a GGUF model (llama, qwen2, qwen3, gemma3; default: a small "
                        "synthetic llama) on the best devices, print tokens/s and check the logits against "
-                       "the CPU plugin")  # fmt: skip
+                       "the CPU plugin",
+                       parents=[_quiet_parent()])  # fmt: skip
     r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")
     r.add_argument("-d", "--device", action="append",
                    help="device(s) for the weights (comma list or repeat; default: every non-CPU "
@@ -480,7 +509,7 @@ def _model_args(sub, b) -> None:
                    help="logits check tolerance (NMSE vs the CPU plugin; default 1e-3)")  # fmt: skip
     r.add_argument("--no-check", action="store_true", help="skip the logits check")
     e = sub.add_parser("embed", help="embeddings of texts (or token ids) by a bert GGUF model, as "
-                       "llama.cpp's embedding tool computes them")  # fmt: skip
+                       "llama.cpp's embedding tool computes them", parents=[_quiet_parent()])  # fmt: skip
     e.add_argument("text", nargs="*", help="texts to embed (tokenized by the model's vocabulary)")
     e.add_argument("--model", required=True, help="bert GGUF file")
     e.add_argument("--ids", action="append", metavar="IDS",
@@ -497,7 +526,8 @@ def _model_args(sub, b) -> None:
     e.add_argument("--out", help="write the embeddings to this .npy file (float32, one row per text; "
                    "with --pooling none one row per token) instead of printing them")  # fmt: skip
     m = sub.add_parser("make-model", help="write a synthetic GGUF model (random weights), as llama.cpp's "
-                       "converter would write a checkpoint of the architecture")  # fmt: skip
+                       "converter would write a checkpoint of the architecture",
+                       parents=[_quiet_parent()])  # fmt: skip
     m.add_argument("out", help="output .gguf file")
     m.add_argument("--arch", default="llama", choices=MAKE_ARCH_NAMES,
                    help="architecture (default llama; bert: an embedding model for `embed`)")
@@ -536,8 +566,13 @@ def _check_inputs(args) -> None:
         if isinstance(v, str):
             check_output(v, what)
     model = getattr(args, "model", None)
-    if model is not None and not Path(model).is_file():
-        raise UsageError(f"--model {model}: no such file")
+    if model is not None:
+        try:
+            found = Path(model).is_file()
+        except OSError as e:  # a name too long for the file system, say
+            raise UsageError(f"--model {model}: {e.strerror or e}") from None
+        if not found:
+            raise UsageError(f"--model {model}: no such file")
     if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
         raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
     if args.cmd == "run":
@@ -598,11 +633,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     from accelplane import env
     from accelplane.errors import AccelplaneError, AllocationError, ComputeError
+    from accelplane.runtime import progress
 
     def fail(status: int, msg: object) -> int:
+        progress.end_line()
         print(f"accelplane: error: {msg}", file=sys.stderr)
         return status
 
+    quiet = progress.set_quiet(getattr(args, "quiet", False) or progress.is_quiet())
     try:
         env.check()  # the SDK's settings (a plugin's are checked when its devices open)
         _check_inputs(args)
@@ -614,11 +652,14 @@ def main(argv: list[str] | None = None) -> int:
     except AccelplaneError as e:  # bad input: a setting, a file, a device name, a shape
         return fail(EXIT_USAGE, e)
     except KeyboardInterrupt:
+        progress.end_line()
         print("accelplane: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader went away (| head): say nothing more
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushing at exit must not fail again
         return EXIT_FAILED
+    finally:
+        progress.set_quiet(quiet)
 
 
 if __name__ == "__main__":

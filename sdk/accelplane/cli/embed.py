@@ -13,8 +13,9 @@ from typing import TextIO
 import numpy as np
 
 from accelplane.models import bert
-from accelplane.models.gguf import read_gguf
+from accelplane.models.gguf import read_gguf, total_bytes
 from accelplane.models.runner import describe_model, pick_devices
+from accelplane.runtime.progress import Bar
 
 
 def parse_ids(text: str) -> list[int]:
@@ -49,7 +50,8 @@ def cmd_embed(args, out: TextIO | None = None) -> int:
     pooling = bert.parse_pooling(args.pooling) if args.pooling else cfg.pooling
     reg = accelplane.get_registry()
     devs = pick_devices(reg, args.device)
-    model = bert.BertModel.from_gguf(f, devs)
+    with Bar("load", total_bytes(f), "MiB", 2**-20) as bar:  # (on a terminal, without -q)
+        model = bert.BertModel.from_gguf(f, devs, progress=bar.update)
     try:
         embs = model.embed(seqs, pooling=pooling, normalize_p=args.normalize)
     finally:

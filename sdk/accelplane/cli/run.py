@@ -121,6 +121,9 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     f, cfg, _, reg = _open_model(args, p)
     devs = pick_devices(reg, args.device)
+    for d in reg.devices:
+        if d.open_error is not None:  # passed over by the default choice
+            p(f"  ({d.name} left out: {d.open_error})")
     cpu = _cpu_of(reg)
     n_prompt, n_dec = int(args.prompt_tokens or 32), int(args.tokens)
     n_ctx = context_for(cfg, n_prompt + n_dec, "--prompt-tokens + --tokens")
@@ -180,21 +183,13 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
     for sp in args.split or []:
         check_split(sp)
     configs = bench_configs(reg, args.device, args.split)
-    tty = sys.stderr.isatty()
-
-    def progress(msg: str) -> None:
-        if tty:
-            sys.stderr.write(f"\r\033[K{msg}")
-            sys.stderr.flush()
-
     prof = None
     if args.profile:
         import cProfile
 
         prof = cProfile.Profile()
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, progress, prof)
-    if tty:
-        sys.stderr.write("\r\033[K")
+    # progress (on a terminal, without -q): each model load's bar, a line per run, kernel builds
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, prof, show=True)
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
         print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)

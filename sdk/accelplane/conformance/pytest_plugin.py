@@ -108,7 +108,7 @@ def _from_failure(f) -> Unavailable:
 def find_devices(name: str) -> list | Unavailable:
     """The devices of plugin ``name``, or why it has none."""
     import accelplane
-    from accelplane.errors import PluginLoadError
+    from accelplane.errors import DeviceOpenError, PluginLoadError
     from accelplane.runtime import registry
 
     try:
@@ -121,7 +121,13 @@ def find_devices(name: str) -> list | Unavailable:
             return _not_installed(name, installed, f"plugin {name!r} is not installed: {e}")
         return Unavailable(f"the registry did not load: {e}")
     if name in reg.plugins:
-        return reg.plugins[name].devices
+        devs = reg.plugins[name].devices
+        try:  # the suite proves devices that work: one whose runtime does not open is broken
+            for d in devs:
+                d.open()
+        except DeviceOpenError as e:
+            return Unavailable(str(e))
+        return devs
     failed = [f for f in reg.failures if f.name == name]
     if failed:
         return _from_failure(failed[0])

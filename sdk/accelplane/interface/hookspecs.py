@@ -4,9 +4,10 @@ A plugin is a module (named by an ``accelplane.plugins`` entry point) whose func
 decorated with :data:`hookimpl`. Every hook except the registration hooks takes, as its first
 argument, the SDK handle of the object it acts on (``device``, ``buft``, ``buffer``,
 ``backend``, ``event``, ``comm``); ``handle.ctx`` holds whatever the plugin returned when the
-object was created. The SDK resolves each plugin's hookimpls once, at registration, into a
-dispatch table; the hot path calls those functions directly, never ``pm.hook`` (see
-docs/writing-a-plugin.md for the measured cost).
+object was created, and ``device.runtime`` the device's runtime, opened on first use from its
+DeviceSpec ``open`` (listing devices opens none). The SDK resolves each plugin's hookimpls
+once, at registration, into a dispatch table; the hot path calls those functions directly,
+never ``pm.hook`` (see docs/writing-a-plugin.md for the measured cost).
 
 Members marked *required* must be implemented; for every optional member the SDK has a
 fallback, in one place (:mod:`accelplane.runtime.backend`), named in each docstring.
@@ -19,6 +20,7 @@ are called only for plugins that declare at least that minor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
@@ -67,7 +69,14 @@ class DeviceSpec:
     description: str
     type: DeviceType
     caps: DeviceCaps = field(default_factory=DeviceCaps)
-    ctx: Any = None  # the plugin's own device state (becomes device.ctx)
+    ctx: Any = None  # the plugin's own device state (becomes device.ctx): what get_devices probed
+    # the device's runtime (contexts, queues, a loaded library), made on the device's first use
+    # instead of at listing: open() returns it, and it becomes device.runtime. The SDK opens the
+    # device before init_backend, buft_alloc, buft_from_dlpack and event_new; any hook reading
+    # device.runtime opens it too. It compiles no kernel (`accelplane devices` opens every
+    # device). None: ctx is all there is (device.runtime is ctx). A failure becomes
+    # DeviceOpenError (runtime/backend.py, Device.open).
+    open: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -132,17 +141,28 @@ class Specs:
 
     @hookspec
     def get_devices(self) -> list[DeviceSpec]:
-        """*Required.* The plugin's devices, in a stable order. May open the runtime (this is
-        the first call allowed to, so import it here). Return [] when the runtime has no
-        device, and raise DeviceError when the runtime itself is absent: both are "no
-        device" (``accelplane conformance --allow-no-device`` reports them as skipped). Raise
-        anything else to report a broken runtime (the registry records it, the host carries
-        on). Example: ``return [DeviceSpec("CPU", "numpy + C kernels", DeviceType.CPU)]``."""
+        """*Required.* The plugin's devices, in a stable order, from a cheap probe: what the
+        runtime can say without contexts, queues or kernels (a count, names, types, memory
+        sizes), as ``accelplane.devices()`` lists every plugin's devices and must stay fast.
+        The rest of a device's runtime goes in its DeviceSpec ``open``, made on first use.
+        This is the first call allowed to import the runtime's library. Read (and so check)
+        the plugin's settings here: a ConfigError stops every use of the registry. Return []
+        when the runtime has no device, and raise DeviceError when the runtime itself is
+        absent: both are "no device" (``accelplane conformance --allow-no-device`` reports
+        them as skipped). Raise anything else to report a broken runtime (the registry
+        records it, the host carries on). Never compile kernels here. Example::
+
+            return [DeviceSpec("GPU0", "Acme X1", DeviceType.GPU, ctx=probe,
+                               open=lambda: DeviceRuntime(probe))]
+        """
 
     # --- device (ggml_backend_device_i) -------------------------------------------------------
     @hookspec
-    def device_memory(self, device: Device) -> tuple[int, int]:
-        """(free, total) bytes. Fallback: (0, 0) = "no memory to report"."""
+    def device_memory(self, device: Device) -> tuple[int, int] | None:
+        """(free, total) bytes. Listings call it before the device is open
+        (``device.is_open`` False): answer from what get_devices probed, or return None when
+        the figures need the runtime (``device.memory()`` then opens it and asks again; a
+        listing that must stay cheap shows none). Fallback: (0, 0) = "no memory to report"."""
 
     @hookspec
     def init_backend(self, device: Device, backend: Backend, params: str) -> Any:

@@ -27,11 +27,11 @@ from accelplane.models.gguf import (
     total_bytes,
     write_gguf,
 )
-from accelplane.models.progress import Bar
 from accelplane.models.sampling import Sampler
 from accelplane.models.tokenizer import Tokenizer
 from accelplane.runtime.backend import Device
 from accelplane.runtime.plancache import cache_dir
+from accelplane.runtime.progress import Bar
 
 # the model `accelplane run` makes when given none: small enough to make in a second and run
 # anywhere, big enough that the matrix products dominate (7.3M parameters, 7.4 MiB in Q8_0)
@@ -102,15 +102,16 @@ def describe_model(f: GGUFFile) -> str:
 
 def pick_devices(reg, names: Sequence[str] | None) -> list[Device]:
     """Devices by name (comma lists allowed), else every accelerator that is not emulated on
-    the host's CPU, in the registry's ranking (GPUs, then integrated GPUs, then accelerators),
-    else the best-ranked CPU device. The model's scheduler adds a CPU backend last in any case."""
+    the host's CPU and whose runtime opens (Registry.usable), in the registry's ranking (GPUs,
+    then integrated GPUs, then accelerators), else the best-ranked CPU device. The model's
+    scheduler adds a CPU backend last in any case."""
     if names:
         out = []
         for n in names:
             out += [reg.device(x.strip()) for x in n.split(",") if x.strip()]
         return list(dict.fromkeys(out))
     ranked = [d for d, _ in reg.ranked()]
-    return reg.accelerators() or [d for d in ranked if d.type == DeviceType.CPU][:1] or ranked[:1]
+    return reg.accelerators() or [d for d in ranked if d.type == DeviceType.CPU][:1] or reg.usable(ranked)[:1]
 
 
 def _cpu_of(reg) -> Device:

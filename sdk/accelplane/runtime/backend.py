@@ -22,7 +22,9 @@ from accelplane.errors import (
     AllocationError,
     BufferFreedError,
     ComputeError,
+    ConfigError,
     DeviceError,
+    DeviceOpenError,
     OutOfRangeError,
     ShapeError,
     UnsupportedOpError,
@@ -52,8 +54,18 @@ class BufferUsage(IntEnum):
     COMPUTE = 2
 
 
+_CLOSED = object()  # a device's runtime before it is opened
+
+
 class Device:
-    """One device of a plugin (ggml_backend_dev)."""
+    """One device of a plugin (ggml_backend_dev).
+
+    Listing devices only probes them: ``ctx`` is what the plugin's get_devices said. The
+    device's runtime (``runtime``: the plugin's DeviceSpec ``open`` result, e.g. its contexts
+    and queues) opens here, once, for every plugin, on the first use: a backend, a buffer, an
+    event, a memory query the probe cannot answer, or a hook reading ``device.runtime``. A
+    failure becomes DeviceOpenError naming the plugin, the device and the cause (a ConfigError
+    stays itself), and every later use raises it again."""
 
     def __init__(self, plugin: Plugin, spec: DeviceSpec, index: int) -> None:
         self.plugin = plugin
@@ -64,6 +76,10 @@ class Device:
         self.caps: DeviceCaps = spec.caps
         self.ctx = spec.ctx
         self.index = index  # position within the plugin
+        self._opener = spec.open
+        self._runtime: Any = spec.ctx if spec.open is None else _CLOSED
+        self.open_error: AccelplaneError | None = None  # why the runtime did not open
+        self._open_lock = threading.Lock()
         self._buft: BufferType | None = None
         self._host_buft: BufferType | None | bool = False
         self._extra: list[BufferType] | None = None
@@ -73,10 +89,53 @@ class Device:
     def __repr__(self) -> str:
         return f"Device({self.name!r}, plugin={self.plugin.name!r}, type={self.type.value})"
 
-    def memory(self) -> tuple[int, int]:
-        """(free, total) bytes; (0, 0) when the device has nothing to report."""
+    @property
+    def is_open(self) -> bool:
+        """Whether the runtime is open (always, for a plugin whose devices have no ``open``)."""
+        return self._runtime is not _CLOSED
+
+    @property
+    def runtime(self) -> Any:
+        """The plugin's runtime of this device, opened on first access (see :meth:`open`)."""
+        r = self._runtime
+        return self.open() if r is _CLOSED else r
+
+    def open(self) -> Any:
+        """Open the device's runtime now, if it is not open, and return it. Raises
+        DeviceOpenError (naming the plugin, the device and the cause, chained) or the plugin's
+        ConfigError; the failure is kept, and every later call raises it again."""
+        if self._runtime is _CLOSED:
+            with self._open_lock:
+                if self._runtime is _CLOSED:
+                    if self.open_error is not None:
+                        raise self.open_error
+                    try:
+                        self._runtime = self._opener()  # type: ignore[misc]
+                    except ConfigError as e:  # the user's setting to fix: as it is
+                        self.open_error = e
+                        raise
+                    except Exception as e:
+                        self.open_error = DeviceOpenError(
+                            f"plugin {self.plugin.name!r}: device {self.name} did not open: "
+                            f"{type(e).__name__}: {e}"
+                        )
+                        raise self.open_error from e
+        return self._runtime
+
+    def memory(self, open: bool = True) -> tuple[int, int] | None:
+        """(free, total) bytes; (0, 0) when the device has nothing to report. The plugin
+        answers from its probe where it can; where the figures need the runtime, it opens
+        first, or with ``open=False`` (listings that must stay cheap) the answer is None."""
         f = self._fn.get("device_memory")
-        return tuple(f(self)) if f else (0, 0)  # type: ignore[return-value]
+        if f is None:
+            return (0, 0)
+        r = f(self)
+        if r is None and open and not self.is_open:
+            self.open()
+            r = f(self)
+        if r is None:
+            return None if not open else (0, 0)
+        return int(r[0]), int(r[1])
 
     @property
     def buffer_type(self) -> BufferType:
@@ -113,6 +172,7 @@ class Device:
 
     def new_backend(self, params: str = "") -> Backend:
         """A new stream on this device (each call an independent in-order queue)."""
+        self.open()
         b = Backend.__new__(Backend)
         b._init(self)
         b.ctx = self._fn["init_backend"](self, b, params)
@@ -179,6 +239,7 @@ class BufferType:
                 f"{self.name}: {size} bytes exceed the buffer type's max size {self.max_size}; "
                 "allocate through accelplane.runtime.alloc to get a multi-buffer"
             )
+        self.device.open()
         b = Buffer.__new__(Buffer)
         b._init(self, size, usage)
         b.ctx = self._fn["buft_alloc"](self, b, size)
@@ -191,6 +252,7 @@ class BufferType:
         f = self._fn.get("buft_from_dlpack")
         if f is None:
             return None
+        self.device.open()  # the plugin wraps the memory in its runtime's objects
         b = Buffer.__new__(Buffer)
         b._init(self, size, BufferUsage.ANY)
         ctx = f(self, b, memory, size)
@@ -406,6 +468,8 @@ class Event:
         self._fn = device._fn
         self.freed = False
         f = self._fn.get("event_new") if device.caps.events else None
+        if f:
+            device.open()
         self.ctx = f(device) if f else None
         self.native = f is not None
 

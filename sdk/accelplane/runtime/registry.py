@@ -5,10 +5,14 @@ plugin that fails (import error, wrong API major, hookimpl that does not match i
 missing required hook, error or nothing from get_devices) is recorded in
 ``Registry.failures`` with the stage and reason, and the host carries on.
 
-Discovery only imports and validates: a discovered plugin's devices open (its get_devices,
-which may start a runtime such as CuPy, dpctl or a Vulkan instance) on the first use of
-``devices``, ``plugins`` or ``failures``, so ``import accelplane`` plus discovery stays cheap.
-Plugins named in ACCELPLANE_PLUGINS open at discovery, so their failures are loud there.
+Discovery only imports and validates: a discovered plugin's devices are probed (its
+get_devices, which may load a runtime's library, e.g. dpctl, or create a Vulkan instance) on
+the first use of ``devices``, ``plugins`` or ``failures``, so ``import accelplane`` plus
+discovery stays cheap. Plugins named in ACCELPLANE_PLUGINS are probed at discovery, so their
+failures are loud there. Probing opens no device: each device's runtime (contexts, queues,
+logical devices) opens on its first use (runtime/backend.py, Device.open), and a failure
+there is that device's DeviceOpenError; ``info(open=True)`` (``accelplane devices``) opens
+every device to report them.
 
 Environment:
   ACCELPLANE_PLUGINS          comma list: load only these; a listed plugin that fails or is
@@ -21,18 +25,25 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
+import os
+import re
+import sys
 import threading
+import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from importlib import metadata
+from importlib.machinery import PathFinder
 from types import ModuleType
 from typing import Any
 
 import pluggy
 
 from accelplane import env
-from accelplane.errors import APIVersionError, ConfigError, DeviceError, PluginLoadError
+from accelplane.errors import APIVersionError, ConfigError, DeviceError, DeviceOpenError, PluginLoadError
 from accelplane.interface import (
     API_VERSION,
     HOOK_MIN_MINOR,
@@ -63,6 +74,7 @@ class Plugin:
     version: str
     fn: dict[str, Any]
     devices: list[Device] = field(default_factory=list)
+    hooks: Any = None  # what pluggy holds for it (_hook_object)
 
 
 @dataclass
@@ -104,11 +116,125 @@ def check_api_version(name: str, declared: Any) -> tuple[int, int]:
     return major, minor
 
 
-def _dist_version(ep: metadata.EntryPoint) -> str:
-    try:
-        return ep.dist.version if ep.dist is not None else "?"
-    except Exception:  # pragma: no cover - broken metadata
+@dataclass(frozen=True)
+class EntryPoint:
+    """An entry point of GROUP: its name, ``module`` or ``module:attr`` value, and where it
+    comes from (``dist_info``: the distribution's metadata directory, ``*.dist-info`` or
+    ``*.egg-info``, or its version as importlib.metadata gave it)."""
+
+    name: str
+    value: str
+    dist_info: str | None = None
+    dist_version: str | None = None
+
+    def load(self) -> Any:
+        module, _, attr = self.value.partition(":")
+        obj = importlib.import_module(module.strip())
+        for a in filter(None, attr.strip().split(".")):
+            obj = getattr(obj, a)
+        return obj
+
+    @property
+    def version(self) -> str:
+        """The distribution's version (its METADATA's Version field), or '?'."""
+        if self.dist_info is None:
+            return self.dist_version or "?"
+        meta = "PKG-INFO" if self.dist_info.lower().endswith(".egg-info") else "METADATA"
+        try:
+            with open(os.path.join(self.dist_info, meta), encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        break
+                    key, _, value = line.partition(":")
+                    if key.strip().lower() == "version":
+                        return value.strip()
+        except OSError:
+            pass
         return "?"
+
+
+def entry_points(group: str = GROUP) -> list[EntryPoint]:
+    """The entry points of ``group`` of every distribution on sys.path, the first distribution
+    of a (normalized) name winning, as importlib.metadata.entry_points(group=...) gives them.
+
+    Read directly from each ``*.dist-info`` (or ``*.egg-info``) directory's entry_points.txt:
+    importing importlib.metadata (which imports the email package) costs more than the rest of
+    discovery. A zip archive or an ``*.egg`` on sys.path, or a finder on sys.meta_path with
+    distributions of its own, sends the whole lookup through importlib.metadata."""
+    if any(hasattr(f, "find_distributions") and f is not PathFinder for f in sys.meta_path):
+        return _metadata_entry_points(group)
+    out: list[EntryPoint] = []
+    seen: set[str] = set()
+    header = f"[{group}]"
+    for entry in sys.path:
+        root = entry or "."
+        try:
+            children = os.listdir(root)
+        except NotADirectoryError:
+            return _metadata_entry_points(group)  # a zip archive on sys.path
+        except OSError:  # missing, or not a path (an import hook's token)
+            continue
+        for child in children:
+            low = child.lower()
+            if low.endswith(".egg"):
+                return _metadata_entry_points(group)
+            if not low.endswith((".dist-info", ".egg-info")):
+                continue
+            dist = re.sub(r"[-_.]+", "_", child.rpartition(".")[0].partition("-")[0]).lower()
+            if dist in seen:
+                continue
+            seen.add(dist)
+            info = os.path.join(root, child)
+            try:
+                with open(os.path.join(info, "entry_points.txt"), encoding="utf-8") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            section = None
+            for line in text.splitlines():
+                line = line.strip()
+                if line.startswith("["):
+                    section = line
+                elif section == header and "=" in line and not line.startswith(("#", ";")):
+                    name, _, value = line.partition("=")
+                    out.append(EntryPoint(name.strip(), value.strip(), info))
+    return out
+
+
+def _metadata_entry_points(group: str) -> list[EntryPoint]:
+    from importlib import metadata
+
+    out = []
+    for ep in metadata.entry_points(group=group):
+        try:
+            version = ep.dist.version if ep.dist is not None else None
+        except Exception:  # pragma: no cover - broken metadata
+            version = None
+        out.append(EntryPoint(ep.name, ep.value, dist_version=version))
+    return out
+
+
+def _hook_object(plugin: Any) -> Any:
+    """What pluggy registers for ``plugin``: for a module, a namespace of only its hookimpls
+    (pluggy inspects every attribute of what it registers, and a plugin module's attributes
+    are mostly its imports: that took longer than reading every entry point), else the
+    object itself. pluggy takes the same functions either way: routines with the marker."""
+    if not isinstance(plugin, ModuleType):
+        return plugin
+    marker = f"{PROJECT}_impl"
+    impls = {k: v for k, v in vars(plugin).items() if inspect.isroutine(v) and getattr(v, marker, None)}
+    return _Hooks(plugin.__name__, impls)
+
+
+class _Hooks:
+    """A plugin module's hookimpls as attributes (hashed by identity, as pluggy needs)."""
+
+    def __init__(self, module: str, impls: dict[str, Any]) -> None:
+        self.__dict__.update(impls)
+        self._module = module
+
+    def __repr__(self) -> str:
+        return f"<hooks of {self._module}>"
 
 
 class Registry:
@@ -120,38 +246,43 @@ class Registry:
         self._plugins: dict[str, Plugin] = {}
         self._failures: list[Failure] = []
         self._devices: list[Device] = []
-        # validated plugins whose devices are not open yet: discovery stays cheap, and the
-        # runtimes (cupy, dpctl, a Vulkan instance) start on the first use of devices
+        # validated plugins whose devices are not probed yet: discovery stays cheap, and the
+        # runtimes' libraries (dpctl, a Vulkan instance) load on the first use of devices
         self._pending: list[tuple[Plugin, list[str] | None]] = []
         self._lock = threading.RLock()
         # a plugin setting with a bad value is the user's to fix, not a broken plugin: every
         # use of the registry raises it (a run must not fall back to other devices in silence)
         self._config_error: ConfigError | None = None
+        # where discovery and listing spent their time, per plugin: seconds of its module's
+        # import, of validation (API version, pluggy, dispatch table) and of get_devices
+        # (`accelplane bench startup` reports them)
+        self.timings: dict[str, dict[str, float]] = {}
 
     @property
     def plugins(self) -> dict[str, Plugin]:
-        """Plugins with open devices (opening any discovered ones first)."""
-        self._open_pending()
+        """Plugins with devices (probing any discovered ones first)."""
+        self._probe_pending()
         return self._plugins
 
     @property
     def failures(self) -> list[Failure]:
-        """Plugins that failed, with the stage and reason (opening discovered plugins first)."""
-        self._open_pending()
+        """Plugins that failed, with the stage and reason (probing discovered plugins first)."""
+        self._probe_pending()
         return self._failures
 
     @property
     def devices(self) -> list[Device]:
-        """All devices, CPU devices last (opening any discovered plugins first)."""
-        self._open_pending()
+        """All devices, CPU devices last (probing any discovered plugins first; no device's
+        runtime opens here)."""
+        self._probe_pending()
         return self._devices
 
-    def _open_pending(self) -> None:
+    def _probe_pending(self) -> None:
         if self._pending:
             with self._lock:
                 while self._pending:
                     plugin, allow = self._pending.pop(0)
-                    self._open(plugin, allow)
+                    self._probe(plugin, allow)
         if self._config_error is not None:
             raise self._config_error
 
@@ -160,7 +291,7 @@ class Registry:
         """Load every entry point of the group (subject to the allow/block lists)."""
         allow = list(env.PLUGINS.get() or ()) or None
         block = set(env.DISABLE_PLUGINS.get() or ())
-        eps = sorted(metadata.entry_points(group=GROUP), key=lambda e: (e.name == "cpu", e.name))
+        eps = sorted(entry_points(), key=lambda e: (e.name == "cpu", e.name))
         found = set()
         for ep in eps:
             if ep.name in found:  # the same distribution seen twice on sys.path
@@ -168,13 +299,16 @@ class Registry:
             found.add(ep.name)
             if ep.name in block or (allow is not None and ep.name not in allow):
                 continue
+            t0 = time.perf_counter()
             try:
                 module = ep.load()
             except Exception as e:
                 self._fail(ep.name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
-            # an allow-listed plugin opens now, so its failure is loud at discovery
-            self.register(module, ep.name, version=_dist_version(ep), _allow=allow, _defer=allow is None)
+            finally:
+                self._timed(ep.name, "import_s", t0)
+            # an allow-listed plugin is probed now, so its failure is loud at discovery
+            self.register(module, ep.name, version=ep.version, _allow=allow, _defer=allow is None)
         for spec in env.EXTRA_PLUGINS.get() or ():
             name, sep, modname = spec.partition("=")
             name, modname = name.strip(), modname.strip()
@@ -183,11 +317,14 @@ class Registry:
             if name in found or name in block or (allow is not None and name not in allow):
                 continue
             found.add(name)
+            t0 = time.perf_counter()
             try:
                 module = importlib.import_module(modname)
             except Exception as e:
                 self._fail(name, "import", f"{type(e).__name__}: {e}", allow)
                 continue
+            finally:
+                self._timed(name, "import_s", t0)
             self.register(module, name, version="(extra)", _allow=allow, _defer=allow is None)
         if allow is not None:
             missing = [n for n in allow if n not in found]
@@ -196,6 +333,9 @@ class Registry:
                     f"ACCELPLANE_PLUGINS names {', '.join(missing)}, which no installed "
                     f"distribution provides (installed: {', '.join(sorted(found)) or 'none'})"
                 )
+
+    def _timed(self, name: str, key: str, t0: float) -> None:
+        self.timings.setdefault(name, {})[key] = time.perf_counter() - t0
 
     def _fail(
         self, name: str, stage: str, reason: str, allow: list[str] | None = None, no_device: bool = False
@@ -211,53 +351,73 @@ class Registry:
     def register(
         self, module: ModuleType | Any, name: str, version: str = "?", _allow=None, _defer: bool = False
     ) -> Plugin | None:
-        """Validate and register one plugin object and open its devices; returns None (and
-        records why) on failure. Discovery passes ``_defer``: devices open on first use."""
+        """Validate and register one plugin object and probe its devices; returns None (and
+        records why) on failure. Discovery passes ``_defer``: devices are probed on first use."""
         with self._lock:
             if name in self._plugins or any(p.name == name for p, _ in self._pending):
                 self._fail(
                     name, "validate", f"a plugin named {name!r} is already registered", _allow
                 )
                 return None
-            # 1. API version, read before pluggy or any device code touches the plugin
-            try:
-                av = getattr(module, "api_version", None)
-                if av is None:
-                    raise APIVersionError(f"plugin {name!r} has no api_version() hook")
-                got = check_api_version(name, av())
-            except Exception as e:
-                self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
+            known = [*self._plugins.values(), *(p for p, _ in self._pending)]
+            twin = [p.name for p in known if p.module is module]
+            if twin:  # (pluggy sees a namespace per registration, so it would not refuse it)
+                self._fail(name, "validate", f"{module!r} is registered already, as plugin {twin[0]!r}",
+                           _allow)  # fmt: skip
                 return None
-            # 2. pluggy validation (argument names, unknown hooks), then required hooks
+            t0 = time.perf_counter()
             try:
-                self.pm.register(module, name=name)
-                try:
-                    self.pm.check_pending()
-                except pluggy.PluginValidationError as e:
-                    raise PluginLoadError(str(e)) from e
-                fn = self._dispatch_table(module, got)
-                missing = sorted(REQUIRED_HOOKS - fn.keys())
-                if missing:
-                    raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
-                for lead, group in HOOK_GROUPS.items():
-                    missing = sorted(group - fn.keys()) if lead in fn else []
-                    if missing:
-                        raise PluginLoadError(f"{lead} is implemented but not {', '.join(missing)}")
-            except Exception as e:
-                if self.pm.is_registered(module):
-                    self.pm.unregister(module)
-                self._fail(name, "validate", f"{type(e).__name__}: {e}", _allow)
+                valid = self._validate(module, name, _allow)
+            finally:
+                self._timed(name, "validate_s", t0)
+            if valid is None:
                 return None
-            plugin = Plugin(name, module, got, version, fn)
+            got, hooks, fn = valid
+            plugin = Plugin(name, module, got, version, fn, hooks=hooks)
             if _defer:
                 self._pending.append((plugin, _allow))
                 return plugin
-            return self._open(plugin, _allow)
+            return self._probe(plugin, _allow)
 
-    def _open(self, plugin: Plugin, _allow) -> Plugin | None:
-        """Stage 3: the plugin's devices (its first call allowed to open the runtime)."""
-        name, module, fn = plugin.name, plugin.module, plugin.fn
+    def _validate(self, module: Any, name: str, _allow) -> tuple[tuple[int, int], Any, dict] | None:
+        """Stages 1 and 2: (API version, what pluggy holds, dispatch table), or None (recorded)."""
+        # 1. API version, read before pluggy or any device code touches the plugin
+        try:
+            av = getattr(module, "api_version", None)
+            if av is None:
+                raise APIVersionError(f"plugin {name!r} has no api_version() hook")
+            got = check_api_version(name, av())
+        except Exception as e:
+            self._fail(name, "api_version", f"{type(e).__name__}: {e}", _allow)
+            return None
+        # 2. pluggy validation (argument names, unknown hooks), then required hooks
+        hooks = _hook_object(module)
+        try:
+            self.pm.register(hooks, name=name)
+            try:
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as e:
+                raise PluginLoadError(str(e)) from e
+            fn = self._dispatch_table(hooks, got)
+            missing = sorted(REQUIRED_HOOKS - fn.keys())
+            if missing:
+                raise PluginLoadError(f"required hooks not implemented: {', '.join(missing)}")
+            for lead, group in HOOK_GROUPS.items():
+                missing = sorted(group - fn.keys()) if lead in fn else []
+                if missing:
+                    raise PluginLoadError(f"{lead} is implemented but not {', '.join(missing)}")
+        except Exception as e:
+            if self.pm.is_registered(hooks):
+                self.pm.unregister(hooks)
+            self._fail(name, "validate", f"{type(e).__name__}: {e}", _allow)
+            return None
+        return got, hooks, fn
+
+    def _probe(self, plugin: Plugin, _allow) -> Plugin | None:
+        """Stage 3: the plugin's devices (its first call allowed to load the runtime)."""
+        name, hooks, fn = plugin.name, plugin.hooks, plugin.fn
         with self._lock:
+            t0 = time.perf_counter()
             try:
                 specs = list(fn["get_devices"]())
                 if not specs:
@@ -267,12 +427,14 @@ class Registry:
                         raise PluginLoadError(f"device {s.name!r}: type must be a DeviceType")
                 plugin.devices = [Device(plugin, s, i) for i, s in enumerate(specs)]
             except Exception as e:
-                self.pm.unregister(module)
+                self.pm.unregister(hooks)
                 if isinstance(e, ConfigError):
                     self._config_error = self._config_error or e
                 self._fail(name, "devices", f"{type(e).__name__}: {e}", _allow,
                            no_device=isinstance(e, DeviceError))  # fmt: skip
                 return None
+            finally:
+                self._timed(name, "devices_s", t0)
             # device names are looked up case-insensitively: unique across all plugins
             taken = {d.name.lower() for d in self._devices}
             clash = []
@@ -281,7 +443,7 @@ class Registry:
                     clash.append(d.name)
                 taken.add(d.name.lower())
             if clash:
-                self.pm.unregister(module)
+                self.pm.unregister(hooks)
                 self._fail(
                     name, "devices", f"device names already taken: {', '.join(clash)}", _allow
                 )
@@ -293,7 +455,7 @@ class Registry:
             )
             return plugin
 
-    def _dispatch_table(self, module: Any, version: tuple[int, int]) -> dict[str, Any]:
+    def _dispatch_table(self, hooks: Any, version: tuple[int, int]) -> dict[str, Any]:
         """hook name → this plugin's function, resolved once (the hot path skips pm.hook).
 
         Handles call these positionally with the spec's arguments. pluggy lets an impl take
@@ -305,14 +467,14 @@ class Registry:
                 continue
             hook = getattr(self.pm.hook, hname)
             for impl in hook.get_hookimpls():
-                if impl.plugin is module:
+                if impl.plugin is hooks:
                     fn[hname] = _bind(impl, hook.spec.argnames)
         return fn
 
     def unregister(self, name: str) -> None:
         with self._lock:
             p = self.plugins.pop(name)
-            self.pm.unregister(p.module)
+            self.pm.unregister(p.hooks)
             self._devices = [d for d in self._devices if d.plugin is not p]
 
     # --- lookups ----------------------------------------------------------------------------------
@@ -357,20 +519,45 @@ class Registry:
 
     def accelerators(self) -> list[Device]:
         """The devices default placement puts ahead of the CPU: :meth:`ranked`'s non-CPU devices
-        that are not emulated on the host's cores ([] on a machine without one)."""
-        return [d for d, _ in self.ranked() if d.type != DeviceType.CPU and not d.caps.emulated]
+        that are not emulated on the host's cores and whose runtime opens (each is opened now,
+        see :meth:`usable`; [] on a machine without one)."""
+        return self.usable(d for d, _ in self.ranked() if d.type != DeviceType.CPU and not d.caps.emulated)
 
     def best_device(self) -> Device:
-        """The first device of :meth:`ranked`."""
+        """The first device of :meth:`ranked` whose runtime opens (see :meth:`usable`)."""
         ranked = self.ranked()
         if not ranked:
             raise DeviceError("no devices registered")
-        return ranked[0][0]
+        ok = self.usable(d for d, _ in ranked)
+        if not ok:
+            raise DeviceError("no device opened: " + "; ".join(str(d.open_error) for d, _ in ranked))
+        return ok[0]
 
-    def info(self) -> dict:
-        """Everything `accelplane devices --json` prints."""
+    @staticmethod
+    def usable(devices: Iterable[Device]) -> list[Device]:
+        """Those of ``devices`` whose runtime opens, opening each now (default placement: a
+        device whose runtime fails is passed over, its DeviceOpenError kept in
+        ``device.open_error`` for listings). A ConfigError is raised: the setting is the user's
+        to fix, not a reason to place work elsewhere."""
+        out = []
+        for d in devices:
+            try:
+                d.open()
+            except DeviceOpenError:
+                continue
+            out.append(d)
+        return out
+
+    def info(self, open: bool = False) -> dict:
+        """Everything `accelplane devices --json` prints. ``open``: open every device's runtime
+        first (a device that fails shows its ``open_error``); else only what the probes said,
+        with memory figures where the plugin has them without opening (null otherwise)."""
         from accelplane._version import __version__
 
+        if open:
+            for d in self.devices:
+                with contextlib.suppress(DeviceOpenError):  # kept in d.open_error, listed below
+                    d.open()
         return {
             "accelplane": __version__,
             "api_version": list(API_VERSION),
@@ -379,27 +566,13 @@ class Registry:
                     "name": p.name,
                     "version": p.version,
                     "api_version": list(p.api_version),
-                    "devices": [
-                        {
-                            "name": d.name,
-                            "description": d.description,
-                            "type": d.type.value,
-                            "memory_free": _memory(d)[0],
-                            "memory_total": _memory(d)[1],
-                            "caps": {
-                                "async": d.caps.async_,
-                                "host_buffer": d.caps.host_buffer,
-                                "events": d.caps.events,
-                                "emulated": d.caps.emulated,
-                            },
-                        }
-                        for d in p.devices
-                    ],
+                    "devices": [_device_info(d) for d in p.devices],
                 }
                 for p in self.plugins.values()
             ],
             "default_order": [
-                {"device": f"{d.plugin.name}/{d.name}", "why": why} for d, why in self.ranked()
+                {"device": f"{d.plugin.name}/{d.name}", "why": why}
+                for d, why in self.ranked() if d.open_error is None  # default placement passes over those
             ],
             "failures": [
                 {"name": f.name, "stage": f.stage, "reason": f.reason, "no_device": f.no_device}
@@ -422,19 +595,35 @@ def _bind(impl: Any, spec_args: tuple[str, ...]) -> Any:
     return adapter
 
 
-def _memory(d: Device) -> tuple[int, int]:
-    """device.memory() for listings: a plugin whose device_memory raises shows (0, 0)."""
+def _device_info(d: Device) -> dict:
+    """One device of info(): memory only where the plugin has it without opening the device
+    (None otherwise); a plugin whose device_memory raises shows (0, 0)."""
     try:
-        return d.memory()
+        mem = d.memory(open=False)
     except Exception:
-        return (0, 0)
+        mem = (0, 0)
+    return {
+        "name": d.name,
+        "description": d.description,
+        "type": d.type.value,
+        "memory_free": None if mem is None else mem[0],
+        "memory_total": None if mem is None else mem[1],
+        "caps": {
+            "async": d.caps.async_,
+            "host_buffer": d.caps.host_buffer,
+            "events": d.caps.events,
+            "emulated": d.caps.emulated,
+        },
+        "open": d.is_open,
+        "open_error": None if d.open_error is None else str(d.open_error),
+    }
 
 
 def installed_names() -> list[str]:
     """Names of every plugin this environment offers (the entry points of the group and the
     ACCELPLANE_EXTRA_PLUGINS entries), whether loaded, broken, or left out by the allow and
     block lists."""
-    names = {ep.name for ep in metadata.entry_points(group=GROUP)}
+    names = {ep.name for ep in entry_points()}
     names |= {s.partition("=")[0].strip() for s in env.EXTRA_PLUGINS.get() or ()}
     return sorted(names - {""})
 

@@ -1,28 +1,28 @@
-"""The Vulkan runtime under the plugin, one module per concept:
+"""The Vulkan runtime under the plugin (a device's, opened on its first use), one module per
+concept:
 
 - vk: the ``vulkan`` package loaded (libvulkan), result checks, structs, command helpers;
-- physical: the instance, physical devices and their features, which ones to open;
-- device: logical devices (queues, memory types, pipelines) and the plugin's device contexts;
+- device: logical devices (queues, memory types, shaders, pipelines);
 - memory: buffers (device-local, or host-visible and mapped);
 - stream: in-order streams (queue, command buffers, timeline semaphore), staging, copies;
 - sync: host bridges between VkDevices, and events.
 
-Imported on first use (get_devices), never at plugin discovery: importing it loads libvulkan
-and raises DeviceError("no Vulkan driver found: ...") when the loader is missing.
+The instance and the physical devices are the probe's (probe.py, ctypes), which is what
+listing devices runs. This package is imported on a device's first use, never at listing:
+importing it loads the ``vulkan`` package, which raises DeviceError("no Vulkan driver found:
+...") when the loader is missing.
 """
 
 from __future__ import annotations
 
-from .device import N_BINDINGS, BuftCtx, DeviceCtx, LogicalDevice, Queue, open_devices
+from .device import N_BINDINGS, LogicalDevice, Queue
 from .memory import Memory
-from .physical import DEVICE_TYPES, Instance, PhysInfo, instance, select_physical
 from .stream import ERRORS, Staging, Stream, copy_across, memory_of, stream_of
 from .sync import Bridge, EventState
 from .vk import NULL, V, check, cmd_barrier, cmd_copy, cmd_to_host, ffi, lib, new_struct
 
 __all__ = [
-    "DEVICE_TYPES", "ERRORS", "NULL", "N_BINDINGS", "Bridge", "BuftCtx", "DeviceCtx", "EventState",
-    "Instance", "LogicalDevice", "Memory", "PhysInfo", "Queue", "Staging", "Stream", "V", "check",
-    "cmd_barrier", "cmd_copy", "cmd_to_host", "copy_across", "ffi", "instance", "lib", "memory_of",
-    "new_struct", "open_devices", "select_physical", "stream_of",
+    "ERRORS", "NULL", "N_BINDINGS", "Bridge", "EventState", "LogicalDevice", "Memory", "Queue", "Staging",
+    "Stream", "V", "check", "cmd_barrier", "cmd_copy", "cmd_to_host", "copy_across", "ffi", "lib",
+    "memory_of", "new_struct", "stream_of",
 ]  # fmt: skip

@@ -1,20 +1,16 @@
-"""Logical devices: a VkDevice with its queues, memory types, pipelines and deferred
-destruction (LogicalDevice); the accelplane device and buffer-type contexts over them
-(DeviceCtx opens its LogicalDevice on first use, BuftCtx), and the list of devices to expose."""
+"""Logical devices: a VkDevice with its queues, memory types, shaders, pipelines and deferred
+destruction (LogicalDevice): an accelplane device's runtime (``device.runtime``), made on the
+device's first use from the physical device the probe (probe.py) listed."""
 
 from __future__ import annotations
 
-import collections
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from accelplane.errors import AllocationError, DeviceError
 
-from ..kernels import Caps
-from ..tuning import Tuning
-from .physical import DEVICE_TYPES, PhysInfo, instance, select_physical
+from ..probe import PhysInfo
 from .stream import Stream
 from .vk import NULL, V, check, ffi, lib, new_struct
 
@@ -30,10 +26,9 @@ class Queue:
         self.lock = threading.Lock()  # vkQueueSubmit needs external synchronization
 
 
-def _compute_family(phys: PhysInfo, label: str) -> tuple[int, int]:
-    """(queue family, queues to ask of it): a compute-only family if there is one (async
-    compute engines), else the first with compute."""
-    h = phys.handle
+def _compute_family(phys: PhysInfo, h, label: str) -> tuple[int, int]:
+    """(queue family, queues to ask of it) of ``phys`` (``h``: its handle): a compute-only
+    family if there is one (async compute engines), else the first with compute."""
     n = ffi.new("uint32_t*")
     lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
     fams = ffi.new("VkQueueFamilyProperties[]", n[0])
@@ -46,7 +41,7 @@ def _compute_family(phys: PhysInfo, label: str) -> tuple[int, int]:
     return family, max(1, min(fams[family].queueCount, MAX_QUEUES))
 
 
-def _create_device(phys: PhysInfo, family: int, nq: int):
+def _create_device(phys: PhysInfo, h, family: int, nq: int):
     """vkCreateDevice with ``nq`` queues of ``family`` and the features the kernels use."""
     prio = ffi.new("float[]", [1.0] * nq)
     qci = new_struct(
@@ -84,19 +79,21 @@ def _create_device(phys: PhysInfo, family: int, nq: int):
         pQueueCreateInfos=qci,
     )
     out = ffi.new("VkDevice*")
-    check(lib.vkCreateDevice(phys.handle, dci, NULL, out), f"vkCreateDevice ({phys.name})")
+    check(lib.vkCreateDevice(h, dci, NULL, out), f"vkCreateDevice ({phys.name})")
     return out[0]
 
 
 class LogicalDevice:
-    """A VkDevice with its queues, memory types, pipeline layout, shader modules, pipelines,
-    an internal stream for blocking transfers, and deferred destruction of freed buffers."""
+    """A VkDevice with its queues, memory types, pipeline layout, shader modules (built by
+    load_shaders, at the first backend), pipelines, an internal stream for blocking transfers,
+    and deferred destruction of freed buffers."""
 
-    def __init__(self, phys: PhysInfo, label: str, spirv: dict[str, bytes]) -> None:
+    def __init__(self, phys: PhysInfo, label: str) -> None:
         self.phys = phys
         self.label = label
-        self.family, nq = _compute_family(phys, label)
-        self.handle = _create_device(phys, self.family, nq)
+        self.phys_handle = ffi.cast("VkPhysicalDevice", phys.handle)  # the probe's, through ctypes
+        self.family, nq = _compute_family(phys, self.phys_handle, label)
+        self.handle = _create_device(phys, self.phys_handle, self.family, nq)
         self.queues = []
         for i in range(nq):
             q = ffi.new("VkQueue*")
@@ -105,7 +102,7 @@ class LogicalDevice:
         self._next_queue = 0
         self._pick_memory_types()
         self._make_layouts()
-        self.modules = {name: self._module(code) for name, code in spirv.items()}
+        self.modules: dict[str, object] = {}
         self.pipelines: dict[tuple, object] = {}
         self.lock = threading.RLock()
         self.allocated = 0
@@ -116,7 +113,7 @@ class LogicalDevice:
     # memory types
     def _pick_memory_types(self) -> None:
         mp = ffi.new("VkPhysicalDeviceMemoryProperties*")
-        lib.vkGetPhysicalDeviceMemoryProperties(self.phys.handle, mp)
+        lib.vkGetPhysicalDeviceMemoryProperties(self.phys_handle, mp)
         self.mem_flags = [mp.memoryTypes[i].propertyFlags for i in range(mp.memoryTypeCount)]
         self.mem_heap = [mp.memoryTypes[i].heapIndex for i in range(mp.memoryTypeCount)]
         self.heap_size = [mp.memoryHeaps[i].size for i in range(mp.memoryHeapCount)]
@@ -169,6 +166,18 @@ class LogicalDevice:
         out2 = ffi.new("VkPipelineLayout*")
         check(lib.vkCreatePipelineLayout(self.handle, pci, NULL, out2), "vkCreatePipelineLayout")
         self.pipeline_layout = out2[0]
+
+    def load_shaders(self) -> None:
+        """Every shader module, built once (all or nothing, before any backend exists: a shader
+        that does not compile raises ShaderCompileError here, and again at the next backend)."""
+        if self.modules:
+            return
+        with self.lock:
+            if not self.modules:
+                from .. import shaders
+
+                spirv = shaders.compile_all(shaders.shader_dir())
+                self.modules = {name: self._module(code) for name, code in spirv.items()}
 
     def _module(self, code: bytes):
         buf = ffi.new("char[]", code)
@@ -269,59 +278,3 @@ class LogicalDevice:
         finally:
             for q in self.queues:
                 q.lock.release()
-
-
-# --- the accelplane devices -----------------------------------------------------------------------
-@dataclass(eq=False)
-class DeviceCtx:
-    """One accelplane device: a physical device, and its VkDevice once opened."""
-
-    label: str
-    description: str
-    phys: PhysInfo
-    caps: Caps
-    _dev: LogicalDevice | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def open(self) -> LogicalDevice:
-        """The logical device, created (and every shader built) on first use: a shader that
-        does not compile fails here, loudly, before any backend exists."""
-        if self._dev is None:
-            with self._lock:
-                if self._dev is None:
-                    from .. import shaders
-
-                    self._dev = LogicalDevice(
-                        self.phys, self.label, shaders.compile_all(shaders.shader_dir())
-                    )
-        return self._dev
-
-    def memory(self) -> tuple[int, int]:
-        """(free, total) bytes of the device-local heap, less what this device allocated."""
-        used = self._dev.allocated if self._dev is not None else 0
-        return max(0, self.phys.heap_size - used), self.phys.heap_size
-
-
-@dataclass(frozen=True, eq=False)
-class BuftCtx:
-    """A buffer type of a device: device-local, or host-visible (``host``)."""
-
-    dev: DeviceCtx
-    host: bool
-
-
-def open_devices(settings: Tuning) -> list[DeviceCtx]:
-    """The accelplane devices, Vulkan0.., of the physical devices ``settings.devices`` selects
-    (select_physical); a physical device listed twice is described as logical device k of n."""
-    sel = select_physical(instance(), settings.devices)
-    per_phys = collections.Counter(i for i, _ in sel)
-    seen: collections.Counter[int] = collections.Counter()
-    out = []
-    for n, (i, p) in enumerate(sel):
-        seen[i] += 1
-        desc = f"{p.name} ({DEVICE_TYPES.get(p.type, '?')}; {p.driver}; Vulkan {p.api[0]}.{p.api[1]})"
-        if per_phys[i] > 1:
-            desc += f", logical device {seen[i]} of {per_phys[i]} on physical device {i}"
-        caps = Caps.of(p.storage16, p.subgroup_size if p.subgroup_arith else 0, p.int_dot, settings)
-        out.append(DeviceCtx(f"Vulkan{n}", desc, p, caps))
-    return out
