@@ -44,12 +44,16 @@ def _int(lo: int, hi: int | None = None):
     return parse
 
 
-def _positive(s: str) -> float:
-    """argparse type: a finite number > 0."""
+def _number(s: str) -> float:
     try:
-        v = float(s)
+        return float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
+def _positive(s: str) -> float:
+    """argparse type: a finite number > 0."""
+    v = _number(s)
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s}")
     return v
@@ -57,10 +61,7 @@ def _positive(s: str) -> float:
 
 def _nonneg(s: str) -> float:
     """argparse type: a finite number >= 0."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    v = _number(s)
     if not (math.isfinite(v) and v >= 0):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s}")
     return v
@@ -68,10 +69,7 @@ def _nonneg(s: str) -> float:
 
 def _unit(s: str) -> float:
     """argparse type: a number in (0, 1]."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    v = _number(s)
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s}")
     return v
