@@ -105,6 +105,14 @@ def test_device_logits_equal_llama_cpp(model_file, kind, name):
     check(f"{name} on {dev.name}", agreement(_run(path, [dev], ref["tokens"]), ref))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_logits_equal_llama_cpp(model_file, name):
+    """Every reference on a CUDA device (skipped without one)."""
+    dev = _device("cuda")
+    path, ref = model_file(name)
+    check(f"{name} on {dev.name}", agreement(_run(path, [dev], ref["tokens"]), ref))
+
+
 @pytest.mark.parametrize("mistake", ["neox rope", "no rope factors"])
 def test_a_wrong_model_fails_the_check(model_file, mistake):
     """The check has teeth: the llama file read as if its rope were NEOX (ignoring the
