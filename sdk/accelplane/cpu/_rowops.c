@@ -109,15 +109,39 @@ int ap_norm_rows(int op, int64_t nrows, int64_t n, const float *x, int64_t xs, i
     return AP_OK;
 }
 
+/* Reductions in 8 float lanes, so that the loops vectorize (an in-order sum does not); the lanes'
+ * sums go into a double every 256 elements, which keeps long rows' totals accurate. */
+#define AP_LANES 8
 AP_BODY void soft_max_row(int64_t n, const float *xr, const float *mr, float *yr, float scale) {
+    float m8[AP_LANES];
+    for (int j = 0; j < AP_LANES; j++) m8[j] = -INFINITY;
+    const int64_t nv = n - n % AP_LANES;
+    for (int64_t i = 0; i < nv; i += AP_LANES)
+        for (int j = 0; j < AP_LANES; j++) {
+            const float v = xr[i + j] * scale + (mr ? mr[i + j] : 0.0f);
+            yr[i + j] = v;
+            m8[j] = v > m8[j] ? v : m8[j];
+        }
     float mx = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
+    for (int j = 0; j < AP_LANES; j++) mx = m8[j] > mx ? m8[j] : mx;
+    for (int64_t i = nv; i < n; i++) {
         const float v = xr[i] * scale + (mr ? mr[i] : 0.0f);
         yr[i] = v;
         mx = v > mx ? v : mx;
     }
     double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i0 = 0; i0 < nv; i0 += 256) {
+        const int64_t end = i0 + 256 < nv ? i0 + 256 : nv;
+        float s8[AP_LANES] = {0};
+        for (int64_t i = i0; i < end; i += AP_LANES)
+            for (int j = 0; j < AP_LANES; j++) {
+                const float e = ap_exp(yr[i + j] - mx);
+                yr[i + j] = e;
+                s8[j] += e;
+            }
+        for (int j = 0; j < AP_LANES; j++) sum += s8[j];
+    }
+    for (int64_t i = nv; i < n; i++) {
         const float e = ap_exp(yr[i] - mx);
         yr[i] = e;
         sum += e;
