@@ -43,7 +43,7 @@ from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import ConfigError, DeviceError, GGUFError, OutOfRangeError, ShapeError, TokenizerError
 from accelplane.interface import DeviceType
-from accelplane.models.decoder import WeightSpec, copy_weight_bytes, set_weight_values
+from accelplane.models.decoder import WeightSpec, copy_weight_bytes, set_weight_values, with_weights_of
 from accelplane.models.hparams import Keys, common_hparams
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Device
@@ -662,12 +662,7 @@ class BertModel:
         check_gguf_tensors(f, cfg)
         names = set(weight_shapes(cfg))
         m = cls(cfg, devices, types={n: t.type for n, t in f.tensors.items() if n in names}, **kw)
-        try:
-            m.load_weights(lambda n: f.tensors[n].data, progress)
-        except Exception:
-            m.free()
-            raise
-        return m
+        return with_weights_of(m, f, progress)
 
     def load_weights(self, source: Callable[[str], np.ndarray],
                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip

@@ -426,6 +426,17 @@ def copy_weight_bytes(w: Mapping[str, Tensor], source: Callable[[str], np.ndarra
             progress(t.nbytes)
 
 
+def with_weights_of(m, f: GGUFFile, progress: Callable[[int], None] | None = None):
+    """Model ``m`` with its weights loaded from GGUF file ``f`` (``m.load_weights``); on an
+    error ``m`` is freed and the error raised."""
+    try:
+        m.load_weights(lambda n: f.tensors[n].data, progress)
+    except Exception:
+        m.free()
+        raise
+    return m
+
+
 def set_weight_values(w: Mapping[str, Tensor], values: Mapping[str, np.ndarray]) -> None:
     """Set weights from float arrays (quantized to each tensor's type on the way in);
     ShapeError for a name the model does not have."""
@@ -676,12 +687,7 @@ class DecoderModel:
         f.check_tensors(cfg)
         kw.setdefault("n_ctx", min(cfg.n_ctx_train, 512))
         m = cls(cfg, devices, types={n: t.type for n, t in f.tensors.items()}, **kw)
-        try:
-            m.load_weights(lambda n: f.tensors[n].data, progress)
-        except Exception:
-            m.free()
-            raise
-        return m
+        return with_weights_of(m, f, progress)
 
     def free(self) -> None:
         """Release buffers, backends and the scheduler's memory."""
