@@ -63,6 +63,7 @@ def one_line(err: str, *parts: str) -> None:
     (["make-model", "x.gguf", "--arch", "qwen3", "--rope-factor", "0"], ["--rope-factor", "> 0"]),
     (["ops", "--markdown", "/nonexistent/ops.md"], ["/nonexistent does not exist"]),
     (["bench", "ops", "--json", "/nonexistent/x.json"], ["--json /nonexistent/x.json"]),
+    (["bench", "ops", "--json", "j" * 300], ["cannot be written (File name too long)"]),  # (fuzz)
     (["nosuchcommand"], ["invalid choice"]),
 ])  # fmt: skip
 def test_user_errors_are_one_line_with_status_2(capsys, argv, parts):

@@ -95,18 +95,18 @@ def check_output(path: str | None, what: str) -> None:
     p = Path(path)
     if "\0" in path:
         raise UsageError(f"{what} {path!r}: a path cannot hold a NUL byte")
-    if p.is_dir():
-        raise UsageError(f"{what} {path}: is a directory")
-    if not p.parent.is_dir():
-        raise UsageError(f"{what} {path}: directory {p.parent} does not exist")
-    existed = p.exists()
-    try:
+    try:  # is_dir and exists raise, not answer False, for a name too long for the file system
+        if p.is_dir():
+            raise UsageError(f"{what} {path}: is a directory")
+        if not p.parent.is_dir():
+            raise UsageError(f"{what} {path}: directory {p.parent} does not exist")
+        existed = p.exists()
         with open(p, "ab"):
             pass
+        if not existed:
+            os.unlink(p)
     except OSError as e:
         raise UsageError(f"{what} {path}: cannot be written ({e.strerror or e})") from None
-    if not existed:
-        os.unlink(p)
 
 
 def _progress(msg: str) -> None:
