@@ -83,6 +83,18 @@ def test_an_output_path_that_is_a_directory(capsys, tmp_path):
     one_line(err, "--json", "is a directory")
 
 
+def test_a_file_system_error_during_the_work_is_one_line_with_status_1(capsys, monkeypatch):
+    import accelplane.cli as cli
+
+    def full(args, extra):
+        raise OSError(28, "No space left on device", "/data/out.json")
+
+    monkeypatch.setattr(cli, "_dispatch", full)
+    rc, _, err = run(capsys, "devices")
+    assert rc == 1
+    one_line(err, "/data/out.json: No space left on device")
+
+
 @pytest.mark.parametrize(("var", "value"), [("ACCELPLANE_CHECK_RESULTS", "banana"),
                                             ("ACCELPLANE_NTHREADS", "abc"), ("ACCELPLANE_CPU_ISA", "bogus"),
                                             ("ACCELPLANE_MODEL_POLICY", "eager")])  # fmt: skip

@@ -2,8 +2,8 @@
 
 Contract: a user error (a bad argument, an unwritable output path, a bad ACCELPLANE_*
 value, a malformed model file, an unknown device) prints one line ``accelplane: error: ...``
-and exits with status 2 before any long work starts; a failed computation or check exits 1;
-Ctrl-C exits 130 with one line.
+and exits with status 2 before any long work starts; a failed computation or check, or a
+file system error during the work, exits 1; Ctrl-C exits 130 with one line.
 """
 
 from __future__ import annotations
@@ -656,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (| head): say nothing more
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - flushing at exit must not fail again
         return EXIT_FAILED
+    except OSError as e:  # the file system refused mid-run (disk full, a file gone): say which
+        return fail(EXIT_FAILED, f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
     finally:
         progress.set_quiet(quiet)
 
