@@ -53,6 +53,8 @@ def one_line(err: str, *parts: str) -> None:
     (["run", "--model", "/nonexistent/m.gguf"], ["--model /nonexistent/m.gguf: no such file"]),
     (["run", "--model", "m" * 300], [f"--model {'m' * 300}: File name too long"]),  # (the fuzz found it)
     (["run", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["run", "--experts", "cpu", "--n-cpu-moe", "1"], ["--experts and --n-cpu-moe", "give one"]),
+    (["bench", "model", "--experts", "gpu"], ["--experts", "invalid choice"]),
     (["make-model", "/nonexistent/dir/m.gguf"], ["directory /nonexistent/dir does not exist"]),
     (["make-model", "x.gguf", "--layers", "0"], ["--layers", "from 1 to"]),
     (["make-model", "x.gguf", "--wtype", "iq2_xxs"], ["--wtype", "invalid choice"]),

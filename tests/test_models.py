@@ -33,13 +33,15 @@ import decoder_ref  # noqa: E402
 TINY = dict(n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96, n_vocab=128, n_ctx=256)
 MOE = dict(TINY, n_expert=4, n_expert_used=2)
 # what each architecture adds: Llama 3's rope factors; qwen2's biases; qwen3's Q/K norms with a
-# head size other than d_model / n_head, tied head; gemma3's sliding window (8 positions) in
+# head size other than d_model / n_head, tied head; qwen3moe's experts of their own FFN length;
+# gemma3's sliding window (8 positions) in
 # five layers of six, linear rope scaling, soft-capping; gemma3_swa: every layer has the window
 # (fewer layers than the pattern), so no layer reads the full causal mask
 ARCH_MODELS = {
     "llama3": dict(TINY, wtype="f32", rope_scaling="llama3", seed=3),
     "qwen2": dict(TINY, arch="qwen2", wtype="f32", seed=4),
     "qwen3": dict(TINY, arch="qwen3", wtype="f32", head_dim=32, tied=True, seed=5),
+    "qwen3moe": dict(MOE, arch="qwen3moe", wtype="f32", head_dim=32, d_ff_exp=64, seed=8),
     "gemma3": dict(TINY, arch="gemma3", wtype="f32", n_layers=6, sliding_window=8, logit_softcap=30.0,
                    rope_scaling="linear", rope_factor=4.0, seed=6),
     "gemma3_swa": dict(TINY, arch="gemma3", wtype="f32", sliding_window=8, seed=7),
@@ -381,6 +383,70 @@ def test_installed_plugins_64_tokens(models, device):
     got = _teacher_forced_64(models["q8_0"], [reg.device(device)], cpu)
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
     assert nmse(got, want) <= NMSE_TOL
+
+
+@pytest.mark.parametrize("device", _installed_devices())
+def test_experts_in_host_memory(models, device):
+    """cpu_moe (--experts cpu, --n-cpu-moe N): the expert tensors of the first N layers live in
+    the CPU's buffer, every other weight on the device; a 40-token prefill (offloaded: the
+    device runs the products on uploaded experts) and decode steps (the CPU runs them) give
+    the all-on-device model's logits."""
+    reg = accelplane.get_registry()
+    cpu, dev = reg.device("CPU"), reg.device(device)
+    toks = np.random.default_rng(9).integers(0, TINY["n_vocab"], 43)
+    out = {}
+    for n in (0, 1, 2):
+        m = LlamaModel.from_gguf(models["qwen3moe"], [dev], cpu=cpu, cpu_moe=n, n_ctx=64)
+        try:
+            on_cpu = {k for k, d in m.placement.items() if d is cpu}
+            want = {f"blk.{i}.ffn_{p}_exps.weight" for i in range(n) for p in ("gate", "up", "down")}
+            assert on_cpu == want
+            out[n] = np.concatenate([m.eval(toks[:40], all_logits=True).logits]
+                                    + [m.eval([t]).logits for t in toks[40:]])  # fmt: skip
+        finally:
+            m.free()
+    for n in (1, 2):
+        assert nmse(out[n], out[0]) < 1e-9, (device, n)
+
+
+def test_run_and_bench_model_with_experts_in_host_memory(models, capsys):
+    from accelplane import cli
+
+    dev = (_installed_devices() or ["CPU"])[0]
+    argv = ["run", "--model", str(models["qwen3moe"]), "-d", dev, "--n-cpu-moe", "1", "--tokens", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"weights on {dev}" in out and "weights on CPU" in out and ": OK" in out, out
+    assert cli.main(["run", "--model", str(models["f32"]), "--experts", "cpu"]) == 2
+    assert "--experts cpu: the model (llama) has no experts" in capsys.readouterr().err
+    assert cli.main(["bench", "model", "--model", str(models["qwen3moe"]), "-d", dev, "--experts", "cpu",
+                     "--pp", "8", "--tg", "2", "--reps", "1"]) == 0  # fmt: skip
+
+
+def test_cpu_moe_is_validated(models):
+    cpu = accelplane.device("CPU")
+    with pytest.raises(ConfigError, match="no experts"):
+        LlamaModel.from_gguf(models["f32"], [cpu], cpu_moe=1)
+    with pytest.raises(ConfigError, match="integer >= 0"):
+        LlamaModel.from_gguf(models["moe"], [cpu], cpu_moe=-1)
+
+
+def test_qwen3moe_metadata(tmp_path, models):
+    """qwen3moe reads expert_feed_forward_length (else feed_forward_length / expert_used_count,
+    as llama.cpp) and refuses a file without experts; d_ff_exp is qwen3moe's alone."""
+    with read_gguf(models["qwen3moe"]) as f:
+        cfg = f.model_config()
+        assert (cfg.n_expert, cfg.n_expert_used, cfg.d_ff_exp, cfg.qk_norm) == (4, 2, 64, True)
+        assert f.tensors["blk.0.ffn_down_exps.weight"].shape == (4, 64, 64)
+    p = _with(models["qwen3moe"], tmp_path / "noff.gguf", drop=["qwen3moe.expert_feed_forward_length"])
+    assert read_gguf(p).model_config().d_ff_exp == TINY["d_ff"] // 2
+    p = _with(models["qwen3moe"], tmp_path / "noexp.gguf", drop=["qwen3moe.expert_count"])
+    with pytest.raises(GGUFError, match="expert_count"):
+        read_gguf(p).model_config()
+    with pytest.raises(ShapeError, match="d_ff_exp"):
+        make_model(tmp_path / "x.gguf", **dict(MOE, d_ff_exp=64))
+    with pytest.raises(GGUFError, match="n_expert > 0"):
+        make_model(tmp_path / "x.gguf", arch="qwen3moe", **TINY)
 
 
 def test_graphs_and_plans_reused_across_tokens(reg, models):

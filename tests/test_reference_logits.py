@@ -21,7 +21,7 @@ from accelplane.models.gguf import tensor_digest
 
 DATA = Path(__file__).parent / "data" / "reference_logits"
 NAMES = sorted(p.stem for p in DATA.glob("*.npz"))
-ARCHS = ("llama", "llama-moe", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "llama-moe", "qwen2", "qwen3", "qwen3moe", "gemma3")
 
 
 def test_every_architecture_has_its_references():
@@ -50,8 +50,8 @@ def model_file(tmp_path_factory):
     return get
 
 
-def _run(path: Path, devices, toks: np.ndarray) -> np.ndarray:
-    m = DecoderModel.from_gguf(path, devices, n_ctx=512, kv_pad=256, cache_type="f16")
+def _run(path: Path, devices, toks: np.ndarray, cpu_moe: int = 0) -> np.ndarray:
+    m = DecoderModel.from_gguf(path, devices, n_ctx=512, kv_pad=256, cache_type="f16", cpu_moe=cpu_moe)
     try:
         return m.eval(toks.astype(np.int64), all_logits=True).logits
     finally:
@@ -103,6 +103,18 @@ def test_device_logits_equal_llama_cpp(model_file, kind, name):
     dev = _device(kind)
     path, ref = model_file(name)
     check(f"{name} on {dev.name}", agreement(_run(path, [dev], ref["tokens"]), ref))
+
+
+@pytest.mark.parametrize("kind", ["vulkan", "sycl", "cuda"])
+@pytest.mark.parametrize("name", ["llama-moe-f32", "qwen3moe-f32", "qwen3moe-q8_0"])
+def test_experts_in_host_memory_equal_llama_cpp(model_file, kind, name):
+    """Every layer's experts in host memory (--experts cpu), the rest on the device: the
+    256-token batch is offloaded, so the scheduler uploads the experts the router chose."""
+    dev = _device(kind)
+    path, ref = model_file(name)
+    n_layers = json.loads(str(ref["make_model"]))["n_layers"]
+    check(f"{name} on {dev.name}, experts in host memory",
+          agreement(_run(path, [dev], ref["tokens"], cpu_moe=n_layers), ref))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -38,6 +38,8 @@ ARCHS = {
     "qwen2": dict(SMALL, arch="qwen2", seed=13),
     # per-head Q/K norms, a head size (32) other than d_model / n_head, tied output
     "qwen3": dict(SMALL, arch="qwen3", head_dim=32, tied=True, seed=14),
+    # Qwen3's attention with 4 experts (2 used) of their own FFN length in every layer
+    "qwen3moe": dict(SMALL, arch="qwen3moe", head_dim=32, n_expert=4, n_expert_used=2, d_ff_exp=64, seed=16),
     # sliding window (32 positions) in five layers of six, linear rope scaling on the global
     # one, soft-capped logits, post norms, GEGLU, scaled embeddings
     "gemma3": dict(SMALL, arch="gemma3", n_layers=6, head_dim=32, sliding_window=32, logit_softcap=30.0,

@@ -114,15 +114,10 @@ def supports_op(device, op):
 
 @hookimpl
 def offload_op(device, op):
-    # a big batch amortizes copying host weights to the GPU (ggml: GGML_OP_OFFLOAD_MIN_BATCH)
-    from accelplane.core.ops import Op
+    # a big batch amortizes copying host weights to the GPU
+    from accelplane.core.ops import offload_batch
 
-    min_batch = device.ctx.tuning.offload_min_batch
-    if op.op is Op.MUL_MAT:
-        return op.src[1].ne[1] * op.src[1].ne[2] * op.src[1].ne[3] >= min_batch
-    if op.op is Op.MUL_MAT_ID:
-        return op.src[2].ne[1] >= min_batch
-    return False
+    return offload_batch(op) >= device.ctx.tuning.offload_min_batch
 
 
 # --- buffer types and buffers -----------------------------------------------------------------------

@@ -85,6 +85,14 @@ def supports_op(device, op):
 
 
 @hookimpl
+def offload_op(device, op):
+    # a big batch amortizes copying host weights to the device, as ggml's backends decide
+    from accelplane.core.ops import OFFLOAD_MIN_BATCH, offload_batch
+
+    return offload_batch(op) >= OFFLOAD_MIN_BATCH
+
+
+@hookimpl
 def supports_buft(device, buft):
     info = buft.ctx
     return isinstance(info, BuftInfo) and info.dev is device.ctx

@@ -95,6 +95,14 @@ def supports_op(device, op):
 
 
 @hookimpl
+def offload_op(device, op):
+    # a big batch amortizes copying host weights to the device, as ggml's backends decide
+    from accelplane.core.ops import OFFLOAD_MIN_BATCH, offload_batch
+
+    return offload_batch(op) >= OFFLOAD_MIN_BATCH
+
+
+@hookimpl
 def supports_buft(device, buft):
     # kernels read and write the device's own device-local buffers; the host type is for
     # transfers (over PCIe a kernel would crawl), as ggml's pinned host buffers

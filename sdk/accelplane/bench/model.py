@@ -67,12 +67,14 @@ def graph_only_rate(model: DecoderModel, n: int) -> float:
 
 
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
-                reps: int = 2, profiler=None, show: bool = False) -> list[dict]:  # fmt: skip
+                reps: int = 2, profiler=None, show: bool = False,
+                cpu_moe: int = 0) -> list[dict]:  # fmt: skip
     """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
     cProfile.Profile enabled around the timed tg runs (where the host time of a token goes).
     ``show``: progress on stderr (accelplane.runtime.progress: on a terminal, not quiet): each
     model load's bar, then a line per step, the copy bandwidth, the warm-up and each timed
-    run with its tokens/s."""
+    run with its tokens/s. ``cpu_moe``: the layers whose experts live in host memory
+    (DecoderModel's), recorded in each row as ``n_cpu_moe``."""
     rows = []
     n_ctx = context_for(f.model_config(), max(pp, tg), "--pp/--tg")
     wbytes = total_bytes(f)
@@ -86,7 +88,7 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
             with _step(show, f"{label}: copy bandwidth") as ph:
                 copy_bw[label] = bw = copy_bandwidth(devs[0])
                 ph.note(f"{bw / 1e9:.1f} GB/s" if bw else "not measured")
-        model = load(f, devs, cpu, split, n_ctx, show=show)
+        model = load(f, devs, cpu, split, n_ctx, show=show, cpu_moe=cpu_moe)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
                 if n <= 0:
@@ -118,6 +120,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "devices": label, "split": split, "test": f"{test}{n}", "n_tokens": n,
                        "reps": reps, "seconds": times, "tokens_per_s": float(np.mean(tps)),
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
+                if cpu_moe:
+                    row["n_cpu_moe"] = cpu_moe
                 if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
                     row["meta"] = meta_summary(model.meta)
                 else:  # the scheduler's synchronization policy (ACCELPLANE_MODEL_POLICY)

@@ -450,14 +450,25 @@ def build_parser() -> argparse.ArgumentParser:
 # make-model: the architectures (the keys of accelplane.models.runner.MAKE_ARCHS, named here so
 # that parsing imports no model code), and its options that set a make_model keyword: (flag,
 # keyword), the integer ones first
-MAKE_ARCH_NAMES = ["llama", "qwen2", "qwen3", "gemma3", "bert"]
+MAKE_ARCH_NAMES = ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "bert"]
 _MAKE_INTS = (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_head"),
-              ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--vocab", "n_vocab"), ("--ctx", "n_ctx"),
+              ("--kv-heads", "n_head_kv"), ("--ff", "d_ff"), ("--ff-exp", "d_ff_exp"), ("--vocab", "n_vocab"),
+              ("--ctx", "n_ctx"),
               ("--experts", "n_expert"), ("--experts-used", "n_expert_used"), ("--head-dim", "head_dim"),
               ("--sliding-window", "sliding_window"), ("--seed", "seed"))  # fmt: skip
 MAKE_FLAGS = _MAKE_INTS + (("--output-type", "output_type"), ("--tied", "tied"), ("--rope-base", "rope_base"),
                            ("--rope-scaling", "rope_scaling"), ("--rope-factor", "rope_factor"),
                            ("--logit-softcap", "logit_softcap"), ("--pooling", "pooling"))  # fmt: skip
+
+
+def _moe_args(p, prefix: str) -> None:
+    """Where a MoE model's experts live (llama.cpp's --cpu-moe and --n-cpu-moe)."""
+    p.add_argument("--experts", choices=["device", "cpu"], default=None,
+                   help=f"{prefix}a MoE model's expert tensors on the layers' devices (default) or all in "
+                        "host memory (llama.cpp's --cpu-moe)")  # fmt: skip
+    p.add_argument("--n-cpu-moe", type=_int(0), default=None, metavar="N",
+                   help=f"{prefix}the expert tensors of the first N layers in host memory (llama.cpp's "
+                        "--n-cpu-moe)")  # fmt: skip
 
 
 def _model_args(sub, b) -> None:
@@ -471,12 +482,13 @@ def _model_args(sub, b) -> None:
                    help="model: split mode (repeatable; default none, plus layer over all "
                         "non-CPU devices when there are several); model: -d takes a comma list "
                         "as one device set")  # fmt: skip
+    _moe_args(b, "model: ")
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
     b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
-    r = sub.add_parser("run", help="run a GGUF model (llama, qwen2, qwen3, gemma3; default: a small "
-                       "synthetic llama) on the best devices, print tokens/s and check the logits against "
-                       "the CPU plugin",
+    r = sub.add_parser("run", help="run a GGUF model (llama, qwen2, qwen3, qwen3moe, gemma3; default: a "
+                       "small synthetic llama) on the best devices, print tokens/s and check the logits "
+                       "against the CPU plugin",
                        parents=[_quiet_parent()])  # fmt: skip
     r.add_argument("--model", help="GGUF file (default: a synthetic model, made once and cached)")
     r.add_argument("-d", "--device", action="append",
@@ -485,6 +497,7 @@ def _model_args(sub, b) -> None:
     r.add_argument("--split", default="none", choices=["none", "layer", "tensor"],
                    help="none: all layers on the first device; layer: layers spread over the "
                         "devices; tensor: needs the meta device")  # fmt: skip
+    _moe_args(r, "")
     r.add_argument("--tokens", type=_int(0), default=32,
                    help="decode steps (default 32); with --prompt, the most tokens generated")  # fmt: skip
     r.add_argument("--prompt", help="text to continue: tokenized with the model's vocabulary, the "
@@ -529,14 +542,14 @@ def _model_args(sub, b) -> None:
     m.add_argument("out", help="output .gguf file")
     m.add_argument("--arch", default="llama", choices=MAKE_ARCH_NAMES,
                    help="architecture (default llama; bert: an embedding model for `embed`)")
-    m.add_argument("--preset", choices=["tiny", "small", "1b", "8b", "mini"],
+    m.add_argument("--preset", choices=["tiny", "small", "1b", "8b", "8b-a1b", "mini"],
                    help="shapes: decoders tiny, small (the default: the model of `run`), 1b (TinyLlama-1.1B "
-                        "shapes), 8b (Llama-3-8B shapes); bert tiny, mini (the default: all-MiniLM-L6-v2 "
-                        "shapes)")  # fmt: skip
+                        "shapes), 8b (Llama-3-8B shapes); qwen3moe tiny, small, 8b-a1b (7.6B parameters, "
+                        "1.2B active); bert tiny, mini (the default: all-MiniLM-L6-v2 shapes)")  # fmt: skip
     m.add_argument("--jobs", type=_int(1, 1024), default=None,
                    help="worker processes making the weights (default: one per CPU; same file for any)")
     for flag, dest in _MAKE_INTS:
-        lo = 0 if dest in ("n_expert", "n_expert_used", "seed", "sliding_window") else 1
+        lo = 0 if dest in ("n_expert", "n_expert_used", "d_ff_exp", "seed", "sliding_window") else 1
         m.add_argument(flag, dest=dest, type=_int(lo, 1 << 24), help="overrides the preset")
     from accelplane.core.types import GGMLType
 
@@ -571,6 +584,8 @@ def _check_inputs(args) -> None:
             raise UsageError(f"--model {model}: {e.strerror or e}") from None
         if not found:
             raise UsageError(f"--model {model}: no such file")
+    if getattr(args, "experts", None) is not None and getattr(args, "n_cpu_moe", None) is not None:
+        raise UsageError("--experts and --n-cpu-moe both say where the experts live: give one")
     if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
         raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
     if args.cmd == "run":

@@ -72,6 +72,17 @@ def _open_model(args, p) -> tuple:
     return f, cfg, tok, reg
 
 
+def cpu_moe_of(args, cfg) -> int:
+    """The layers whose experts live in host memory, from --experts / --n-cpu-moe."""
+    from accelplane.cli import UsageError
+
+    n = cfg.n_layers if getattr(args, "experts", None) == "cpu" else getattr(args, "n_cpu_moe", None) or 0
+    if n and not cfg.is_moe:
+        flag = "--experts cpu" if getattr(args, "experts", None) == "cpu" else "--n-cpu-moe"
+        raise UsageError(f"{flag}: the model ({cfg.arch}) has no experts")
+    return n
+
+
 def cmd_run_text(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """``accelplane run --prompt TEXT``: the generated text to ``out`` as it is made, the rest
     (model, devices, timings) to ``err``. Returns the exit status."""
@@ -86,7 +97,7 @@ def cmd_run_text(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     top_k = 40 if args.top_k is None else args.top_k
     sampler = Sampler(args.temp, top_k, 0.95 if args.top_p is None else args.top_p, args.seed)
     devs, cpu = pick_devices(reg, args.device), _cpu_of(reg)
-    model = load(f, devs, cpu, args.split, n_ctx)
+    model = load(f, devs, cpu, args.split, n_ctx, cpu_moe=cpu_moe_of(args, cfg))
     how = "greedy" if sampler.greedy else f"temp {sampler.temp:g}, top-k {top_k}, top-p {sampler.top_p:g}"
     how += f", seed {args.seed}" if not sampler.greedy else ""
     p(f"prompt: {len(ids)} tokens ({tok!r}); generating up to {n} tokens, {how}")
@@ -127,7 +138,7 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     cpu = _cpu_of(reg)
     n_prompt, n_dec = int(args.prompt_tokens or 32), int(args.tokens)
     n_ctx = context_for(cfg, n_prompt + n_dec, "--prompt-tokens + --tokens")
-    model = load(f, devs, cpu, args.split, n_ctx)
+    model = load(f, devs, cpu, args.split, n_ctx, cpu_moe=cpu_moe_of(args, cfg))
     try:
         p(f"split plan (--split {args.split}; devices {', '.join(d.name for d in devs)}, then "
           f"{cpu.name} for inputs and the token embedding):")  # fmt: skip
@@ -189,7 +200,8 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
 
         prof = cProfile.Profile()
     # progress (on a terminal, without -q): each model load's bar, a line per run, kernel builds
-    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, prof, show=True)
+    rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, prof, show=True,
+                       cpu_moe=cpu_moe_of(args, f.model_config()))  # fmt: skip
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
         print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)

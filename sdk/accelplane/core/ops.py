@@ -467,6 +467,23 @@ def op_desc(t) -> str:
     return t.op.name if t.op is not None else "NONE"
 
 
+# the batch from which a device takes a product whose weights live in host memory: copying the
+# weights then costs less than the host computing it (ggml's GGML_OP_OFFLOAD_MIN_BATCH)
+OFFLOAD_MIN_BATCH = 32
+
+
+def offload_batch(t) -> int:
+    """How many activation rows product ``t`` multiplies per weight byte read, for offload_op:
+    MUL_MAT's src1 rows (ne1 * ne2 * ne3), MUL_MAT_ID's tokens; 0 for any other op (ggml's
+    get_op_batch_size, which never offloads the rest)."""
+    if t.op is Op.MUL_MAT:
+        b = t.src[1]
+        return b.ne[1] * b.ne[2] * b.ne[3]
+    if t.op is Op.MUL_MAT_ID:
+        return t.src[2].ne[1]
+    return 0
+
+
 def op_flops(t) -> int:
     """Floating-point operations of a node, for perf reports (0 when not meaningful)."""
     if t.op is Op.MUL_MAT:

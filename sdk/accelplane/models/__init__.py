@@ -1,5 +1,5 @@
 """Models built with the host API: the decoder of every supported architecture (llama and its
-MoE variant, qwen2, qwen3, gemma3), a BERT encoder for embeddings, GGUF I/O, and synthetic
+MoE variant, qwen2, qwen3, qwen3moe, gemma3), a BERT encoder for embeddings, GGUF I/O, and synthetic
 model files. See :mod:`accelplane.models.decoder`, :mod:`accelplane.models.archs`,
 :mod:`accelplane.models.bert` and :mod:`accelplane.models.gguf`; ``accelplane run`` and
 ``accelplane bench model`` use them through :mod:`accelplane.models.runner`, ``accelplane

@@ -75,6 +75,7 @@ class Architecture:
     # optional ``.bias`` tensors llama.cpp's loader takes for this architecture
     biases: frozenset[str] = frozenset({"attn_q", "attn_k", "attn_v"})
     rope_freqs = False  # takes Llama 3's rope_freqs.weight
+    expert_ff = False  # reads an expert FFN length (expert_feed_forward_length) other than d_ff
     # synthetic defaults, as the architecture's checkpoints have them
     default_rope_base = 10000.0
     default_rms_eps = 1e-5

@@ -14,8 +14,9 @@ from accelplane.models.hparams import Keys, common_hparams
 from accelplane.models.llama import LLAMA
 from accelplane.models.qwen2 import QWEN2
 from accelplane.models.qwen3 import QWEN3
+from accelplane.models.qwen3moe import QWEN3MOE
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, GEMMA3)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, QWEN3MOE, GEMMA3)}
 
 
 def architecture(name: str) -> Architecture:

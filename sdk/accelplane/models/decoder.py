@@ -1,4 +1,4 @@
-"""The decoder-only transformer of every supported architecture (llama, qwen2, qwen3, gemma3;
+"""The decoder-only transformer of every supported architecture (llama, qwen2, qwen3, qwen3moe, gemma3;
 :mod:`accelplane.models.archs` reads each one's GGUF into a :class:`DecoderConfig`), built only
 with the public host API and run through the scheduler.
 
@@ -19,7 +19,8 @@ the config:
   step issues n_head_kv products, not n_head) → output projection (+ bias) → RMS_NORM ·
   post_attention_norm (``post_norms``: gemma3) → residual; RMS_NORM · ffn_norm → the gated FFN (SWIGLU,
   or GEGLU with the tanh GELU for gemma3; or the MoE FFN: router, SOFT_MAX, ARGSORT top-k,
-  MUL_MAT_ID experts weighted by the renormalized router probabilities) → RMS_NORM ·
+  MUL_MAT_ID experts (of FFN length ``d_ff_exp``) weighted by the renormalized router
+  probabilities) → RMS_NORM ·
   post_ffw_norm (``post_norms``) → residual;
 * RMS_NORM · output_norm → output head (logits; + output.bias) → final soft-capping
   ``c * tanh(logits / c)`` (``logit_softcap``) → ARGMAX (greedy sampling on the device).
@@ -138,8 +139,9 @@ class DecoderConfig:
     rope_base: float = 10000.0
     rope_mode: int = ROPE_TYPE_NORMAL  # llama GGUF files use normal rope (Q/K rows permuted at conversion)
     n_rot: int = 0  # rotary dimensions; 0 = head_dim
-    n_expert: int = 0  # > 0: MoE FFN (Mixtral-style llama)
+    n_expert: int = 0  # > 0: MoE FFN (Mixtral-style llama, qwen3moe)
     n_expert_used: int = 0
+    d_ff_exp: int = 0  # an expert's FFN length (expert_feed_forward_length); 0 = d_ff
     tied_output: bool = False  # no output.weight: the head reuses token_embd
     arch: str = "llama"
     n_embd_head: int = 0
@@ -178,6 +180,8 @@ class DecoderConfig:
         if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
             raise ShapeError(f"{what}: n_expert_used={self.n_expert_used} must be in "
                              f"1..n_expert={self.n_expert}")  # fmt: skip
+        if self.d_ff_exp < 0 or (self.d_ff_exp and not self.n_expert):
+            raise ShapeError(f"{what}: d_ff_exp={self.d_ff_exp} must be >= 0, and set only with experts")
         if self.swa_layers and (len(self.swa_layers) != self.n_layers or self.n_swa <= 0):
             raise ShapeError(f"{what}: swa_layers needs one flag per layer ({self.n_layers}) and n_swa > 0, "
                              f"got {len(self.swa_layers)} flags and n_swa={self.n_swa}")  # fmt: skip
@@ -219,6 +223,11 @@ class DecoderConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def ff_exp(self) -> int:
+        """An expert's FFN length."""
+        return self.d_ff_exp or self.d_ff
 
     @property
     def has_swa(self) -> bool:
@@ -269,12 +278,12 @@ class DecoderConfig:
                 add(p + "post_attention_norm", (d,), i, False)
             add(p + "ffn_norm", (d,), i, False)
             if self.is_moe:
-                e = self.n_expert
+                e, fe = self.n_expert, self.ff_exp
                 out += [
                     WeightSpec(p + "ffn_gate_inp.weight", (e, d), i, False),
-                    WeightSpec(p + "ffn_gate_exps.weight", (e, ff, d), i, True),
-                    WeightSpec(p + "ffn_down_exps.weight", (e, d, ff), i, True),
-                    WeightSpec(p + "ffn_up_exps.weight", (e, ff, d), i, True),
+                    WeightSpec(p + "ffn_gate_exps.weight", (e, fe, d), i, True),
+                    WeightSpec(p + "ffn_down_exps.weight", (e, d, fe), i, True),
+                    WeightSpec(p + "ffn_up_exps.weight", (e, fe, d), i, True),
                 ]
             else:
                 add(p + "ffn_gate", (ff, d), i)
@@ -468,6 +477,10 @@ class DecoderModel:
     (docs/ordering.md), default ACCELPLANE_MODEL_POLICY or else "relaxed": a decode step's four
     inputs then go to the device as asynchronous copies behind one synchronize instead of four
     blocking ones (2.5 % more tokens/s on an H200); devices whose caps exclude it stay strict.
+    ``cpu_moe``: the expert tensors (``*_exps``) of the first ``cpu_moe`` layers live in host
+    memory (the CPU device's buffer; ``n_layers`` or more: every layer's), as llama.cpp's
+    ``--n-cpu-moe`` / ``--cpu-moe``: the scheduler runs their products on the CPU, or, for a
+    batch a device offloads (offload_op), uploads only the experts the router selected.
     """
 
     def __init__(
@@ -484,6 +497,7 @@ class DecoderModel:
         policy: str | None = None,
         merge: bool | None = None,
         embd: str | None = None,
+        cpu_moe: int = 0,
     ) -> None:
         check_split(split)
         if not devices:
@@ -508,6 +522,13 @@ class DecoderModel:
 
                 cpu = get_registry().device("CPU")
         self.cpu = cpu
+        if not isinstance(cpu_moe, int) or cpu_moe < 0:
+            raise ConfigError(f"cpu_moe must be an integer >= 0 (layers), got {cpu_moe!r}")
+        if cpu_moe and not cfg.is_moe:
+            raise ConfigError(f"cpu_moe={cpu_moe}: this {cfg.arch} model has no experts for host memory")
+        if cpu_moe and split == "tensor":
+            raise ConfigError("cpu_moe: experts in host memory do not combine with split='tensor'")
+        self.cpu_moe = min(cpu_moe, cfg.n_layers)
         self.layer_dev: list[Device] = (
             [self.devices[0]] * cfg.n_layers if split == "none"
             else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
@@ -552,6 +573,8 @@ class DecoderModel:
             return self.output_dev if self.cfg.tied_output else self.embd_dev
         if spec.layer >= self.cfg.n_layers:
             return self.output_dev
+        if spec.layer < self.cpu_moe and spec.name.endswith("_exps.weight"):
+            return self.cpu
         return self.layer_dev[spec.layer]
 
     def _build_weights(self, types: Mapping[str, GGMLType | str | int]) -> None:
@@ -851,7 +874,7 @@ class DecoderModel:
         return self._linear(ctx, cb, p + "ffn_down", a, "ffn_out")
 
     def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int) -> Tensor:
-        """llama.cpp's build_moe_ffn for llama: softmax gating, top-k, weights renormalized."""
+        """llama.cpp's build_moe_ffn for llama and qwen3moe: softmax gating, top-k, weights renormalized."""
         w, cfg = self.w, self.cfg
         n_exp, k = cfg.n_expert, cfg.n_expert_used
         logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
@@ -865,7 +888,7 @@ class DecoderModel:
         xb = ctx.reshape_ne(x, cfg.d_model, 1, n_tok)
         g = cb(ctx.mul_mat_id(w[p + "ffn_gate_exps.weight"], xb, ids), "ffn_moe_gate")
         u = cb(ctx.mul_mat_id(w[p + "ffn_up_exps.weight"], xb, ids), "ffn_moe_up")
-        a = cb(ctx.swiglu(g, u), "ffn_moe_swiglu")  # [T, k, d_ff]
+        a = cb(ctx.swiglu(g, u), "ffn_moe_swiglu")  # [T, k, ff_exp]
         dn = cb(ctx.mul_mat_id(w[p + "ffn_down_exps.weight"], a, ids), "ffn_moe_down")  # [T, k, d]
         dn = cb(ctx.mul(dn, wts), "ffn_moe_weighted")
         out = None

@@ -722,6 +722,7 @@ def decoder_sources(
     output_type: GGMLType | str | None = None,
     n_expert: int = 0,
     n_expert_used: int = 0,
+    d_ff_exp: int = 0,
     head_dim: int = 0,
     rope_base: float | None = None,
     rope_scaling: str = "none",
@@ -744,6 +745,8 @@ def decoder_sources(
         if arch != "gemma3":
             raise ShapeError(f"sliding_window and logit_softcap are gemma3's; {arch} has neither")
         extra = dict(n_swa=sliding_window, logit_softcap=logit_softcap)
+    if d_ff_exp and not a.expert_ff:
+        raise ShapeError(f"d_ff_exp (expert_feed_forward_length) is qwen3moe's; {arch}'s experts have d_ff")
     if rope_scaling == "llama3" and not a.rope_freqs:
         raise ShapeError(f"llama3 rope scaling (rope_freqs) is llama's; {arch} does not read it")
     base = a.default_rope_base if rope_base is None else rope_base
@@ -754,6 +757,7 @@ def decoder_sources(
             rms_eps=a.default_rms_eps if rms_eps is None else rms_eps, rope_base=base,
             rope_scale=1.0 / rope_factor if rope_scaling == "linear" else 1.0,
             rope_freqs=rope_scaling == "llama3", n_expert=n_expert, n_expert_used=n_expert_used,
+            d_ff_exp=d_ff_exp,
             n_embd_head=head_dim, tied_output=tied, **extra,
         )  # fmt: skip
     except TypeError as e:  # a switch the architecture sets itself
@@ -827,13 +831,14 @@ def make_model(path: str | os.PathLike, *, progress: Callable[[int], None] | Non
                jobs: int | None = None, **kw: Any) -> Any:  # fmt: skip
     """Write a synthetic GGUF model to ``path``, as llama.cpp's converter would write a checkpoint
     of its architecture, and return its config. ``arch``: a key of :data:`SYNTHETIC_ARCHS`
-    (llama, qwen2, qwen3, gemma3: a DecoderConfig; bert: a BertConfig, keywords as
+    (llama, qwen2, qwen3, qwen3moe, gemma3: a DecoderConfig; bert: a BertConfig, keywords as
     :func:`accelplane.models.bert.synthetic_sources` takes them; default llama). The decoders'
     keywords: ``n_layers``, ``d_model``, ``n_head``, ``n_head_kv`` (default n_head),
     ``d_ff`` (default 4 d_model), ``head_dim`` (default d_model / n_head), ``n_vocab``,
     ``n_ctx`` (context_length), ``wtype`` (matrices; default Q8_0), ``embd_type`` and
     ``output_type`` (token embedding and head; default wtype), ``tied`` (no output.weight;
-    gemma3 always), ``n_expert``, ``n_expert_used`` (a MoE llama), ``rope_base`` and ``rms_eps``
+    gemma3 always), ``n_expert``, ``n_expert_used`` (a MoE: llama, or qwen3moe, which needs
+    them) and ``d_ff_exp`` (qwen3moe: an expert's FFN length; default d_ff), ``rope_base`` and ``rms_eps``
     (default: the architecture's usual ones), ``rope_scaling`` (none, linear: the
     ``rope.scaling.*`` keys; llama3, llama only: the ``rope_freqs`` tensor of Llama 3's scaling
     from an original context of n_ctx / factor) with its ``rope_factor``, ``sliding_window``

@@ -53,9 +53,18 @@ PRESETS = {
 _DECODER_FLAGS = ("n_layers", "d_model", "n_head", "n_head_kv", "d_ff", "n_vocab", "n_ctx", "n_expert",
                   "n_expert_used", "head_dim", "seed", "output_type", "tied", "rope_base", "rope_scaling",
                   "rope_factor")  # fmt: skip
+# qwen3moe: experts in every layer. 8b-a1b: 7.6B parameters of which 1.2B are active per token
+# (24 layers, 64 experts of FFN 768, 8 used; Qwen3-30B-A3B's expert size, half its layers)
+MOE_PRESETS = {
+    "tiny": dict(PRESETS["tiny"], n_expert=4, n_expert_used=2, d_ff_exp=64),
+    "small": dict(PRESETS["small"], n_expert=8, n_expert_used=2, d_ff_exp=384),
+    "8b-a1b": dict(n_layers=24, d_model=2048, n_head=16, n_head_kv=4, head_dim=128, d_ff=6144,
+                   n_vocab=32000, n_ctx=4096, n_expert=64, n_expert_used=8, d_ff_exp=768),
+}  # fmt: skip
+_ARCH_FLAGS = {"gemma3": ("sliding_window", "logit_softcap"), "qwen3moe": ("d_ff_exp",)}
 MAKE_ARCHS: dict[str, tuple[dict[str, dict], str, tuple[str, ...]]] = {
-    **{name: (PRESETS, "small", _DECODER_FLAGS + (("sliding_window", "logit_softcap") if name == "gemma3"
-                                                   else ())) for name in ARCHITECTURES},
+    **{name: (MOE_PRESETS if name == "qwen3moe" else PRESETS, "small",
+              _DECODER_FLAGS + _ARCH_FLAGS.get(name, ())) for name in ARCHITECTURES},
     "bert": (bert.MODEL_PRESETS, "mini", ("n_layers", "d_model", "n_head", "d_ff", "n_vocab", "n_ctx", "seed",
                                           "pooling")),
 }  # fmt: skip
@@ -91,7 +100,8 @@ def describe_model(f: GGUFFile) -> str:
     cfg = f.model_config()
     types = sorted({t.type.name.lower() for t in f.tensors.values()})
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
-    moe = f", {cfg.n_expert} experts ({cfg.n_expert_used} used)" if cfg.is_moe else ""
+    moe = (f", {cfg.n_expert} experts ({cfg.n_expert_used} used"
+           f"{f', FFN {cfg.d_ff_exp}' if cfg.d_ff_exp else ''})" if cfg.is_moe else "")  # fmt: skip
     hd = f", head size {cfg.head_dim}" if cfg.head_dim * cfg.n_head != cfg.d_model else ""
     swa = f", sliding window {cfg.n_swa} in {sum(cfg.swa_layers)} layers" if cfg.has_swa else ""
     return (f"{f.get('general.name', f.path.name if f.path else '?')}: {cfg.arch}, {cfg.n_layers} layers, "
