@@ -1,6 +1,26 @@
-"""The SDK's test suite: its markers, and the fuzz tests' tally in the terminal summary."""
+"""The SDK's test suite: its markers, the ``plugin_device`` fixture, and the fuzz tests' tally
+in the terminal summary."""
 
 from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def plugin_device():
+    """``plugin_device(kind)``: the first device of the installed plugin ``kind`` (vulkan, sycl,
+    cuda, ...); the test is skipped, saying why, where it has none."""
+    import accelplane
+
+    def get(kind: str):
+        reg = accelplane.get_registry()
+        for d in reg.devices:
+            if d.plugin.name == kind:
+                return d
+        why = [f.reason for f in reg.failures if f.name == kind]
+        pytest.skip(f"no {kind} device: {why[0] if why else 'the plugin is not installed'}")
+
+    return get
 
 
 def pytest_addoption(parser) -> None:

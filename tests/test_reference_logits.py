@@ -88,29 +88,20 @@ def test_cpu_logits_equal_llama_cpp(model_file, name):
     check(name, agreement(_run(path, [accelplane.device("CPU")], ref["tokens"]), ref))
 
 
-def _device(kind: str):
-    reg = accelplane.get_registry()
-    for d in reg.devices:
-        if d.plugin.name == kind:
-            return d
-    why = [f.reason for f in reg.failures if f.name == kind]
-    pytest.skip(f"no {kind} device: {why[0] if why else 'the plugin is not installed'}")
-
-
 @pytest.mark.parametrize("kind", ["vulkan", "sycl"])
 @pytest.mark.parametrize("name", ["llama-f32", "gemma3-f32"])
-def test_device_logits_equal_llama_cpp(model_file, kind, name):
-    dev = _device(kind)
+def test_device_logits_equal_llama_cpp(model_file, plugin_device, kind, name):
+    dev = plugin_device(kind)
     path, ref = model_file(name)
     check(f"{name} on {dev.name}", agreement(_run(path, [dev], ref["tokens"]), ref))
 
 
 @pytest.mark.parametrize("kind", ["vulkan", "sycl", "cuda"])
 @pytest.mark.parametrize("name", ["llama-moe-f32", "qwen3moe-f32", "qwen3moe-q8_0"])
-def test_experts_in_host_memory_equal_llama_cpp(model_file, kind, name):
+def test_experts_in_host_memory_equal_llama_cpp(model_file, plugin_device, kind, name):
     """Every layer's experts in host memory (--experts cpu), the rest on the device: the
     256-token batch is offloaded, so the scheduler uploads the experts the router chose."""
-    dev = _device(kind)
+    dev = plugin_device(kind)
     path, ref = model_file(name)
     n_layers = json.loads(str(ref["make_model"]))["n_layers"]
     check(f"{name} on {dev.name}, experts in host memory",
@@ -118,9 +109,9 @@ def test_experts_in_host_memory_equal_llama_cpp(model_file, kind, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_cuda_logits_equal_llama_cpp(model_file, name):
+def test_cuda_logits_equal_llama_cpp(model_file, plugin_device, name):
     """Every reference on a CUDA device (skipped without one)."""
-    dev = _device("cuda")
+    dev = plugin_device("cuda")
     path, ref = model_file(name)
     check(f"{name} on {dev.name}", agreement(_run(path, [dev], ref["tokens"]), ref))
 

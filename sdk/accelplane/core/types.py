@@ -179,7 +179,7 @@ def np_dtype(t: GGMLType) -> np.dtype:
 # ggml's reference output as built for x86-64 without FMA contraction (ggml-base's default).
 # They are also the bytes llama.cpp's llama-quantize writes without an importance matrix, for
 # every type but IQ4_NL, whose block scales llama-quantize refines (ggml_quantize_chunk) and the
-# reference quantizer does not (tools/llama_quantize_check.py compares the two).
+# reference quantizer does not (tests/test_quantized_files.py compares the bytes).
 
 _F32 = np.float32
 _GROUP_MAX_EPS = _F32(1e-15)
