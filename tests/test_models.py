@@ -266,6 +266,45 @@ def test_fuzzed_headers_never_crash(tmp_path, models):
             pass
 
 
+_LOAD_RSS = """
+import json, sys
+import accelplane
+from accelplane.models import DecoderModel, read_gguf
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+cpu = accelplane.device("CPU")
+f = read_gguf(sys.argv[1])
+warm = DecoderModel.from_gguf(sys.argv[2], [cpu], n_ctx=256)  # kernels and libraries loaded
+warm.free()
+with open("/proc/self/clear_refs", "w") as c:
+    c.write("5")  # resets the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+m = DecoderModel.from_gguf(f, [cpu], n_ctx=256)
+print(json.dumps({"peak": status("VmHWM") - before, "weights": sum(m.weight_bytes().values()),
+                  "largest": max(t.nbytes for t in f.tensors.values())}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_loading_holds_no_second_copy_of_the_weights(tmp_path, models):
+    """Weights go from the file's memory map to the device buffers tensor by tensor and each
+    tensor's pages are released once uploaded: loading a 250 MB file raises the process's peak
+    memory by the weights, one tensor and a little more, not by twice the weights."""
+    path = tmp_path / "big.gguf"
+    make_model(path, n_layers=12, d_model=1024, n_head=16, n_head_kv=4, d_ff=2816, n_vocab=32000,
+               n_ctx=512, wtype="q8_0", jobs=1)  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", _LOAD_RSS, str(path), str(models["q8_0"])], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)
+    assert m["weights"] > 200 << 20
+    assert m["peak"] < m["weights"] + m["largest"] + (32 << 20), m
+
+
 # --- the model against an independent numpy forward pass ----------------------------------------------
 @pytest.mark.parametrize(
     "name, cache, tol",

@@ -118,7 +118,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                 tps = [n / t for t in times]
                 row = {"model": f.get("general.name", ""), "size_bytes": wbytes, "params": params,
                        "devices": label, "split": split, "test": f"{test}{n}", "n_tokens": n,
-                       "reps": reps, "seconds": times, "tokens_per_s": float(np.mean(tps)),
+                       "reps": reps, "load_s": model.load_s, "seconds": times,
+                       "tokens_per_s": float(np.mean(tps)),
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
                 if cpu_moe:
                     row["n_cpu_moe"] = cpu_moe
@@ -145,13 +146,14 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
 
 
 def format_bench(rows: list[dict]) -> str:
-    """llama-bench's markdown table (with the weights' read rate for tg, and that rate as a
-    fraction of the same run's device copy bandwidth, read + written; tg rows also get the
-    decode graph's rate computed back to back, without the host's work between tokens;
+    """llama-bench's markdown table (with each config's model load time, the weights' read rate
+    for tg, and that rate as a fraction of the same run's device copy bandwidth, read + written;
+    tg rows also get the decode graph's rate computed back to back, without the host's work between tokens;
     multi-device rows also get their speed-up over their first device alone, when that config
     ran too)."""
     cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
-            ("split", 5, "<"), ("test", 6, ">"), ("t/s", 18, ">"), ("weights GB/s", 12, ">"),
+            ("split", 5, "<"), ("load s", 6, ">"), ("test", 6, ">"), ("t/s", 18, ">"),
+            ("weights GB/s", 12, ">"),
             ("copy GB/s", 10, ">"), ("% of copy", 9, ">"), ("graph only t/s", 14, ">")]  # fmt: skip
     multi = any("vs_first_device" in r for r in rows)
     if multi:
@@ -160,7 +162,7 @@ def format_bench(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(f"{c:{a}{w}}" for c, w, a in cols) + " |", f"|{rule}|"]
     for r in rows:
         vals = [r["model"][:28], f"{r['size_bytes'] / 2**20:.1f} MiB", f"{r['params'] / 1e6:.1f} M",
-                r["devices"], r["split"], r["test"],
+                r["devices"], r["split"], f"{r['load_s']:.2f}" if "load_s" in r else "", r["test"],
                 f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_std']:.2f}",
                 f"{r['weights_gb_per_s']:.2f}" if "weights_gb_per_s" in r else "",
                 f"{r['copy_gb_per_s']:.1f}" if "copy_gb_per_s" in r else "",

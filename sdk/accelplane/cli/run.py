@@ -22,7 +22,7 @@ import numpy as np
 from accelplane.bench.model import bench_configs, bench_model, format_bench, plot_bench
 from accelplane.errors import TokenizerError
 from accelplane.models.decoder import check_split
-from accelplane.models.gguf import read_gguf
+from accelplane.models.gguf import read_gguf, total_bytes
 from accelplane.models.runner import (
     MAKE_ARCHS,
     _cpu_of,
@@ -72,6 +72,12 @@ def _open_model(args, p) -> tuple:
     return f, cfg, tok, reg
 
 
+def loaded_line(f, model) -> str:
+    """``loaded 4.3 GiB in 2.1 s (2.2 GB/s)``."""
+    n, s = total_bytes(f), model.load_s
+    return f"loaded {n / 2**30:.2f} GiB in {s:.2f} s ({n / max(s, 1e-9) / 1e9:.1f} GB/s)"
+
+
 def cpu_moe_of(args, cfg) -> int:
     """The layers whose experts live in host memory, from --experts / --n-cpu-moe."""
     from accelplane.cli import UsageError
@@ -98,6 +104,7 @@ def cmd_run_text(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     sampler = Sampler(args.temp, top_k, 0.95 if args.top_p is None else args.top_p, args.seed)
     devs, cpu = pick_devices(reg, args.device), _cpu_of(reg)
     model = load(f, devs, cpu, args.split, n_ctx, cpu_moe=cpu_moe_of(args, cfg))
+    p(loaded_line(f, model))
     how = "greedy" if sampler.greedy else f"temp {sampler.temp:g}, top-k {top_k}, top-p {sampler.top_p:g}"
     how += f", seed {args.seed}" if not sampler.greedy else ""
     p(f"prompt: {len(ids)} tokens ({tok!r}); generating up to {n} tokens, {how}")
@@ -139,6 +146,7 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     n_prompt, n_dec = int(args.prompt_tokens or 32), int(args.tokens)
     n_ctx = context_for(cfg, n_prompt + n_dec, "--prompt-tokens + --tokens")
     model = load(f, devs, cpu, args.split, n_ctx, cpu_moe=cpu_moe_of(args, cfg))
+    p(loaded_line(f, model))
     try:
         p(f"split plan (--split {args.split}; devices {', '.join(d.name for d in devs)}, then "
           f"{cpu.name} for inputs and the token embedding):")  # fmt: skip

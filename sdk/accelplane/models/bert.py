@@ -664,10 +664,10 @@ class BertModel:
         m = cls(cfg, devices, types={n: t.type for n, t in f.tensors.items() if n in names}, **kw)
         return with_weights_of(m, f, progress)
 
-    def load_weights(self, source: Callable[[str], np.ndarray],
-                     progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def load_weights(self, source: Callable[[str], np.ndarray], progress: Callable[[int], None] | None = None,
+                     done: Callable[[str], None] | None = None) -> None:  # fmt: skip
         """:func:`copy_weight_bytes` into this model's weights."""
-        copy_weight_bytes(self.w, source, progress)
+        copy_weight_bytes(self.w, source, progress, done)
 
     def set_weights(self, values: Mapping[str, np.ndarray]) -> None:
         """:func:`set_weight_values` of this model's weights."""

@@ -49,6 +49,7 @@ heads and FFN columns per device, row-parallel products all-reduced).
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -421,25 +422,32 @@ def layer_devices(n_layers: int, n_devices: int) -> list[int]:
 
 
 def copy_weight_bytes(w: Mapping[str, Tensor], source: Callable[[str], np.ndarray],
-                      progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+                      progress: Callable[[int], None] | None = None,
+                      done: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Copy every weight's raw bytes (``source(name)``: uint8, the GGUF block layout of the
-    tensor's type) into its device buffer; ``progress(nbytes)`` after each tensor. ShapeError
-    when a size differs from the tensor's."""
+    tensor's type) into its device buffer, one tensor at a time; ``progress(nbytes)`` and
+    ``done(name)`` (the source's bytes are no longer needed) after each. ShapeError when a size
+    differs from the tensor's."""
     for name, t in w.items():
         raw = np.asarray(source(name)).reshape(-1).view(np.uint8)
         if raw.size != t.nbytes:
             raise ShapeError(f"weight {name}: {raw.size} bytes given, {t.type.name} {t.shape} takes "
                              f"{t.nbytes}")  # fmt: skip
         t.set_bytes(raw)
+        del raw
+        if done is not None:
+            done(name)
         if progress is not None:
             progress(t.nbytes)
 
 
 def with_weights_of(m, f: GGUFFile, progress: Callable[[int], None] | None = None):
-    """Model ``m`` with its weights loaded from GGUF file ``f`` (``m.load_weights``); on an
+    """Model ``m`` with its weights loaded from GGUF file ``f`` (``m.load_weights``) straight
+    from the file's memory map, each tensor's pages released once it is uploaded
+    (:meth:`GGUFFile.release`), so the process never holds a second copy of the weights; on an
     error ``m`` is freed and the error raised."""
     try:
-        m.load_weights(lambda n: f.tensors[n].data, progress)
+        m.load_weights(lambda n: f.tensors[n].data, progress, f.release)
     except Exception:
         m.free()
         raise
@@ -559,6 +567,7 @@ class DecoderModel:
             self.backends = [d.new_backend() for d in sched_devs]
             self.sched = Scheduler(self.backends, policy=policy)
         self.n_past = 0
+        self.load_s = 0.0  # set by from_gguf
         self._steps: dict[tuple[int, int, bool], _Step] = {}
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
         self.buffers: list[Buffer] = []
@@ -688,10 +697,10 @@ class DecoderModel:
             g = self.cfg.head_dim * (self.cfg.n_head // self.cfg.n_head_kv)
         return self.meta.split(t, role.axis, g)
 
-    def load_weights(self, source: Callable[[str], np.ndarray],
-                     progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def load_weights(self, source: Callable[[str], np.ndarray], progress: Callable[[int], None] | None = None,
+                     done: Callable[[str], None] | None = None) -> None:  # fmt: skip
         """:func:`copy_weight_bytes` into this model's weights."""
-        copy_weight_bytes(self.w, source, progress)
+        copy_weight_bytes(self.w, source, progress, done)
 
     def set_weights(self, values: Mapping[str, np.ndarray]) -> None:
         """:func:`set_weight_values` of this model's weights."""
@@ -702,15 +711,19 @@ class DecoderModel:
                   progress: Callable[[int], None] | None = None, **kw) -> DecoderModel:  # fmt: skip
         """Load a GGUF file of a supported architecture (path or an opened
         :class:`~accelplane.models.gguf.GGUFFile`) onto ``devices``; other keyword arguments as
-        the constructor."""
+        the constructor. The model's ``load_s`` is the seconds it took (reading the header,
+        allocating, uploading: llama.cpp's load time)."""
         from accelplane.models.gguf import GGUFFile, read_gguf
 
+        t0 = time.perf_counter()
         f = source if isinstance(source, GGUFFile) else read_gguf(source)
         cfg = f.model_config()
         f.check_tensors(cfg)
         kw.setdefault("n_ctx", min(cfg.n_ctx_train, 512))
         m = cls(cfg, devices, types={n: t.type for n, t in f.tensors.items()}, **kw)
-        return with_weights_of(m, f, progress)
+        m = with_weights_of(m, f, progress)
+        m.load_s = time.perf_counter() - t0
+        return m
 
     def free(self) -> None:
         """Release buffers, backends and the scheduler's memory."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 import struct
 import zlib
@@ -125,6 +126,24 @@ class GGUFFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def release(self, name: str) -> None:
+        """Tell the kernel this process no longer needs the pages of tensor ``name``'s bytes
+        (madvise MADV_DONTNEED on the memory map; they are read from the file again if used), so
+        that loading a model tensor by tensor never holds the file's data beside the device
+        buffers. Nothing where the platform has no madvise or the tensor is not from a file."""
+        t = self.tensors.get(name)
+        mm = getattr(getattr(self._reader, "data", None), "_mmap", None)  # np.memmap's mmap.mmap
+        if t is None or mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.file_offset if t.file_offset is not None else -1
+        if start < 0 or t.nbytes == 0:
+            return
+        lo = start - start % mmap.PAGESIZE
+        end = min(start + t.nbytes, len(mm))
+        hi = end - end % mmap.PAGESIZE  # whole pages only: a shared edge page may be needed next
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def close(self) -> None:
         """Drop the memory map (tensor data must not be used afterwards)."""
