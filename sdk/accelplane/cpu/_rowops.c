@@ -29,19 +29,15 @@
     static void (*name##_pick(void)) params { return name##_base; }
 #endif
 
-/* exp(hi + lo) in float32 (lo: a small correction to hi, 0 for a plain exp), in a form the
- * compiler vectorizes: hi + lo = n ln2 + r with |r| <= ln2/2 (hi - n ln2 taken before lo is added,
- * so lo's digits are kept), e^r by its Taylor polynomial of degree 7 (truncation error under 1e-8
- * relative), 2^n through the exponent bits (as 2^(n-1) * 2, so n = 128 just under the overflow
- * threshold works). Results below 2^-125 flush to 0, above FLT_MAX give inf, NaN stays NaN. */
-AP_BODY float ap_exp2(float hi, float lo) {
-    /* clamps by comparison (fminf/fmaxf are calls where NaN rules apply, and stop vectorization);
-     * NaN is handled last */
-    const float x = hi + lo;
-    const float xc = x < -86.6f ? -86.6f : x > 88.72283f ? 88.72283f : x;
-    const float fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float hc = hi < -86.6f ? -86.6f : hi > 88.72283f ? 88.72283f : hi;
-    const float r = ((hc - fn * 0.693145751953125f) + (x == xc ? lo : 0.0f)) - fn * 1.428606765330187e-06f;
+/* exp(hi + lo) in float32 for hi + lo in [-86.6, 88.72] (lo: a small correction to hi, 0 for a
+ * plain exp), in a form the compiler vectorizes: hi + lo = n ln2 + r with |r| <= ln2/2 (hi - n ln2
+ * taken before lo is added, so lo's digits are kept), e^r by its Taylor polynomial of degree 7
+ * (truncation error under 1e-8 relative), 2^n through the exponent bits (as 2^(n-1) * 2, so
+ * n = 128 just under the overflow threshold works). Outside that range the result is garbage:
+ * for callers that know their argument's range (the exact GELU). */
+AP_BODY float ap_exp2_in_range(float hi, float lo) {
+    const float fn = ((hi + lo) * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = ((hi - fn * 0.693145751953125f) + lo) - fn * 1.428606765330187e-06f;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -53,7 +49,18 @@ AP_BODY float ap_exp2(float hi, float lo) {
     const int32_t bits = ((int32_t)fn + 126) << 23;
     float two_n1;
     memcpy(&two_n1, &bits, sizeof two_n1);
-    float y = p * two_n1 * 2.0f;
+    return p * two_n1 * 2.0f;
+}
+
+/* exp(hi + lo) for any float32 hi + lo: ap_exp2_in_range on the clamped argument; results below
+ * 2^-125 flush to 0, above FLT_MAX give inf, NaN stays NaN. */
+AP_BODY float ap_exp2(float hi, float lo) {
+    /* clamps by comparison (fminf/fmaxf are calls where NaN rules apply, and stop vectorization);
+     * NaN is handled last */
+    const float x = hi + lo;
+    const float xc = x < -86.6f ? -86.6f : x > 88.72283f ? 88.72283f : x;
+    const float hc = hi < -86.6f ? -86.6f : hi > 88.72283f ? 88.72283f : hi;
+    float y = ap_exp2_in_range(hc, x == xc ? lo : 0.0f);
     y = x < -86.6f ? 0.0f : y;
     y = x > 88.72283f ? INFINITY : y;
     return x != x ? x : y;
@@ -237,18 +244,20 @@ static const float ERFC_R[11] = {
     -0.55859536f, 1.3687371f,  0.09069253f, -0.40740246f, -0.0347335f, 0.29531696f,
     -0.051974688f, -0.24594554f, 0.13767299f, 0.14737679f, -0.13218641f};
 
-/* erfc(ax / sqrt2) for ax >= 0; z^2 = ax^2 / 2 is carried as hi + lo (the product is exact in
- * double), as z * z rounded would cost the tail (ax ~ 9, z^2 ~ 40) several ulps. NaN gives 0. */
+/* erfc(ax / sqrt2) for ax >= 0; z^2 = ax^2 / 2 is carried as hi + lo (lo, the rounding error of
+ * the product, exact by an FMA), as z * z rounded would cost the tail (ax ~ 9, z^2 ~ 40) several
+ * ulps. From ax = 13 on (erfc there is below 2e-38, so x * Phi(x) is too) it is 0, which keeps the
+ * exponential in range; NaN gives 0. */
 AP_BODY float erfc_half(float ax) {
-    ax = ax < 16.0f ? ax : 16.0f; /* erfc is 0 in float32 from 13.2 on; keeps ax * ax finite (NaN: 16) */
-    const float z = ax * 0.70710678118654752f;
+    const float a = ax < 13.0f ? ax : 13.0f; /* NaN: 13 */
+    const float z = a * 0.70710678118654752f;
     const float t = 1.0f / (1.0f + 0.5f * z), u = t - 0.58333333f;
     float r = ERFC_R[10];
 #pragma GCC unroll 10
     for (int k = 9; k >= 0; k--) r = r * u + ERFC_R[k];
-    const double sq = (double)ax * (double)ax;
-    const float hi = (float)sq, lo = (float)(sq - (double)hi);
-    return t * ap_exp2(-0.5f * hi, r - 0.5f * lo);
+    const float h = 0.5f * a, hi = h * a, lo = fmaf(h, a, -hi);
+    const float e = t * ap_exp2_in_range(-hi, r - lo);
+    return ax < 13.0f ? e : 0.0f;
 }
 
 AP_BODY void gelu_erf_span(int64_t n, const float *x, float *y) {
