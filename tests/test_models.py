@@ -488,6 +488,41 @@ def test_qwen3moe_metadata(tmp_path, models):
         make_model(tmp_path / "x.gguf", arch="qwen3moe", **TINY)
 
 
+def test_token_loops_have_no_gc_pauses(models):
+    """generate's decode loop runs with the cyclic collector off: decode steps that make
+    container garbage (enough for many gen-0 collections) trigger none between them; the
+    collector is back on afterwards."""
+    import gc
+
+    from accelplane.models.runner import generate
+
+    m = LlamaModel.from_gguf(models["f32"], [accelplane.device("CPU")], n_ctx=64)
+    real = m.eval
+    log: list[tuple] = []
+
+    def eval_(tokens, **kw):
+        if len(tokens) == 1:
+            log.append(("decode", gc.isenabled()))
+            [[i] for i in range(20000)]  # noqa: B018 - garbage the collector would otherwise chase
+        return real(tokens, **kw)
+
+    def cb(phase, info):
+        if phase == "start":
+            log.append(("gc", info["generation"]))
+
+    m.eval = eval_
+    gc.callbacks.append(cb)
+    try:
+        generate(m, [1, 2, 3], 8, False, show=False)
+    finally:
+        gc.callbacks.remove(cb)
+        m.free()
+    steps = [i for i, e in enumerate(log) if e[0] == "decode"]
+    assert len(steps) == 8 and all(not log[i][1] for i in steps), log
+    assert all(e[0] == "decode" for e in log[steps[0] : steps[-1] + 1]), log
+    assert gc.isenabled()
+
+
 def test_graphs_and_plans_reused_across_tokens(reg, models):
     """Decode steps recompute the same graph object: no new graphs, no new scheduler plans, no
     new CPU-plugin or device plans once the first steps are done."""

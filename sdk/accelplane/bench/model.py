@@ -1,6 +1,7 @@
 """``accelplane bench model``: llama-bench's tests on a GGUF model, per device set and split
 mode: prompt processing of ``pp`` tokens in one batch and text generation of ``tg`` tokens one
-at a time, both from an empty context, after one warm-up run; for tg also the decode graph's
+at a time, both from an empty context, after one warm-up run, each timed run without garbage
+collector pauses (:func:`~accelplane.models.runner.no_gc_pauses`); for tg also the decode graph's
 rate without the host's work between tokens, and the weights' read rate against the same run's
 device copy bandwidth."""
 
@@ -16,7 +17,7 @@ from accelplane.errors import DeviceError
 from accelplane.interface import DeviceType
 from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import GGUFFile, total_bytes
-from accelplane.models.runner import context_for, load, meta_summary, pick_devices
+from accelplane.models.runner import context_for, load, meta_summary, no_gc_pauses, pick_devices
 from accelplane.runtime.backend import Device
 from accelplane.runtime.progress import phase
 
@@ -102,16 +103,17 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                         prof = profiler if rep and test == "tg" else None
                         if prof is not None:
                             prof.enable()
-                        t0 = time.perf_counter()
-                        if test == "pp":
-                            model.eval(toks, want_logits=False)
-                        else:
-                            tok = toks[0]
-                            for _ in range(n):
-                                tok = int(model.eval([tok], want_logits=False).ids[-1])
+                        with no_gc_pauses():
+                            t0 = time.perf_counter()
+                            if test == "pp":
+                                model.eval(toks, want_logits=False)
+                            else:
+                                tok = toks[0]
+                                for _ in range(n):
+                                    tok = int(model.eval([tok], want_logits=False).ids[-1])
+                            dt = time.perf_counter() - t0
                         if prof is not None:
                             prof.disable()
-                        dt = time.perf_counter() - t0
                         ph.note(f"{n / dt:.1f} tokens/s")
                     if rep:
                         times.append(dt)

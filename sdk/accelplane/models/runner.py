@@ -6,9 +6,11 @@ are built on); and the synthetic models ``accelplane make-model`` writes (:data:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -164,6 +166,25 @@ def check_finite(logits: np.ndarray, step: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """A token loop without the cyclic garbage collector's pauses (a full collection can take
+    tens of milliseconds, several decode steps on a GPU): collect once before the block, move
+    what survives out of the collector's view (gc.freeze) and keep it off during the block;
+    afterwards the previous state is restored. Reference counting still frees what the loop
+    drops; only cycles made inside the block wait for the next collection."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
 @dataclass
 class RunResult:
     prompt: list[int]
@@ -184,7 +205,7 @@ def generate(model: DecoderModel, prompt: Sequence[int], n_decode: int, keep_log
     logits = [r.logits[-1].copy()] if keep_logits else []
     if keep_logits:
         check_finite(logits[0], "the prefill")
-    with Bar("generate", n_decode, "tok", enabled=show) as bar:
+    with Bar("generate", n_decode, "tok", enabled=show) as bar, no_gc_pauses():
         t0 = time.perf_counter()
         for _ in range(n_decode):
             r = model.eval([toks[-1]], want_logits=keep_logits)
@@ -227,25 +248,26 @@ def generate_text(model: DecoderModel, tok: Tokenizer, prompt: Sequence[int], n_
             if on_text:
                 on_text(s)
 
-    while len(out) < n_max:
-        t0 = time.perf_counter()
-        r = model.eval(out[-1:] if out else prompt, want_logits=logits)
-        if logits:
-            row = r.logits[-1, : tok.n_vocab]
-            check_finite(row, f"step {len(out)}")
-            t = sampler(row)
-        else:
-            t = int(r.ids[-1])
-        dt = time.perf_counter() - t0
-        if out:
-            steps, tg = steps + 1, tg + dt
-        else:
-            pp = dt
-        if tok.is_eog(t):
-            eog = t
-            break
-        out.append(t)
-        emit(stream.feed(t))
+    with no_gc_pauses():
+        while len(out) < n_max:
+            t0 = time.perf_counter()
+            r = model.eval(out[-1:] if out else prompt, want_logits=logits)
+            if logits:
+                row = r.logits[-1, : tok.n_vocab]
+                check_finite(row, f"step {len(out)}")
+                t = sampler(row)
+            else:
+                t = int(r.ids[-1])
+            dt = time.perf_counter() - t0
+            if out:
+                steps, tg = steps + 1, tg + dt
+            else:
+                pp = dt
+            if tok.is_eog(t):
+                eog = t
+                break
+            out.append(t)
+            emit(stream.feed(t))
     emit(stream.flush())
     return TextResult(list(map(int, prompt)), out, "".join(text), eog, pp, steps, tg)
 
