@@ -10,8 +10,9 @@ file's mean, and cls, last and none by the context's pooling override) with the 
 so the test can rebuild the same files without llama.cpp and notice when they are no longer the
 same.
 
-    source env.sh && source /work/peers/env.sh      # llama_cpp over a llama.cpp CPU build
     python tools/reference_embeddings.py [--out tests/data/bert_reference.npz]
+
+It needs llama_cpp importable, over a llama.cpp CPU build (LLAMA_CPP_LIB_PATH).
 
 llama.cpp runs with its extra CPU buffer types off (``use_extra_bufts = false``): the repacked
 Q8_0 kernels a native build selects on this machine stop the process with SIGILL; without them

@@ -2,7 +2,7 @@
 mode: prompt processing of ``pp`` tokens in one batch and text generation of ``tg`` tokens one
 at a time, both from an empty context, after one warm-up run, each timed run without garbage
 collector pauses (:func:`~accelplane.models.runner.no_gc_pauses`); for tg also the decode graph's
-rate without the host's work between tokens, and the weights' read rate against the same run's
+rate without the host's work between tokens, and the weights' read rate (of a MoE's experts, the used share) against the same run's
 device copy bandwidth."""
 
 from __future__ import annotations
@@ -77,11 +77,14 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     run with its tokens/s. ``cpu_moe``: the layers whose experts live in host memory
     (DecoderModel's), recorded in each row as ``n_cpu_moe``."""
     rows = []
-    n_ctx = context_for(f.model_config(), max(pp, tg), "--pp/--tg")
+    cfg = f.model_config()
+    n_ctx = context_for(cfg, max(pp, tg), "--pp/--tg")
     wbytes = total_bytes(f)
+    # bytes a decode step reads: every weight once, of a MoE's experts only the used share
+    read = sum(t.nbytes * (cfg.n_expert_used / cfg.n_expert if name.endswith("_exps.weight") else 1)
+               for name, t in f.tensors.items())  # fmt: skip
     params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     rng = np.random.default_rng(0)
-    cfg = f.model_config()
     copy_bw: dict[str, float | None] = {}  # device name → its copy bandwidth, measured once
     for devs, split in configs:
         label = ",".join(d.name for d in devs)
@@ -129,9 +132,9 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                     row["meta"] = meta_summary(model.meta)
                 else:  # the scheduler's synchronization policy (ACCELPLANE_MODEL_POLICY)
                     row["policy"] = model.sched.policy
-                if test == "tg":  # every weight is read once per token
+                if test == "tg":  # every weight read once per token (of experts, the used ones)
                     row["graph_only_tokens_per_s"] = graph_only_rate(model, n)
-                    row["weights_gb_per_s"] = wbytes * row["tokens_per_s"] / 1e9
+                    row["weights_gb_per_s"] = read * row["tokens_per_s"] / 1e9
                     bw = copy_bw.get(label)
                     if bw:  # the same run's device copy (read + written) as the limit
                         row["copy_gb_per_s"] = bw / 1e9
