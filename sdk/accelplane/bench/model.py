@@ -2,8 +2,8 @@
 mode: prompt processing of ``pp`` tokens in one batch and text generation of ``tg`` tokens one
 at a time, both from an empty context, after one warm-up run, each timed run without garbage
 collector pauses (:func:`~accelplane.models.runner.no_gc_pauses`); for tg also the decode graph's
-rate without the host's work between tokens, and the weights' read rate (of a MoE's experts, the used share) against the same run's
-device copy bandwidth."""
+rate without the host's work between tokens, and the weights' read rate (of a MoE's experts, the
+used share) against the same run's device copy bandwidth."""
 
 from __future__ import annotations
 
