@@ -131,6 +131,45 @@ def test_mul_mat(t: GGMLType, kind: int, m: int, n: int, isa: str) -> None:
     check_product(out, wf, x, isa, t)
 
 
+@pytest.mark.parametrize("sizes", [(3, 0, 1), (1, 1, 1, 1), (7, 0, 5, 2, 40)])
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.IQ4_XS, T.F32, T.F16], ids=str)
+def test_mul_mat_id_groups(t: GGMLType, sizes: tuple[int, ...], isa: str) -> None:
+    """MUL_MAT_ID's grouped products: each group of rows against its own expert (groups of 0
+    rows, one row, one big group; experts in any order, one used twice), against the float64
+    product of each group with its expert's values."""
+    rng = np.random.default_rng([int(t), *sizes])
+    n_exp, m, k = 5, 9, k_values(t)[1]
+    made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
+    w = np.stack([a for a, _ in made])
+    experts = rng.integers(0, n_exp, len(sizes)).astype(np.int32)
+    experts[-1] = experts[0]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    x = rng.standard_normal((int(starts[-1]), k)).astype(np.float32)
+    out = np.full((len(x), m), np.nan, np.float32)
+    assert kernels.mul_mat_id(t, w, x, out, experts, starts) is out
+    for g, e in enumerate(experts):
+        rows = slice(starts[g], starts[g + 1])
+        if sizes[g]:
+            check_product(out[rows], made[e][1], x[rows], isa, t)
+
+
+def test_mul_mat_id_checks_its_groups() -> None:
+    rng = np.random.default_rng(0)
+    w = np.stack([make_weights(T.Q8_0, 4, 64, rng)[0] for _ in range(3)])
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    out = np.empty((4, 4), np.float32)
+    with pytest.raises(OutOfRangeError):  # expert 3 of 3
+        kernels.mul_mat_id(T.Q8_0, w, x, out, [0, 3], [0, 2, 4])
+    with pytest.raises(ShapeError):  # starts not ending at N
+        kernels.mul_mat_id(T.Q8_0, w, x, out, [0, 1], [0, 2, 3])
+    with pytest.raises(ShapeError):  # decreasing starts
+        kernels.mul_mat_id(T.Q8_0, w, x, out, [0, 1, 2], [0, 3, 2, 4])
+    with pytest.raises(ShapeError):  # starts of the wrong length
+        kernels.mul_mat_id(T.Q8_0, w, x, out, [0, 1], [0, 4])
+    with pytest.raises(ShapeError):  # a matrix, not experts of matrices
+        kernels.mul_mat_id(T.Q8_0, w[0], x, out, [0], [0, 4])
+
+
 @pytest.mark.parametrize("layout", ["packed", "strided_x", "f16_x", "strided_out", "many_rows"])
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.IQ4_NL, T.IQ4_XS, T.F16], ids=str)
 def test_prepared_mul_mat(t: GGMLType, layout: str, isa: str) -> None:

@@ -1506,30 +1506,51 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
     mm_rows_portable(c->type, c->w, c->ws, m0, m1, c->K, c->x, c->xs, c->N, c->y, c->ys);
 }
 
-int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, int64_t K,
-               const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
-               int64_t y_size, int nthreads) {
-    int64_t blk, bsz;
-    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
-    if (M < 0 || N < 0 || K < 0 || K % blk) return AP_EINVAL;
-    if (M == 0 || N == 0) return AP_OK;
-    if (ws < 0 || xs < 0 || (N > 1 && ys < M)) return AP_EINVAL; /* ys < M: rows of y overlap */
-    const int64_t row_bytes = K / blk * bsz;
-    const int64_t ew = extent(M, ws, row_bytes), ex = extent(N, xs, K), ey = extent(N, ys, M);
-    if (ew < 0 || ex < 0 || ey < 0 || ew > w_size || ex > x_size || ey > y_size)
-        return AP_ERANGE;
-    if (!w_ || !x || !y) return AP_EINVAL;
+/* Work item `it` of mm_groups: row chunk it % nch of group it / nch, on a copy of the context
+ * that points at the group's weights and its x, y and quantized activation rows. */
+static void mm_item(const mm_ctx *base, int isa, const int64_t *gw, const int64_t *gs, int64_t nch,
+                    int64_t chunk, int64_t M, int64_t it) {
+    const int64_t g = it / nch, m0 = (it % nch) * chunk, m1 = m0 + chunk < M ? m0 + chunk : M;
+    const int64_t r0 = gs[g], n = gs[g + 1] - r0;
+    if (n == 0) return;
+    mm_ctx c = *base;
+    c.w = base->w + gw[g];
+    c.N = n;
+    c.x = base->x + r0 * base->xs;
+    c.y = base->y + r0 * base->ys;
+#if AP_X86
+    act_t a;
+    if (base->a != NULL) {
+        a = *base->a;
+        a.q += r0 * a.K;
+        a.d += r0 * a.nd;
+        a.c += r0 * a.nd;
+        a.bs += r0 * (a.K / 16);
+        c.a = &a;
+    }
+#endif
+    mm_range(&c, isa, m0, m1);
+}
+
+/* The products of G groups: group g multiplies x rows [gs[g], gs[g + 1]) by the M x K matrix
+ * at w + gw[g] (rows ws bytes apart) into the same rows of y (MUL_MAT: one group; MUL_MAT_ID:
+ * one per used expert). The caller has checked every size and offset. Activation rows are
+ * quantized once for all groups; the (group, row chunk) items are shared among the threads. */
+static int mm_groups(int type, const uint8_t *w, int64_t ws, int64_t M, int64_t K, const float *x,
+                     int64_t xs, int64_t N, float *y, int64_t ys, const int64_t *gw, const int64_t *gs,
+                     int64_t G, int nthreads) {
     if (K == 0) {
         for (int64_t n = 0; n < N; n++) memset(y + n * ys, 0, (size_t)M * sizeof(float));
         return AP_OK;
     }
-    const int nt = pick_threads(nthreads, M, (double)M * (double)K * (double)N);
-    const int64_t chunk = pick_chunk(M, nt), nchunks = (M + chunk - 1) / chunk;
+    const int nt = pick_threads(nthreads, M * G, (double)M * (double)K * (double)N);
+    /* chunks of the M rows, ~8 per thread over all groups */
+    const int64_t chunk = pick_chunk(M * G, nt), nch = (M + chunk - 1) / chunk, items = nch * G;
     const int isa = g_isa;
     mm_ctx c;
     memset(&c, 0, sizeof c);
     c.type = type;
-    c.w = (const uint8_t *)w_;
+    c.w = w;
     c.ws = ws;
     c.K = K;
     c.N = N;
@@ -1540,9 +1561,9 @@ int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, 
     char *ws_mem = NULL;
 #if AP_X86
     act_t a;
-    c.a = &a;
     const int k_quant = act_kind(type) == ACT_QK;
     const int quant_x = isa == AP_ISA_AVX2 && act_kind(type) != ACT_FLOAT;
+    c.a = quant_x ? &a : NULL;
     if (quant_x) {
         a.K = K;
         a.nd = k_quant ? K / QKK : K / QK;
@@ -1556,15 +1577,13 @@ int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, 
         a.bs = (int16_t *)(a.c + nc);
         a.q = (int8_t *)(a.bs + nbs);
     }
-#endif
-#if AP_X86
     /* Few activation rows are quantized before the parallel region (microseconds of work):
      * that saves a barrier, and a barrier is a futex sleep/wake when threads wait passively. */
     const int quant_inside = quant_x && nt > 1 && N * K > (1 << 16);
     if (quant_x && !quant_inside) quant_rows(&a, type, x, xs, N, 0, N);
 #endif
     if (nt == 1) { /* no OpenMP region at all: even a serialized one costs microseconds */
-        mm_range(&c, isa, 0, M);
+        for (int64_t it = 0; it < items; it++) mm_item(&c, isa, gw, gs, nch, chunk, M, it);
     } else {
 #pragma omp parallel num_threads(nt)
         {
@@ -1577,14 +1596,62 @@ int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, 
             }
 #endif
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t ch = 0; ch < nchunks; ch++) {
-                const int64_t m0 = ch * chunk, m1 = m0 + chunk < M ? m0 + chunk : M;
-                mm_range(&c, isa, m0, m1);
-            }
+            for (int64_t it = 0; it < items; it++) mm_item(&c, isa, gw, gs, nch, chunk, M, it);
         }
     }
     free(ws_mem);
     return AP_OK;
+}
+
+int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, int64_t K,
+               const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
+               int64_t y_size, int nthreads) {
+    int64_t blk, bsz;
+    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    if (M < 0 || N < 0 || K < 0 || K % blk) return AP_EINVAL;
+    if (M == 0 || N == 0) return AP_OK;
+    if (ws < 0 || xs < 0 || (N > 1 && ys < M)) return AP_EINVAL; /* ys < M: rows of y overlap */
+    const int64_t row_bytes = K / blk * bsz;
+    const int64_t ew = extent(M, ws, row_bytes), ex = extent(N, xs, K), ey = extent(N, ys, M);
+    if (ew < 0 || ex < 0 || ey < 0 || ew > w_size || ex > x_size || ey > y_size)
+        return AP_ERANGE;
+    if (!w_ || !x || !y) return AP_EINVAL;
+    const int64_t gw = 0, gs[2] = {0, N};
+    return mm_groups(type, (const uint8_t *)w_, ws, M, K, x, xs, N, y, ys, &gw, gs, 1, nthreads);
+}
+
+int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
+                  int64_t K, const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
+                  int64_t y_size, const int32_t *experts, const int64_t *starts, int64_t G, int nthreads) {
+    int64_t blk, bsz;
+    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    if (M < 0 || N < 0 || K < 0 || E < 0 || G < 0 || K % blk) return AP_EINVAL;
+    if (es < 0 || ws < 0 || xs < 0 || (N > 1 && ys < M)) return AP_EINVAL;
+    if (!starts || (G > 0 && !experts) || starts[0] != 0 || starts[G] != N) return AP_EINVAL;
+    for (int64_t g = 0; g < G; g++)
+        if (starts[g + 1] < starts[g]) return AP_EINVAL;
+    if (M == 0 || N == 0) return AP_OK;
+    const int64_t row_bytes = K / blk * bsz;
+    const int64_t ew = extent(M, ws, row_bytes), ex = extent(N, xs, K), ey = extent(N, ys, M);
+    if (ew < 0 || ex < 0 || ey < 0 || ex > x_size || ey > y_size) return AP_ERANGE;
+    int64_t *gw = malloc((size_t)(G > 0 ? G : 1) * sizeof(int64_t));
+    if (!gw) return AP_ENOMEM;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t off;
+        if (experts[g] < 0 || experts[g] >= E || __builtin_mul_overflow((int64_t)experts[g], es, &off) ||
+            off > w_size - ew) {
+            free(gw);
+            return AP_ERANGE;
+        }
+        gw[g] = off;
+    }
+    if (!w_ || !x || !y) {
+        free(gw);
+        return AP_EINVAL;
+    }
+    const int rc = mm_groups(type, (const uint8_t *)w_, ws, M, K, x, xs, N, y, ys, gw, starts, G, nthreads);
+    free(gw);
+    return rc;
 }
 
 int ap_dequantize(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, int64_t K,

@@ -51,6 +51,15 @@ int ap_mul_mat(int type, const void *w, int64_t w_stride, int64_t w_size, int64_
                const float *x, int64_t x_stride, int64_t x_size, int64_t N, float *y,
                int64_t y_stride, int64_t y_size, int nthreads);
 
+/* MUL_MAT_ID of grouped rows: y[n * y_stride + m] = sum_k dequant(W_e[m, k]) * x[n * x_stride + k]
+ * for n in [starts[g], starts[g + 1]) with e = experts[g], g < G (starts[0] = 0, starts[G] = N,
+ * non-decreasing). W_e starts at (const uint8_t *)w + e * expert_stride, its rows w_stride bytes
+ * apart; e must be in [0, E) and W_e inside w_size. Sizes as ap_mul_mat. */
+int ap_mul_mat_id(int type, const void *w, int64_t expert_stride, int64_t w_stride, int64_t w_size, int64_t E,
+                  int64_t M, int64_t K, const float *x, int64_t x_stride, int64_t x_size, int64_t N, float *y,
+                  int64_t y_stride, int64_t y_size, const int32_t *experts, const int64_t *starts, int64_t G,
+                  int nthreads);
+
 /* Dequantize rows of W to float32: y[i * y_stride + k] = dequant(W[r_i, k]) for i < R where
  * r_i = rows ? rows[i] : i. Rows index W's M rows (bounds-checked). */
 int ap_dequantize(int type, const void *w, int64_t w_stride, int64_t w_size, int64_t M, int64_t K,

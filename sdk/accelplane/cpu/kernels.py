@@ -56,6 +56,8 @@ __all__ = [
     "get_isa",
     "has_avx2",
     "mul_mat",
+    "mul_mat_id",
+    "blas_wins",
     "set_isa",
 ]
 
@@ -319,7 +321,7 @@ def mul_mat(
     if strategy not in ("auto", "direct", "blas"):
         raise ValueError(f"unknown strategy {strategy!r}")
     if strategy == "auto":
-        strategy = "blas" if _blas_wins(t, n) else "direct"
+        strategy = "blas" if blas_wins(t, n) else "direct"
     if strategy == "blas":
         # BLAS needs a unit inner stride in out; numpy's fallback loop would be ~100x slower
         y = out if out.strides[1] == 4 or m == 1 else np.empty((n, m), np.float32)
@@ -336,7 +338,59 @@ def mul_mat(
     return out
 
 
-def _blas_wins(t: GGMLType, n: int) -> bool:
+def mul_mat_id(
+    wtype: GGMLType | str | int,
+    w: np.ndarray,
+    x: np.ndarray,
+    out: np.ndarray,
+    experts: np.ndarray,
+    starts: np.ndarray,
+    nthreads: int | None = None,
+) -> np.ndarray:
+    """Grouped products, MUL_MAT_ID's work in one call: out[n] = dequant(w[e]) @ x[n] for the
+    rows n in [starts[g], starts[g + 1]) with e = experts[g] (the direct kernel, activation rows
+    quantized once, the (group, row chunk) items shared among the threads).
+
+    ``w``: [E, M, row_bytes] uint8 (or [E, M, K] of a float type's dtype), each expert's rows
+    contiguous. ``x``: float32 [N, K]. ``out``: float32 [N, M]. ``experts``: [G] expert ids in
+    [0, E); ``starts``: [G + 1] non-decreasing row offsets from 0 to N. Returns ``out``.
+    """
+    t = _wtype(wtype)
+    if not isinstance(w, np.ndarray) or w.ndim != 3:
+        got = getattr(w, "shape", type(w).__name__)
+        raise ShapeError(f"w must be a 3-D numpy array [experts, rows, ...], got {got}")
+    x = _as_x(x)
+    n, k = x.shape
+    if w.shape[0] == 0:
+        raise ShapeError("w has no experts")
+    rows = _Rows(t, w[0], k, "w[0]")
+    m = rows.m
+    out = _check_out(out, (n, m))
+    ex = np.ascontiguousarray(experts, dtype=np.int32)
+    st = np.ascontiguousarray(starts, dtype=np.int64)
+    if ex.ndim != 1 or st.shape != (ex.size + 1,):
+        raise ShapeError(f"experts [G] and starts [G + 1] expected, got shapes {ex.shape} and {st.shape}")
+    if w.strides[0] < 0:
+        raise ShapeError(f"w's expert stride must be >= 0, got {w.strides[0]}")
+    e_stride = w.strides[0] if w.shape[0] > 1 else 0
+    size = (w.shape[0] - 1) * e_stride + rows.size
+    if n == 0 or m == 0:
+        return out
+    y = out if _direct_out(out, x, w) else np.empty((n, m), np.float32)
+    base = w if w.flags.c_contiguous else w[:1, :1, :1]
+    rc = _lib.ap_mul_mat_id(int(t), _ffi.from_buffer("uint8_t[]", base), e_stride, rows.stride, size,
+                            w.shape[0], m, k, _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
+                            _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4,
+                            _ffi.from_buffer("int32_t[]", ex), _ffi.from_buffer("int64_t[]", st), ex.size,
+                            _threads(nthreads))  # fmt: skip
+    if rc:
+        _raise(rc, f"mul_mat_id {t.name} [{w.shape[0]}x{m}x{k}] x [{n}x{k}]")
+    if y is not out:
+        out[...] = y
+    return out
+
+
+def blas_wins(t: GGMLType, n: int) -> bool:
     """N activation rows from which dequantize + sgemm beats the direct kernel."""
     return n >= (_CROSSOVER_N[t] if _lib.ap_get_isa() == 1 else _PORTABLE_CROSSOVER_N)
 
@@ -371,7 +425,7 @@ def prepare_mul_mat(
     rows = _Rows(t, w, k, "w")
     m = rows.m
     out = _check_out(out, (n, m))
-    if n == 0 or m == 0 or k == 0 or _blas_wins(t, n) or not _direct_out(out, x, rows.arr):
+    if n == 0 or m == 0 or k == 0 or blas_wins(t, n) or not _direct_out(out, x, rows.arr):
         return plain
     args = _direct_args(t, rows, x, out, nt)
     fn = _lib.ap_mul_mat
