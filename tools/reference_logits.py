@@ -78,6 +78,19 @@ def llama_cpp_logits(path: Path, toks: np.ndarray) -> tuple[np.ndarray, str]:
     return scores, f"llama_cpp {llama_cpp.__version__}{_llama_cpp_commit()}; {sysinfo.strip()}"
 
 
+def save_reference(path: Path, logits: np.ndarray, toks: np.ndarray, make_model: dict, **extra) -> bool:
+    """Save llama.cpp's ``logits`` of ``toks`` (float16, with their argmax from the float32
+    values), the tokens, the model's make_model arguments and ``extra`` fields as ``path``; False
+    (and nothing saved) when the logits are not finite."""
+    if not np.isfinite(logits).all():
+        print(f"{path.stem}: llama.cpp's logits are not finite", file=sys.stderr)
+        return False
+    np.savez_compressed(path, logits=logits.astype(np.float16), argmax=logits.argmax(-1).astype(np.int16),
+                        tokens=toks.astype(np.int16), make_model=json.dumps(make_model, sort_keys=True),
+                        **extra)  # fmt: skip
+    return True
+
+
 def _llama_cpp_commit() -> str:
     """`` (llama.cpp <commit>)`` of the build LLAMA_CPP_LIB_PATH names, when it is in a git checkout."""
     import os
@@ -116,16 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             make_model(path, jobs=1, **kw)
             toks = tokens(kw["n_vocab"])
             logits, version = llama_cpp_logits(path, toks)
-            if not np.isfinite(logits).all():
-                print(f"{name}: llama.cpp's logits are not finite", file=sys.stderr)
+            settings = dict(n_ctx=N_CTX, cache_type="f16", flash_attn=False, extra_bufts=False)
+            if not save_reference(out / f"{name}.npz", logits, toks, kw, tensor_sha256=digest(path),
+                                  llama_cpp=version, settings=json.dumps(settings)):  # fmt: skip
                 return 1
-            np.savez_compressed(
-                out / f"{name}.npz", logits=logits.astype(np.float16),
-                argmax=logits.argmax(-1).astype(np.int16),
-                tokens=toks.astype(np.int16), make_model=json.dumps(kw, sort_keys=True),
-                tensor_sha256=digest(path), llama_cpp=version,
-                settings=json.dumps(dict(n_ctx=N_CTX, cache_type="f16", flash_attn=False, extra_bufts=False)),
-            )  # fmt: skip
         gap = np.sort(logits, -1)
         margin = float((gap[:, -1] - gap[:, -2]).min())
         print(f"{name}: {out / (name + '.npz')}  (smallest top-2 gap {margin:.3g})")

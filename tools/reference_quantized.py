@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_logits import llama_cpp_logits  # noqa: E402
+from reference_logits import llama_cpp_logits, save_reference  # noqa: E402
 
 N_TOKENS = 128
 SMALL = dict(n_layers=2, d_model=256, n_head=4, n_head_kv=2, n_vocab=264, n_ctx=512, wtype="f16")
@@ -88,16 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                 digest = tensor_digest(f)
             toks = tokens(SOURCES[arch]["n_vocab"])
             logits, version = llama_cpp_logits(q, toks)
-            if not np.isfinite(logits).all():
-                print(f"{name}: llama.cpp's logits are not finite", file=sys.stderr)
+            # the types in the file's order
+            if not save_reference(out / f"{name}.npz", logits, toks, SOURCES[arch], mix=mix,
+                                  types=json.dumps(types), tensor_sha256=digest, llama_cpp=version, **raw):
                 return 1
-            np.savez_compressed(
-                out / f"{name}.npz", logits=logits.astype(np.float16),
-                argmax=logits.argmax(-1).astype(np.int16), tokens=toks.astype(np.int16),
-                make_model=json.dumps(SOURCES[arch], sort_keys=True), mix=mix,
-                types=json.dumps(types),  # in the file's order
-                tensor_sha256=digest, llama_cpp=version, **raw,
-            )  # fmt: skip
             counts: dict[str, int] = {}
             for t in types.values():
                 counts[t] = counts.get(t, 0) + 1
