@@ -427,7 +427,8 @@ def test_installed_plugins_64_tokens(models, device):
 @pytest.mark.parametrize("device", _installed_devices())
 def test_experts_in_host_memory(models, device):
     """cpu_moe (--experts cpu, --n-cpu-moe N): the expert tensors of the first N layers live in
-    the CPU's buffer, every other weight on the device; a 40-token prefill (offloaded: the
+    host memory (the device's pinned host buffers), computed on by the CPU, every other weight
+    on the device; a 40-token prefill (offloaded: the
     device runs the products on uploaded experts) and decode steps (the CPU runs them) give
     the all-on-device model's logits."""
     reg = accelplane.get_registry()
@@ -440,6 +441,10 @@ def test_experts_in_host_memory(models, device):
             on_cpu = {k for k, d in m.placement.items() if d is cpu}
             want = {f"blk.{i}.ffn_{p}_exps.weight" for i in range(n) for p in ("gate", "up", "down")}
             assert on_cpu == want
+            # in the device's pinned host buffers where it has them (asynchronous uploads)
+            host = dev.host_buffer_type
+            pinned = host.name if host is not None and host.is_host else cpu.buffer_type.name
+            assert {m.w[k].buffer.buft.name for k in want} <= {pinned}
             out[n] = np.concatenate([m.eval(toks[:40], all_logits=True).logits]
                                     + [m.eval([t]).logits for t in toks[40:]])  # fmt: skip
         finally:

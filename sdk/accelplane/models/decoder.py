@@ -66,7 +66,7 @@ from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import ConfigError, DeviceError, OutOfRangeError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.runtime.alloc import alloc_tensors
-from accelplane.runtime.backend import Backend, Buffer, BufferUsage, Device
+from accelplane.runtime.backend import Backend, Buffer, BufferType, BufferUsage, Device
 from accelplane.sched import Scheduler
 
 if TYPE_CHECKING:
@@ -486,7 +486,8 @@ class DecoderModel:
     inputs then go to the device as asynchronous copies behind one synchronize instead of four
     blocking ones (2.5 % more tokens/s on an H200); devices whose caps exclude it stay strict.
     ``cpu_moe``: the expert tensors (``*_exps``) of the first ``cpu_moe`` layers live in host
-    memory (the CPU device's buffer; ``n_layers`` or more: every layer's), as llama.cpp's
+    memory (``n_layers`` or more: every layer's; in the layer device's pinned host buffers where
+    it has them, else the CPU device's), as llama.cpp's
     ``--n-cpu-moe`` / ``--cpu-moe``: the scheduler runs their products on the CPU, or, for a
     batch a device offloads (offload_op), uploads only the experts the router selected.
     """
@@ -586,13 +587,24 @@ class DecoderModel:
             return self.cpu
         return self.layer_dev[spec.layer]
 
+    def _buft_of(self, spec: WeightSpec) -> BufferType:
+        """Where a weight's bytes live: its device's memory; for experts kept in host memory
+        (cpu_moe), the layer device's pinned host buffers where it has them and the CPU computes
+        on them (what an asynchronous upload to the device needs), else the CPU's."""
+        dev = self._device_of(spec)
+        if dev is self.cpu and 0 <= spec.layer < self.cfg.n_layers and self.layer_dev[spec.layer] is not dev:
+            host = self.layer_dev[spec.layer].host_buffer_type
+            if host is not None and host.is_host and self.cpu.supports_buft(host):
+                return host
+        return dev.buffer_type
+
     def _build_weights(self, types: Mapping[str, GGMLType | str | int]) -> None:
         cfg = self.cfg
         self.wctx = Context(f"{cfg.arch}-weights")
         self.w: dict[str, Tensor] = {}
         self.placement: dict[str, Device] = {}
         self.merged: dict[str, Tensor] = {}  # "blk.i.attn_qkv" / "blk.i.ffn_gate_up" → matrix
-        by_dev: dict[Device, list[Tensor]] = {}
+        by_buft: dict[BufferType, list[Tensor]] = {}
         specs = {s.name: s for s in cfg.weights()}
         tys = {n: parse_type(types.get(n, T.F32)) for n in specs}
         views: dict[str, Tensor] = {}
@@ -604,7 +616,7 @@ class DecoderModel:
                 rows = sum(sh[0] for sh in shapes)
                 m = self.wctx.new_tensor(tys[parts[0]], (rows, *shapes[0][1:]), merged).set_param()
                 self.merged[merged] = m
-                by_dev.setdefault(self._device_of(specs[parts[0]]), []).append(m)
+                by_buft.setdefault(self._buft_of(specs[parts[0]]), []).append(m)
                 r0 = 0
                 for p, sh in zip(parts, shapes, strict=True):
                     # rows r0 .. r0 + sh[0] of the merged matrix (elements of a merged bias)
@@ -616,9 +628,8 @@ class DecoderModel:
             if t is None:
                 t = self.wctx.new_tensor(tys[spec.name], spec.shape, spec.name).set_param()
             self.w[spec.name] = t
-            dev = self._device_of(spec)
-            self.placement[spec.name] = dev
-            by_dev.setdefault(dev, []).append(t)
+            self.placement[spec.name] = self._device_of(spec)
+            by_buft.setdefault(self._buft_of(spec), []).append(t)
         self.cache_k: list[Tensor] = []
         self.cache_v: list[Tensor] = []
         cache_by_dev: dict[Device, list[Tensor]] = {}
@@ -641,8 +652,8 @@ class DecoderModel:
                 raise
             return
         try:
-            for dev, ts in by_dev.items():
-                buf = alloc_tensors(ts, dev.buffer_type, BufferUsage.WEIGHTS)
+            for buft, ts in by_buft.items():
+                buf = alloc_tensors(ts, buft, BufferUsage.WEIGHTS)
                 if buf is not None:
                     self.buffers.append(buf)
             for dev, ts in cache_by_dev.items():
