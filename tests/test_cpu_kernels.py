@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 gguf_quants = pytest.importorskip("gguf.quants")
 import gguf  # noqa: E402
@@ -151,6 +153,29 @@ def test_mul_mat_id_groups(t: GGMLType, sizes: tuple[int, ...], isa: str) -> Non
         rows = slice(starts[g], starts[g + 1])
         if sizes[g]:
             check_product(out[rows], made[e][1], x[rows], isa, t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_mul_mat_id_any_grouping(data) -> None:
+    """Any grouping (empty groups, repeated experts, any order) gives each row its expert's
+    product: mul_mat of that row alone, up to the summation order."""
+    t = data.draw(st.sampled_from([T.Q4_0, T.Q8_0, T.Q4_K, T.F32]), label="type")
+    n_exp = data.draw(st.integers(1, 4), label="experts")
+    sizes = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=6), label="group sizes")
+    experts = data.draw(st.lists(st.integers(0, n_exp - 1), min_size=len(sizes), max_size=len(sizes)))
+    rng = np.random.default_rng(len(sizes) * 31 + n_exp)
+    m, k = 5, k_values(t)[0]
+    w = np.stack([make_weights(t, m, k, rng)[0] for _ in range(n_exp)])
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    x = rng.standard_normal((int(starts[-1]), k)).astype(np.float32)
+    out = np.full((len(x), m), np.nan, np.float32)
+    kernels.mul_mat_id(t, w, x, out, np.array(experts, np.int32), starts)
+    for g, e in enumerate(experts):
+        for n in range(starts[g], starts[g + 1]):
+            want = np.empty((1, m), np.float32)
+            kernels.mul_mat(t, w[e], x[n : n + 1], want, strategy="direct")
+            np.testing.assert_allclose(out[n], want[0], rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
 
 
 def test_mul_mat_id_checks_its_groups() -> None:
