@@ -463,8 +463,10 @@ def test_run_and_bench_model_with_experts_in_host_memory(models, capsys):
     assert f"weights on {dev}" in out and "weights on CPU" in out and ": OK" in out, out
     assert cli.main(["run", "--model", str(models["f32"]), "--experts", "cpu"]) == 2
     assert "--experts cpu: the model (llama) has no experts" in capsys.readouterr().err
-    assert cli.main(["bench", "model", "--model", str(models["qwen3moe"]), "-d", dev, "--experts", "cpu",
+    assert cli.main(["bench", "model", "--model", str(models["qwen3moe"]), "-d", dev, "--n-cpu-moe", "0,2",
                      "--pp", "8", "--tg", "2", "--reps", "1"]) == 0  # fmt: skip
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| synthetic-qwen3moe")]
+    assert [ln.split("|")[6].strip() for ln in rows] == ["0", "0", "2", "2"], rows  # ncmoe per pp, tg row
 
 
 def test_cpu_moe_is_validated(models):

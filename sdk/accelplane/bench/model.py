@@ -69,13 +69,14 @@ def graph_only_rate(model: DecoderModel, n: int) -> float:
 
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
                 reps: int = 2, profiler=None, show: bool = False,
-                cpu_moe: int = 0) -> list[dict]:  # fmt: skip
+                cpu_moe: int | Sequence[int] = 0) -> list[dict]:  # fmt: skip
     """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
     cProfile.Profile enabled around the timed tg runs (where the host time of a token goes).
     ``show``: progress on stderr (accelplane.runtime.progress: on a terminal, not quiet): each
     model load's bar, then a line per step, the copy bandwidth, the warm-up and each timed
     run with its tokens/s. ``cpu_moe``: the layers whose experts live in host memory
-    (DecoderModel's), recorded in each row as ``n_cpu_moe``."""
+    (DecoderModel's), or a list of values, each config run with each; a MoE model's rows record
+    it as ``n_cpu_moe``."""
     rows = []
     cfg = f.model_config()
     n_ctx = context_for(cfg, max(pp, tg), "--pp/--tg")
@@ -86,13 +87,14 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     rng = np.random.default_rng(0)
     copy_bw: dict[str, float | None] = {}  # device name → its copy bandwidth, measured once
-    for devs, split in configs:
+    moes = [cpu_moe] if isinstance(cpu_moe, int) else list(cpu_moe)
+    for devs, split, cm in [(d, s, c) for d, s in configs for c in moes]:
         label = ",".join(d.name for d in devs)
         if len(devs) == 1 and label not in copy_bw and tg > 0:
             with _step(show, f"{label}: copy bandwidth") as ph:
                 copy_bw[label] = bw = copy_bandwidth(devs[0])
                 ph.note(f"{bw / 1e9:.1f} GB/s" if bw else "not measured")
-        model = load(f, devs, cpu, split, n_ctx, show=show, cpu_moe=cpu_moe)
+        model = load(f, devs, cpu, split, n_ctx, show=show, cpu_moe=cm)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
                 if n <= 0:
@@ -101,7 +103,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                 times = []
                 for rep in range(reps + 1):  # the first run is the warm-up
                     what = f"timed run {rep}/{reps}" if rep else "warm-up"
-                    with _step(show, f"{label} split={split} {test}{n}: {what}") as ph:
+                    moe = f" n_cpu_moe={cm}" if cfg.is_moe else ""
+                    with _step(show, f"{label} split={split}{moe} {test}{n}: {what}") as ph:
                         model.reset()
                         prof = profiler if rep and test == "tg" else None
                         if prof is not None:
@@ -126,8 +129,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                        "reps": reps, "load_s": model.load_s, "seconds": times,
                        "tokens_per_s": float(np.mean(tps)),
                        "tokens_per_s_std": float(np.std(tps))}  # fmt: skip
-                if cpu_moe:
-                    row["n_cpu_moe"] = cpu_moe
+                if cfg.is_moe:
+                    row["n_cpu_moe"] = cm
                 if model.meta is not None:  # how the tensor split ran (recorded or not, comm)
                     row["meta"] = meta_summary(model.meta)
                 else:  # the scheduler's synchronization policy (ACCELPLANE_MODEL_POLICY)
@@ -144,18 +147,19 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
             model.free()
     for r in rows:  # multi-device rows against their first device alone, where that ran too
         first = r["devices"].split(",")[0]
-        base = [b for b in rows if b["devices"] == first and b["split"] == "none" and b["test"] == r["test"]]
+        base = [b for b in rows if b["devices"] == first and b["split"] == "none" and b["test"] == r["test"]
+                and b.get("n_cpu_moe") == r.get("n_cpu_moe")]
         if "," in r["devices"] and base:
             r["vs_first_device"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
     return rows
 
 
 def format_bench(rows: list[dict]) -> str:
-    """llama-bench's markdown table (with each config's model load time, the weights' read rate
-    for tg, and that rate as a fraction of the same run's device copy bandwidth, read + written;
-    tg rows also get the decode graph's rate computed back to back, without the host's work between tokens;
-    multi-device rows also get their speed-up over their first device alone, when that config
-    ran too)."""
+    """llama-bench's markdown table (with each config's model load time, a MoE's n_cpu_moe, the
+    weights' read rate for tg, and that rate as a fraction of the same run's device copy
+    bandwidth, read + written; tg rows also get the decode graph's rate computed back to back,
+    without the host's work between tokens; multi-device rows also get their speed-up over
+    their first device alone, when that config ran too)."""
     cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
             ("split", 5, "<"), ("load s", 6, ">"), ("test", 6, ">"), ("t/s", 18, ">"),
             ("weights GB/s", 12, ">"),
@@ -163,6 +167,9 @@ def format_bench(rows: list[dict]) -> str:
     multi = any("vs_first_device" in r for r in rows)
     if multi:
         cols.append(("vs 1 device", 11, ">"))
+    moe = any("n_cpu_moe" in r for r in rows)
+    if moe:  # llama-bench's n_cpu_moe column
+        cols.insert(5, ("ncmoe", 5, ">"))
     rule = "|".join("-" * (w + 1) + (":" if a == ">" else "-") for _, w, a in cols)
     lines = ["| " + " | ".join(f"{c:{a}{w}}" for c, w, a in cols) + " |", f"|{rule}|"]
     for r in rows:
@@ -176,6 +183,8 @@ def format_bench(rows: list[dict]) -> str:
                 f"{r['graph_only_tokens_per_s']:.2f}" if "graph_only_tokens_per_s" in r else ""]  # fmt: skip
         if multi:
             vals.append(f"{r['vs_first_device']:.2f}x" if "vs_first_device" in r else "")
+        if moe:
+            vals.insert(5, str(r.get("n_cpu_moe", "")))
         lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")
     return "\n".join(lines)
 

@@ -461,14 +461,22 @@ MAKE_FLAGS = _MAKE_INTS + (("--output-type", "output_type"), ("--tied", "tied"),
                            ("--logit-softcap", "logit_softcap"), ("--pooling", "pooling"))  # fmt: skip
 
 
-def _moe_args(p, prefix: str) -> None:
-    """Where a MoE model's experts live (llama.cpp's --cpu-moe and --n-cpu-moe)."""
+def _int_list(lo: int):
+    """argparse type: a comma list of integers >= lo."""
+    one = _int(lo)
+    return lambda s: [one(x.strip()) for x in s.split(",")]
+
+
+def _moe_args(p, prefix: str, many: bool = False) -> None:
+    """Where a MoE model's experts live (llama.cpp's --cpu-moe and --n-cpu-moe; ``many``: a
+    comma list of values for --n-cpu-moe, one run each, as llama-bench's -ncmoe)."""
     p.add_argument("--experts", choices=["device", "cpu"], default=None,
                    help=f"{prefix}a MoE model's expert tensors on the layers' devices (default) or all in "
                         "host memory (llama.cpp's --cpu-moe)")  # fmt: skip
-    p.add_argument("--n-cpu-moe", type=_int(0), default=None, metavar="N",
+    p.add_argument("--n-cpu-moe", type=_int_list(0) if many else _int(0), default=None,
+                   metavar="N[,N...]" if many else "N",
                    help=f"{prefix}the expert tensors of the first N layers in host memory (llama.cpp's "
-                        "--n-cpu-moe)")  # fmt: skip
+                        f"--n-cpu-moe){'; a comma list runs each' if many else ''}")  # fmt: skip
 
 
 def _model_args(sub, b) -> None:
@@ -482,7 +490,7 @@ def _model_args(sub, b) -> None:
                    help="model: split mode (repeatable; default none, plus layer over all "
                         "non-CPU devices when there are several); model: -d takes a comma list "
                         "as one device set")  # fmt: skip
-    _moe_args(b, "model: ")
+    _moe_args(b, "model: ", many=True)
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
     b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip

@@ -78,15 +78,22 @@ def loaded_line(f, model) -> str:
     return f"loaded {n / 2**30:.2f} GiB in {s:.2f} s ({n / max(s, 1e-9) / 1e9:.1f} GB/s)"
 
 
-def cpu_moe_of(args, cfg) -> int:
-    """The layers whose experts live in host memory, from --experts / --n-cpu-moe."""
+def cpu_moe_values(args, cfg) -> list[int]:
+    """The layers whose experts live in host memory, one value per run, from --experts /
+    --n-cpu-moe (bench model's may be a list)."""
     from accelplane.cli import UsageError
 
-    n = cfg.n_layers if getattr(args, "experts", None) == "cpu" else getattr(args, "n_cpu_moe", None) or 0
-    if n and not cfg.is_moe:
-        flag = "--experts cpu" if getattr(args, "experts", None) == "cpu" else "--n-cpu-moe"
+    experts, n = getattr(args, "experts", None), getattr(args, "n_cpu_moe", None)
+    vals = [cfg.n_layers] if experts == "cpu" else [n] if isinstance(n, int) else list(n or [0])
+    if any(vals) and not cfg.is_moe:
+        flag = "--experts cpu" if experts == "cpu" else "--n-cpu-moe"
         raise UsageError(f"{flag}: the model ({cfg.arch}) has no experts")
-    return n
+    return vals
+
+
+def cpu_moe_of(args, cfg) -> int:
+    """`run`'s one value of :func:`cpu_moe_values`."""
+    return cpu_moe_values(args, cfg)[0]
 
 
 def cmd_run_text(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -209,7 +216,7 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
         prof = cProfile.Profile()
     # progress (on a terminal, without -q): each model load's bar, a line per run, kernel builds
     rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, prof, show=True,
-                       cpu_moe=cpu_moe_of(args, f.model_config()))  # fmt: skip
+                       cpu_moe=cpu_moe_values(args, f.model_config()))  # fmt: skip
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
         print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)
