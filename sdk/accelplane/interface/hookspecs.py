@@ -196,7 +196,9 @@ class Specs:
     @hookspec
     def offload_op(self, device: Device, op: Tensor) -> bool:
         """Whether the device wants to run ``op`` although its weights live in a host buffer
-        (the scheduler then copies them). Fallback: False."""
+        (the scheduler then copies them; for MUL_MAT_ID, only the experts the ids select).
+        ggml's rule is ``accelplane.core.ops.offload_batch(op) >= OFFLOAD_MIN_BATCH`` (32 rows).
+        Fallback: False."""
 
     @hookspec
     def event_new(self, device: Device) -> Any:
