@@ -406,36 +406,29 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
     as_, b, ids = t.src
     av, bv, iv, dv = view(as_), view(b), view(ids), view(t)
     wt = as_.type
-    n_b1 = b.ne[1]
-
-    n_used = ids.ne[0]
+    n_b1, n_used = b.ne[1], ids.ne[0]
 
     def step() -> None:
         idx = iv[0, 0]  # [tokens, n_used]
         if idx.min(initial=0) < 0 or idx.max(initial=0) >= as_.ne[2]:
             raise ComputeError(f"MUL_MAT_ID {t.name}: expert id out of range 0..{as_.ne[2] - 1}")
-        # the (token, slot) pairs grouped by expert, all experts' products in one kernel call,
-        # unless the largest group is a batch that dequantize + BLAS does faster
-        flat = idx.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
-        if not kernels.blas_wins(wt, int(counts.max(initial=0))):
-            tok, used = np.divmod(order, n_used)
-            x = np.ascontiguousarray(bv[0, tok, used % n_b1], dtype=F32)
-            out = np.empty((len(order), as_.ne[1]), F32)
-            kernels.mul_mat_id(wt, av[0], x, out, experts, np.append(starts, len(order)))
-            dv[0, tok, used] = out
-            return
-        for e in experts:
-            tok, used = np.nonzero(idx == e)
-            x = np.ascontiguousarray(bv[0, tok, used % n_b1], dtype=F32)
-            out = np.empty((len(tok), as_.ne[1]), F32)
-            w = av[0, e]
-            if wt == GGMLType.F32:
-                np.matmul(x, w.T, out=out)
-            else:
-                kernels.mul_mat(wt, w, x, out)
-            dv[0, tok, used] = out
+        # the (token, slot) pairs grouped by expert: the rows of each expert's product
+        order = np.argsort(idx.reshape(-1), kind="stable")
+        experts, starts, counts = np.unique(idx.reshape(-1)[order], return_index=True, return_counts=True)
+        bounds = np.append(starts, len(order))
+        tok, used = np.divmod(order, n_used)
+        x = np.ascontiguousarray(bv[0, tok, used % n_b1], dtype=F32)
+        out = np.empty((len(order), as_.ne[1]), F32)
+        if not kernels.blas_wins(wt, int(counts.max(initial=0))):  # every expert in one kernel call
+            kernels.mul_mat_id(wt, av[0], x, out, experts, bounds)
+        else:  # a group that dequantize + BLAS does faster: each expert's product apart
+            for g, e in enumerate(experts):
+                rows = slice(bounds[g], bounds[g + 1])
+                if wt == GGMLType.F32:
+                    np.matmul(x[rows], av[0, e].T, out=out[rows])
+                else:
+                    kernels.mul_mat(wt, av[0, e], x[rows], out[rows])
+        dv[0, tok, used] = out
 
     return step
 

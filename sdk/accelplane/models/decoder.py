@@ -486,10 +486,10 @@ class DecoderModel:
     inputs then go to the device as asynchronous copies behind one synchronize instead of four
     blocking ones (2.5 % more tokens/s on an H200); devices whose caps exclude it stay strict.
     ``cpu_moe``: the expert tensors (``*_exps``) of the first ``cpu_moe`` layers live in host
-    memory (``n_layers`` or more: every layer's; in the layer device's pinned host buffers where
-    it has them, else the CPU device's), as llama.cpp's
-    ``--n-cpu-moe`` / ``--cpu-moe``: the scheduler runs their products on the CPU, or, for a
-    batch a device offloads (offload_op), uploads only the experts the router selected.
+    memory (``n_layers`` or more: every layer's), as llama.cpp's ``--n-cpu-moe`` / ``--cpu-moe``:
+    in the layer device's pinned host buffers where it has them, else the CPU device's. The
+    scheduler runs their products on the CPU, or, for a batch a device offloads (offload_op),
+    uploads only the experts the router selected.
     """
 
     def __init__(
