@@ -5,8 +5,8 @@ table): the register mat-vecs (``k_quant_x`` once per activation vector, then ``
 ``k_mmv_row1`` or ``k_mmv_row``) for the layouts in ``REGISTER``; the pipelined kernel
 (``k_mmv_pipe``) for the other layouts of large matrices; ``k_mul_mat_vec`` for small float
 matrices (attention over a KV cache: kept off cuBLAS so that a decode graph is captured whole)
-and rows the others cannot stage. Everything else goes to cuBLAS (gemm.py). MUL_MAT_ID by
-``k_mul_mat_id``.
+and rows the others cannot stage. Everything else goes to cuBLAS (gemm.py). MUL_MAT_ID's
+row-at-a-time kernel ``k_mul_mat_id`` (moe.py takes the op).
 
 The register mat-vecs read the activations quantized (kernels/common.cuh: quantize4's layout):
 by the kernel that produced them where it can write that too (:func:`xq_for`: the norms, the
@@ -316,8 +316,9 @@ def _mul_mat_vec(plan, n) -> None:
                 block=32 * warps, grid=grid, smem=smem)  # fmt: skip
 
 
-def mul_mat_id(plan, n) -> None:
-    """MUL_MAT_ID: a warp per weight row of the expert each (token, slot) names."""
+def mul_mat_id_rows(plan, n) -> None:
+    """MUL_MAT_ID a row at a time (moe.py says when): a warp per weight row of the expert each
+    (token, slot) names."""
     a, b, ids = n.src
     plan.uses_index = True
     xp, xnb = x_f32(plan, b)
@@ -330,4 +331,4 @@ def mul_mat_id(plan, n) -> None:
                 grid=grid)  # fmt: skip
 
 
-OPS = {Op.MUL_MAT: mul_mat, Op.MUL_MAT_ID: mul_mat_id}
+OPS = {Op.MUL_MAT: mul_mat}

@@ -5,7 +5,7 @@ of an unchanged graph on replays a captured CUDA graph instead (ACCELPLANE_CUDA_
 turns that off), so the per-token host cost does not grow with the node count.
 
 The launches of each op family are built by its module (elementwise, norm, softmax_rope, rows,
-reduce, conv, matvec, gemm, attention; fuse for the fused runs), which also declares the
+reduce, conv, matvec, moe, gemm, attention; fuse for the fused runs), which also declares the
 kernels it launches (compiler.family).
 """
 
@@ -18,13 +18,13 @@ from accelplane.core.fusion import Fusion
 from accelplane.core.ops import VIEW_OPS, Op
 from accelplane.errors import ComputeError
 
-from . import compiler, conv, elementwise, fuse, matvec, norm, reduce, rows, softmax_rope, tuning
+from . import compiler, conv, elementwise, fuse, matvec, moe, norm, reduce, rows, softmax_rope, tuning
 from .args import THREADS
 from .launch import Launch, pdl_wanted
 
 # node op → the function that builds its launches
 BUILDERS: dict[Op, Callable] = {**elementwise.OPS, **norm.OPS, **softmax_rope.OPS, **rows.OPS, **reduce.OPS,
-                                **conv.OPS, **matvec.OPS}  # fmt: skip
+                                **conv.OPS, **matvec.OPS, **moe.OPS}  # fmt: skip
 
 
 def _written_buffers(graph) -> set[int]:

@@ -377,19 +377,25 @@ def _mul_mat() -> Iterator[OpCase]:
 
 
 def _mul_mat_id() -> Iterator[OpCase]:
+    # decode-sized batches (a row at a time), then prefill-sized ones that plugins group by
+    # expert: rows of one expert past a 64-row tile, weight rows past a 64-row tile, and K of
+    # an odd number of 32-element chunks
+    shapes = ((4, 2, 5, 1, 9), (8, 3, 2, 3, 9), (4, 1, 1, 1, 9),
+              (8, 2, 40, 1, 70), (2, 2, 80, 2, 33), (16, 4, 12, 4, 9))  # fmt: skip
     for ta in (T.F32, T.F16, *QUANT):
-        k = 256 if ta.blck_size == 256 else 64
-        for n_exp, n_used, n_tok, b1 in ((4, 2, 5, 1), (8, 3, 2, 3), (4, 1, 1, 1)):
+        for n_exp, n_used, n_tok, b1, m in shapes:
+            k = 256 if ta.blck_size == 256 else 64 if n_tok < 9 else 96
 
-            def build(ctx, ta=ta, k=k, n_exp=n_exp, n_used=n_used, n_tok=n_tok, b1=b1):
-                a = leaf(ctx, ta, (k, 9, n_exp), "as")
+            def build(ctx, ta=ta, k=k, n_exp=n_exp, n_used=n_used, n_tok=n_tok, b1=b1, m=m):
+                a = leaf(ctx, ta, (k, m, n_exp), "as")
                 b = leaf(ctx, T.F32, (k, b1, n_tok), "b")
                 ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
                 return ctx.mul_mat_id(a, b, ids)
 
-            yield OpCase("MUL_MAT_ID", {"type_a": ta, "n_exp": n_exp, "n_used": n_used,
-                                        "n_tok": n_tok, "b1": b1, "k": k}, build, 5e-4,
-                         {"ids": perm_rows(n_exp)})  # fmt: skip
+            params = {"type_a": ta, "n_exp": n_exp, "n_used": n_used, "n_tok": n_tok, "b1": b1, "k": k}
+            if m != 9:
+                params["m"] = m
+            yield OpCase("MUL_MAT_ID", params, build, 5e-4, {"ids": perm_rows(n_exp)})
 
 
 def _get_set_rows() -> Iterator[OpCase]:

@@ -1,0 +1,198 @@
+// accelplane CUDA plugin: MUL_MAT_ID of many tokens as a grouped product (moe.py).
+//
+// The (token, slot) rows are grouped by the expert their id names, on the device (k_moe_route),
+// so the whole op stays inside one CUDA graph with no host round trip; then each block of
+// k_moe_gemm multiplies one tile of one expert's rows by a tile of that expert's weight rows on
+// the tensor cores (mma.sync m16n8k16, F16 inputs, F32 accumulation), dequantizing the weights
+// chunk by chunk as it goes. Each expert's weights are read once per tile of its rows instead
+// of once per row.
+#include "common.cuh"
+
+#define MOE_TM 64   // activation rows (one expert's) per tile
+#define MOE_TN 64   // weight rows per tile
+#define MOE_KS 64   // elements of K per stage (two 32-element chunks)
+#define MOE_LD (MOE_KS + 8)  // halves per shared row (+8: rows start on other banks)
+#define MOE_MAX_EXP 1024     // experts k_moe_route takes (one per thread)
+
+// Exclusive prefix sum over the block of v (one value per thread, blockDim.x a multiple of 32);
+// *total gets the sum. Uses ws[32].
+__device__ int block_scan_excl(int v, int* ws, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffff, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) ws[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < nw ? ws[lane] : 0;
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffff, s, o);
+            if (lane >= o) s += y;
+        }
+        ws[lane] = s;  // inclusive sums of the warps
+    }
+    __syncthreads();
+    const int before = (warp > 0 ? ws[warp - 1] : 0) + x - v;
+    *total = ws[nw - 1];
+    __syncthreads();  // ws may be reused
+    return before;
+}
+
+// One block of MOE_MAX_EXP threads. rows: the R = n_used * n_tok rows (r = t * n_used + u) in
+// expert order; tiles: (expert, first index into rows, row count <= MOE_TM) per tile, their count
+// at tiles[-1] (tiles points one int3 past it). An id out of [0, n_exp) sets *err; its row is left out.
+// P: [n_used, n_tok, n_exp, nbi0, nbi1]
+__global__ void k_moe_route(const i64* __restrict__ P, const char* ids, int* rows, int* tiles, int* err) {
+    pdl_enter();
+    __shared__ int cnt[MOE_MAX_EXP], cur[MOE_MAX_EXP], ws[32];
+    const int n_used = (int)P[0], n_exp = (int)P[2];
+    const int R = n_used * (int)P[1];
+    const int e0 = threadIdx.x;
+    cnt[e0] = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const int e = *(const int*)(ids + (r % n_used) * P[3] + (r / n_used) * P[4]);
+        if (e >= 0 && e < n_exp) atomicAdd(&cnt[e], 1);
+        else *err = 1;
+    }
+    __syncthreads();
+    const int c = e0 < n_exp ? cnt[e0] : 0;
+    int n_rows, n_tiles;
+    const int off = block_scan_excl(c, ws, &n_rows);
+    const int nt = (c + MOE_TM - 1) / MOE_TM;
+    const int toff = block_scan_excl(nt, ws, &n_tiles);
+    int* tl = tiles + 3;
+    for (int j = 0; j < nt; ++j) {
+        tl[3 * (toff + j)] = e0;
+        tl[3 * (toff + j) + 1] = off + j * MOE_TM;
+        tl[3 * (toff + j) + 2] = min(MOE_TM, c - j * MOE_TM);
+    }
+    if (threadIdx.x == 0) tiles[0] = n_tiles;
+    cur[e0] = off;
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const int e = *(const int*)(ids + (r % n_used) * P[3] + (r / n_used) * P[4]);
+        if (e >= 0 && e < n_exp) rows[atomicAdd(&cur[e], 1)] = r;
+    }
+}
+
+__device__ __forceinline__ unsigned int pack_half2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *(const unsigned int*)&h;
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const unsigned int* a, const unsigned int* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// grid (ceil(M / MOE_TN), upper bound of the tile count), 128 threads: 4 warps of 32 x 32 outputs.
+// dst[m, u, t] = sum_k W[e(u, t), m, k] * x[k, u % B, t] for the rows of tile blockIdx.y.
+// P: [M, K, n_used, B, nbw1, nbw2, nbx1, nbx2, nbd1, nbd2]
+template <int WT>
+__global__ void __launch_bounds__(128) k_moe_gemm(const i64* __restrict__ P, char* dst, const char* w,
+                                                  const char* x, const int* rows, const int* tiles) {
+    pdl_enter();
+    __shared__ __align__(16) __half xs[MOE_TM * MOE_LD];
+    __shared__ __align__(16) __half wsm[MOE_TN * MOE_LD];
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int* tl = tiles + 3 + 3 * blockIdx.y;
+    const int e = tl[0], first = tl[1], count = tl[2];
+    const i64 M = P[0];
+    const int K = (int)P[1], n_used = (int)P[2], B = (int)P[3];
+    const i64 m0 = (i64)blockIdx.x * MOE_TN;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    // what this thread stages: half a K stage of one activation row and of one weight row
+    const int srow = tid >> 1, shalf = tid & 1;
+    const bool xlive = srow < count;
+    const char* xrow = x;
+    if (xlive) {
+        const int r = rows[first + srow];
+        xrow = x + (i64)((r % n_used) % B) * P[6] + (i64)(r / n_used) * P[7];
+    }
+    const bool wlive = m0 + srow < M;
+    const u8* wrow = (const u8*)(w + (i64)e * P[5] + (wlive ? m0 + srow : 0) * P[4]);
+    const int nch = K / 32;
+    float acc[2][4][4];
+    #pragma unroll
+    for (int i = 0; i < 2; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+            #pragma unroll
+            for (int l = 0; l < 4; ++l) acc[i][j][l] = 0.0f;
+    for (int k0 = 0; k0 < nch; k0 += 2) {
+        const int ch = k0 + shalf;
+        unsigned int* xd = (unsigned int*)(xs + srow * MOE_LD + shalf * 32);
+        unsigned int* wd = (unsigned int*)(wsm + srow * MOE_LD + shalf * 32);
+        if (xlive && ch < nch) {
+            const float4* xv = (const float4*)(xrow) + 8 * ch;
+            #pragma unroll
+            for (int l = 0; l < 8; ++l) {
+                const float4 v = xv[l];
+                xd[2 * l] = pack_half2(v.x, v.y);
+                xd[2 * l + 1] = pack_half2(v.z, v.w);
+            }
+        } else {
+            #pragma unroll
+            for (int l = 0; l < 16; ++l) xd[l] = 0u;
+        }
+        if (wlive && ch < nch) {
+            float y[32];
+            deq32<WT>(wrow, ch, y);
+            #pragma unroll
+            for (int l = 0; l < 16; ++l) wd[l] = pack_half2(y[2 * l], y[2 * l + 1]);
+        } else {
+            #pragma unroll
+            for (int l = 0; l < 16; ++l) wd[l] = 0u;
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < MOE_KS; kk += 16) {
+            unsigned int af[2][4], bf[4][2];
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const __half* a0 = xs + (wm + 16 * i + g) * MOE_LD + kk + 2 * q;
+                af[i][0] = *(const unsigned int*)a0;
+                af[i][1] = *(const unsigned int*)(a0 + 8 * MOE_LD);
+                af[i][2] = *(const unsigned int*)(a0 + 8);
+                af[i][3] = *(const unsigned int*)(a0 + 8 * MOE_LD + 8);
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const __half* b0 = wsm + (wn + 8 * j + g) * MOE_LD + kk + 2 * q;
+                bf[j][0] = *(const unsigned int*)b0;
+                bf[j][1] = *(const unsigned int*)(b0 + 8);
+            }
+            #pragma unroll
+            for (int i = 0; i < 2; ++i)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], af[i], bf[j]);
+        }
+        __syncthreads();
+    }
+    // c0, c1: row g, columns 2q, 2q + 1; c2, c3: row g + 8
+    #pragma unroll
+    for (int i = 0; i < 2; ++i)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int lr = wm + 16 * i + g + 8 * h;
+            if (lr >= count) continue;
+            const int r = rows[first + lr];
+            char* drow = dst + (i64)(r % n_used) * P[8] + (i64)(r / n_used) * P[9];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const i64 m = m0 + wn + 8 * j + 2 * q;
+                if (m < M) *(float*)(drow + m * 4) = acc[i][j][2 * h];
+                if (m + 1 < M) *(float*)(drow + m * 4 + 4) = acc[i][j][2 * h + 1];
+            }
+        }
+}
