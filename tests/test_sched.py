@@ -259,9 +259,9 @@ def test_check_results_mode(reg, monkeypatch):
         s.compute(g)
 
 
-def _moe_setup(reg, seed=0, n_layers=3):
+def _moe_setup(reg, seed=0, n_layers=3, n_tokens=3):
     cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
-    m = moe_layers(n_expert=16, n_used=2, n_tokens=3, n_layers=n_layers)
+    m = moe_layers(n_expert=16, n_used=2, n_tokens=n_tokens, n_layers=n_layers)
     g = m.ctx.graph(m.out)
     rng = np.random.default_rng(seed)
     routers = [t for t in m.ctx.tensors if t.name.endswith("router")]
@@ -275,10 +275,14 @@ def _moe_setup(reg, seed=0, n_layers=3):
     return m, g, vals, rng, cpu, dev
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("prefetch", [0, 3])  # 3: a whole layer's inputs, so no upload syncs the host
 @pytest.mark.parametrize("policy", ["strict", "relaxed"])
 def test_moe_expert_upload(reg, prefetch, policy):
-    m, g, vals, rng, cpu, dev = _moe_setup(reg)
+    """Experts in host memory computed on the asynchronous test device (random delays on its
+    streams): decode-sized batches upload only the selected experts; prefill-sized ones are
+    prefetched on a second stream. Either way the copies share a few slots that later layers
+    reuse, and every result equals the float64 oracle's."""
+    m, g, vals, rng, cpu, dev = _moe_setup(reg, n_tokens=48 if prefetch else 3)
     bd = dev.new_backend()
     s = Scheduler([bd, cpu.new_backend()], prefetch_experts=prefetch, policy=policy)
     for n in m.mul_mat_ids:
@@ -295,6 +299,25 @@ def test_moe_expert_upload(reg, prefetch, policy):
     else:
         # only the selected experts travel: 3 tokens × 2 of 16 experts
         assert 0 < s.stats.expert_bytes <= s.stats.expert_bytes_total * 6 / 16
+    # the slots: one split's three expert inputs plus the prefetch depth, not all nine
+    one = m.experts[0].nbytes
+    assert 0 < s.expert_pool_bytes < (3 + prefetch + 1) * one < len(m.experts) * one, s.expert_pool_bytes
+
+
+def test_moe_prefetch_skips_batches_that_use_few_experts(reg):
+    """A decode's batch selects a few experts: uploading those beats prefetching whole tensors."""
+    m, g, vals, rng, cpu, dev = _moe_setup(reg, n_tokens=2)
+    bd = dev.new_backend()
+    s = Scheduler([bd, cpu.new_backend()], prefetch_experts=2)
+    for n in m.mul_mat_ids:
+        s.set_tensor_backend(n, bd)
+    s.alloc_graph(g)
+    xv = rng.standard_normal(m.x.shape).astype(np.float32)
+    m.x.set(xv)
+    s.compute(g)
+    assert s.stats.prefetched == 0 and s.stats.expert_bytes <= s.stats.expert_bytes_total * 4 / 16
+    want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
+    np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_views_placed_once_while_nothing_moves(reg, monkeypatch):

@@ -186,7 +186,9 @@ def test_honest_supports_reports_not_supported_never_failed(tmp):
 # --- interface faults (asynchronous test device based) -------------------------------------------------
 def test_faulty_event_fails_exactly_the_event_wait_cases(tmp):
     run = run_suite("faulty_event", "faulty_event=faulty.event", tmp, delay_us=ORDERING_DELAY_US)
-    assert_fails_exactly(run, {"test_event_record_wait_two_streams", "test_event_across_devices"})
+    # (the timeline case orders its second stream by an event too)
+    assert_fails_exactly(run, {"test_event_record_wait_two_streams", "test_event_across_devices",
+                               "test_timeline_notes_copies_and_computes"})  # fmt: skip
 
 
 def test_faulty_cpy_fails_exactly_the_cpy_tensor_async_cases(tmp):

@@ -109,6 +109,7 @@ FAMILY = compiler.family("matvec", {
     "k_quant_x": [()],
     "k_mmv_row": [_row_args(t, nm) for t in REGISTER for nm in (1, MAXN)],
     "k_mmv_row1": [_row1_args(t, lanes, e) for t in REGISTER for lanes in ROW1_LANES for e in (False, True)],
+    "k_mmv_row1_id": [_row1_args(t, lanes, False)[:-1] for t in REGISTER for lanes in ROW1_LANES],
     "k_mmv_ring": [_ring_args(t) for t, r in REGISTER.items() if r.ring],
 }, defines={"MMV_MAXN": MAXN, "MMVP_SEG": PIPE_SEG, "MMVP_NS": PIPE_STAGES},
    big_smem=("k_mmv_pipe",))  # fmt: skip
@@ -317,10 +318,15 @@ def _mul_mat_vec(plan, n) -> None:
 
 
 def mul_mat_id_rows(plan, n) -> None:
-    """MUL_MAT_ID a row at a time (moe.py says when): a warp per weight row of the expert each
-    (token, slot) names."""
+    """MUL_MAT_ID a row at a time (moe.py says when): for the register layouts, k_mmv_row1's
+    body per (token, slot) on the activations quantized per row (k_mmv_row1_id); else a warp
+    per weight row of the expert each (token, slot) names (k_mul_mat_id)."""
     a, b, ids = n.src
     plan.uses_index = True
+    wt = type_id(a)
+    if wt in REGISTER and a.ne[0] % 256 == 0 and rows_aligned(a):
+        _mmv_row1_id(plan, n)
+        return
     xp, xnb = x_f32(plan, b)
     P = plan.params([a.ne[1], a.ne[0], ids.ne[0], ids.ne[1], a.ne[2], b.ne[1], a.nb[1], a.nb[2],
                      xnb[1], xnb[2], n.nb[1], n.nb[2], ids.nb[0], ids.nb[1]])  # fmt: skip
@@ -329,6 +335,26 @@ def mul_mat_id_rows(plan, n) -> None:
     plan.launch(compiler.name("k_mul_mat_id", type_id(a)), 0,
                 (P, plan.ptr(n), plan.ptr(a), xp, plan.ptr(ids), plan.err), block=32 * rows_per_block,
                 grid=grid)  # fmt: skip
+
+
+def _mmv_row1_id(plan, n) -> None:
+    a, b, ids = n.src
+    k, n_used, n_tok, rows = a.ne[0], ids.ne[0], ids.ne[1], b.ne[1]
+    wt = type_id(a)
+    reg = REGISTER[wt]
+    # each activation row quantized on its own (k_quant_x's batches: B rows per token)
+    xp, xnb = x_f32(plan, b)
+    xq_bytes = k + (k // 32) * 8
+    xq = np.uint64(plan.scratch(xq_bytes * rows * n_tok))
+    P = plan.params([k, 1, rows, 0, xnb[1], xnb[2], xq_bytes])
+    plan.launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-k // 1024), rows * n_tok))
+    lpr = max(32, _lanes(k // 32 // reg.per_load, reg.row1.units))  # the body sums whole warps
+    rt = reg.row1.rows
+    P = [a.ne[1], k, 1, 1, 1, 1, 1, *a.nb[1:], *n.nb[1:], lpr, xq_bytes, 0,
+         int(plan.ptr(ids)), ids.nb[0], ids.nb[1], n_used, rows, a.ne[2], int(plan.err)]  # fmt: skip
+    name = compiler.name("k_mmv_row1_id", *_row1_args(wt, lpr, False)[:-1])
+    plan.launch(name, 0, (plan.params(P), plan.ptr(n), plan.ptr(a), xq), block=128,
+                grid=(-(-a.ne[1] // (rt * 128 // lpr)), n_used * n_tok))  # fmt: skip
 
 
 OPS = {Op.MUL_MAT: mul_mat}

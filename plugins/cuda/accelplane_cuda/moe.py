@@ -1,7 +1,8 @@
 """MUL_MAT_ID, the experts' product (kernels/moe.cu, and matvec.cu's k_mul_mat_id).
 
-Up to ``GROUPED_MIN_TOKENS - 1`` tokens, ``k_mul_mat_id`` gives each (token, slot) row a warp
-per weight row of the expert it names: a decode step reads each used expert once. From
+Up to ``GROUPED_MIN_TOKENS - 1`` tokens, a row at a time (matvec.mul_mat_id_rows: the register
+mat-vec per (token, slot) for its layouts, else ``k_mul_mat_id``): a decode step reads each
+used expert once. From
 ``GROUPED_MIN_TOKENS`` tokens on, the rows are grouped by expert on the device
 (``k_moe_route``: counts, offsets and a tile list, with no host round trip, so the op stays
 inside the plan's CUDA graph) and ``k_moe_gemm`` multiplies each tile of one expert's rows by

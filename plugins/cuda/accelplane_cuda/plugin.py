@@ -53,7 +53,7 @@ ALIGNMENT = 256
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return (1, 2)  # the interface version this plugin was written for: a literal, never the SDK's
+    return (1, 3)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl
@@ -250,7 +250,7 @@ def set_tensor_async(backend, tensor, data, offset, size):
         return False  # x8 rows are converted on the host: the synchronous path does it
     data = np.ascontiguousarray(data)
     cp = cupy()
-    with cp.cuda.Device(backend.ctx.device):  # the stream's device, whichever is current
+    with cp.cuda.Device(backend.ctx.device), backend.ctx.timed("copy"):  # the stream's device
         cp.cuda.runtime.memcpyAsync(address(tensor) + offset, data.ctypes.data, size, MEMCPY_DEFAULT,
                                     backend.ctx.stream.ptr)  # fmt: skip
     return True
@@ -298,7 +298,7 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
     if src.buffer.is_host and backend_src.device.type == DeviceType.CPU:
         # copy_from_host: async H2D on the destination stream; the host data must stay as is
         # until that stream is synchronized (docs/ordering.md rule 5)
-        with cp.cuda.Device(backend_dst.ctx.device):
+        with cp.cuda.Device(backend_dst.ctx.device), backend_dst.ctx.timed("copy"):
             arr = src.buffer.host_array
             cp.cuda.runtime.memcpyAsync(address(dst), arr.ctypes.data + src.offs, src.nbytes, MEMCPY_DEFAULT,
                                         dst_stream.ptr)  # fmt: skip
@@ -310,7 +310,8 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
 def graph_compute(backend, graph):
     sc: StreamCtx = backend.ctx
     plan = sc.plans.get(graph)
-    plan.run()
+    with sc.timed("compute"):
+        plan.run()
 
 
 # --- recording: one CUDA graph of everything queued between record_begin and record_end ----------
@@ -345,6 +346,18 @@ def record_replay(backend, recording):
     cp = cupy()
     with cp.cuda.Device(sc.device):
         recording.graph.launch(sc.stream)
+
+
+# --- timeline: timing events around each copy and compute ------------------------------------------------
+@hookimpl
+def timeline_begin(backend):
+    backend.ctx.timeline = []
+    return True
+
+
+@hookimpl
+def timeline_end(backend):
+    return backend.ctx.timeline_times()
 
 
 # --- events ------------------------------------------------------------------------------------------------

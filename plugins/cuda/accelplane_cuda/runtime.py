@@ -161,6 +161,61 @@ class StreamCtx:
         self.check_err = False
         self.plans = PlanCache(lambda g, s=self: _build_plan(g, s))
         self.recording: list | None = None  # plans run while the stream is captured (record_begin)
+        self.timeline: list | None = None  # (kind, start event, end event) while noting (timeline_begin)
+
+    def timed(self, kind: str):
+        """A context that brackets the work queued inside it with timing events, when a
+        timeline is being noted (and the stream is not being captured)."""
+        return _Timed(self, kind) if self.timeline is not None and self.recording is None else _UNTIMED
+
+    def timeline_times(self) -> list[tuple[str, float, float]]:
+        """The noted work as (kind, start, end) in seconds since the device's epoch event."""
+        cp = cupy()
+        epoch = _epoch(self.device)
+        out = [(k, cp.cuda.get_elapsed_time(epoch, e0) / 1e3, cp.cuda.get_elapsed_time(epoch, e1) / 1e3)
+               for k, e0, e1 in self.timeline or []]  # fmt: skip
+        self.timeline = None
+        return out
+
+
+class _Timed:
+    def __init__(self, sc: StreamCtx, kind: str) -> None:
+        self.sc, self.kind = sc, kind
+
+    def __enter__(self) -> None:
+        self.e0 = cupy().cuda.Event()
+        self.e0.record(self.sc.stream)
+
+    def __exit__(self, *exc) -> None:
+        e1 = cupy().cuda.Event()
+        e1.record(self.sc.stream)
+        self.sc.timeline.append((self.kind, self.e0, e1))
+
+
+class _Untimed:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_UNTIMED = _Untimed()
+_EPOCHS: dict[int, object] = {}
+
+
+def _epoch(device: int):
+    """The device's timeline origin: an event recorded once on an idle stream of its own, so
+    it completes as it is issued, before any work noted after it."""
+    ev = _EPOCHS.get(device)
+    if ev is None:
+        cp = cupy()
+        with cp.cuda.Device(device):
+            st = cp.cuda.Stream(non_blocking=True)
+            ev = _EPOCHS[device] = cp.cuda.Event()
+            ev.record(st)
+            ev.synchronize()
+    return ev
 
 
 def _build_plan(graph, sctx: StreamCtx):

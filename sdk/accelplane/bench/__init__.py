@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from accelplane.core.graph import Context
-from accelplane.core.ops import VIEW_OPS, op_bytes, op_flops
+from accelplane.core.ops import VIEW_OPS, Op, op_bytes, op_flops
 from accelplane.core.tensor import Tensor
 from accelplane.core.types import GGMLType
 from accelplane.errors import DeviceError
@@ -41,9 +41,17 @@ class PerfResult:
     gbps: float | None
 
 
-def random_rows(t: Tensor, rng: np.random.Generator) -> None:
+def random_rows(t: Tensor, rng: np.random.Generator, bound: int | None = None) -> None:
     """Fill a tensor with random data fast: random bytes with finite, small block scales for
-    quantized types (quantizing gigabytes of floats would dominate a benchmark's setup)."""
+    quantized types (quantizing gigabytes of floats would dominate a benchmark's setup); an
+    index tensor (``bound``: the indexed extent) distinct indices along each row where the
+    row is no longer than ``bound``, as a router's choice of experts is."""
+    if bound is not None:
+        rows, n = t.nelements // t.ne[0], t.ne[0]
+        idx = (np.argsort(rng.random((rows, bound)), axis=1)[:, :n] if n <= bound
+               else rng.integers(0, bound, (rows, n)))  # fmt: skip
+        t.set(idx.astype(np.int32).reshape(t.shape))
+        return
     if not t.type.is_quantized:
         t.set(rng.uniform(-1, 1, t.shape).astype(np.float32))
         return
@@ -65,6 +73,31 @@ def matmul_case(ta: GGMLType, m: int, n: int, k: int, tb: GGMLType = T.F32) -> P
 
     tbs = "" if tb == T.F32 else f",type_b={tb.name.lower()}"
     return PerfCase(f"MUL_MAT(type_a={ta.name.lower()}{tbs},m={m},n={n},k={k})", build)
+
+
+def mul_mat_id_case(ta: GGMLType, m: int, k: int, n_exp: int, n_used: int, n: int, b1: int = 1) -> PerfCase:
+    """MUL_MAT_ID of ``n`` tokens, each through ``n_used`` of ``n_exp`` experts [k, m]; ``b1``
+    activation rows per token (1: gate/up, shared by the slots; n_used: down)."""
+
+    def build(ctx: Context) -> Tensor:
+        a = ctx.new_tensor_ne(ta, k, m, n_exp, name="a")
+        b = ctx.new_tensor_ne(T.F32, k, b1, n, name="b")
+        ids = ctx.new_tensor_ne(T.I32, n_used, n, name="ids")
+        return ctx.mul_mat_id(a, b, ids)
+
+    return PerfCase(f"MUL_MAT_ID(type_a={ta.name.lower()},m={m},k={k},n_exp={n_exp},n_used={n_used},"
+                    f"b1={b1},n={n})", build)  # fmt: skip
+
+
+def _index_bounds(graph) -> dict[int, int]:
+    """id(index tensor) → the extent it indexes, for the graph's MUL_MAT_ID and GET_ROWS."""
+    out = {}
+    for nd in graph.nodes:
+        if nd.op is Op.MUL_MAT_ID:
+            out[id(nd.src[2])] = nd.src[0].ne[2]
+        elif nd.op is Op.GET_ROWS:
+            out[id(nd.src[1])] = nd.src[0].ne[1]
+    return out
 
 
 def overhead_case(n_nodes: int = 1000, ne0: int = 16) -> PerfCase:
@@ -93,6 +126,10 @@ SETS: dict[str, Callable[[], list[PerfCase]]] = {
     # the F16 and BF16 GEMMs as cuBLAS sees them (activations already in the weights' type: no
     # conversion)
     "gemm": lambda: [matmul_case(t, 4096, 512, 14336, t) for t in (T.F16, T.BF16)],
+    # the experts of qwen3moe 8b-a1b (64 of FFN 768 at d_model 2048, 8 used): gate/up and down,
+    # a decode's token and a prefill's 512
+    "moe": lambda: [mul_mat_id_case(t, m, k, 64, 8, n, b1) for t in (T.Q4_0, T.Q4_K) for n in (1, 512)
+                    for m, k, b1 in ((768, 2048, 1), (2048, 768, 8))],
 }  # fmt: skip
 SETS["default"] = lambda: SETS["matmul"]() + [overhead_case()]
 
@@ -127,8 +164,9 @@ def run_case(
     try:
         galloc.alloc_graph(graph)
         rng = np.random.default_rng(seed)
+        bounds = _index_bounds(graph)
         for t in graph.leafs:
-            random_rows(t, rng)
+            random_rows(t, rng, bounds.get(id(t)))
         be.compute(graph)  # warm-up (plans, caches)
         # batches of runs ended by one synchronize, doubling: on an asynchronous device the host
         # queues a whole batch while the device works, so a fast kernel is not timed as the
@@ -339,14 +377,6 @@ def bench_sched(n_layers: int = 4, n_tokens: int = 32, runs: int = 20, device: s
     return out
 
 
-def _timelines(backends) -> list:
-    """The streams of ``backends`` that record a timeline of their work (the asynchronous test
-    device's do: ``stream.timeline`` of (kind, start, end)); [] where the device has none."""
-    streams = [getattr(b.ctx, "stream", None) for b in backends]
-    return [st for st in streams if st is not None and hasattr(st, "timeline")] if all(
-        st is not None and hasattr(st, "timeline") for st in streams) else []
-
-
 def _overlap(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]]) -> float:
     """Seconds during which some interval of ``a`` and some interval of ``b`` both run."""
     tot = 0.0
@@ -356,29 +386,39 @@ def _overlap(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]
     return tot
 
 
-def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, prefetch: int = 2,
-                       device: str | None = None,
+# bench moe's layer shapes: (d_model, expert FFN, experts, used, weight type)
+MOE_SIZES = {"small": (512, 1024, 16, 4, T.F32), "a1b": (2048, 768, 64, 8, T.Q4_0)}  # a1b: qwen3moe 8b-a1b's
+
+
+def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, prefetch: int = 3,
+                       device: str | None = None, size: str = "small",
                        progress: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
-    """MoE layers with experts in host memory computed on ``device`` (default: the first that
-    is not a CPU), with and without expert prefetch on a second stream: wall time per compute,
-    and, on a device whose streams record a timeline (the asynchronous test device), the time
-    copies and compute overlapped."""
+    """MoE layers (``size``: :data:`MOE_SIZES`) with experts in host memory computed on
+    ``device`` (default: the first that is not a CPU), with and without expert prefetch on a
+    second stream: wall time per compute and, where the device keeps a timeline of its work
+    (Backend.timeline_begin: CUDA's timing events), the copies' time and how much of it ran
+    while a compute did."""
     from accelplane.models.blocks import moe_layers
     from accelplane.runtime.alloc import alloc_tensors
+    from accelplane.runtime.backend import BufferUsage
     from accelplane.sched import Scheduler
 
+    d_model, d_ff, n_exp, n_used, wtype = MOE_SIZES[size]
     dev, cpu = device_and_cpu(device)
     out = []
     for pf in (0, prefetch):
-        m = moe_layers(d_model=512, d_ff=1024, n_expert=16, n_used=4, n_tokens=n_tokens,
-                       n_layers=n_layers)  # fmt: skip
+        m = moe_layers(d_model=d_model, d_ff=d_ff, n_expert=n_exp, n_used=n_used, n_tokens=n_tokens,
+                       n_layers=n_layers, wtype=wtype)  # fmt: skip
         g = m.ctx.graph(m.out)
         rng = np.random.default_rng(0)
         routers = [t for t in m.ctx.tensors if t.name.endswith("router")]
         b1 = alloc_tensors(routers, dev.buffer_type)
-        b2 = alloc_tensors(m.experts, cpu.buffer_type)
-        for t in routers + m.experts:
+        # in the device's pinned host memory where it has some, as the models keep such experts
+        b2 = alloc_tensors(m.experts, dev.host_buffer_type or cpu.buffer_type, BufferUsage.WEIGHTS)
+        for t in routers:
             t.set((rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32))
+        for t in m.experts:
+            random_rows(t, rng)
         bd, bc = dev.new_backend(), cpu.new_backend()
         s = Scheduler([bd, bc], prefetch_experts=pf)
         for n in m.mul_mat_ids:
@@ -386,13 +426,13 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
         x = rng.standard_normal(m.x.shape).astype(np.float32)
         times = []
         overlap = copy_s = 0.0
+        timed = True
         for i in range(runs + 1):
             if progress:
                 progress(f"moe prefetch={pf}: run {i + 1}/{runs + 1}")
-            streams = _timelines([bd, *s._pf_backends.values()])
-            for st in streams:
-                st.timeline.clear()
-                st.record_timeline = True
+            streams = [bd, *s.prefetch_backends] if i else []  # (the prefetch streams exist after a run)
+            began = [b for b in streams if b.timeline_begin()]
+            timed = timed and len(began) == len(streams)
             t0 = time.perf_counter()
             s.alloc_graph(g)
             m.x.set(x)
@@ -402,19 +442,19 @@ def bench_moe_prefetch(n_layers: int = 4, n_tokens: int = 64, runs: int = 5, pre
             if i == 0:
                 continue  # warm-up
             times.append(el)
-            if streams:
-                comp = [iv for iv in streams[0].timeline if iv[0].startswith("graph")]
-                copies = [iv for st in streams for iv in st.timeline if iv[0] in ("set", "h2d")]
-                overlap += _overlap(copies, comp)
-                copy_s += sum(e - b for _, b, e in copies)
-        timed = bool(_timelines([bd]))
+            tl = [b.timeline_end() for b in began]
+            if not timed:
+                continue
+            comp = [iv for iv in tl[0] if iv[0] == "compute"]
+            copies = [iv for t in tl for iv in t if iv[0] == "copy"]
+            overlap += _overlap(copies, comp)
+            copy_s += sum(e - b for _, b, e in copies)
         out.append({"prefetch": pf, "device": dev.name, "ms_per_compute": float(np.median(times) * 1e3),
                     "copy_ms": copy_s / runs * 1e3 if timed else None,
                     "overlap_ms": overlap / runs * 1e3 if timed else None,
+                    "prefetched": s.stats.prefetched,
                     "expert_MiB": s.stats.expert_bytes / 2**20,
                     "expert_MiB_all": s.stats.expert_bytes_total / 2**20})  # fmt: skip
-        for st in _timelines([bd, *s._pf_backends.values()]):
-            st.record_timeline = False
         s.free()
         bd.free()
         bc.free()

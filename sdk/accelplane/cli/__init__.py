@@ -337,7 +337,8 @@ def cmd_bench(args) -> int:
     if args.what in ("sched", "moe"):
         dev = args.device[0] if args.device else None
         rows = (bench.bench_sched(device=dev, progress=_progress) if args.what == "sched"
-                else bench.bench_moe_prefetch(device=dev, progress=_progress))  # fmt: skip
+                else bench.bench_moe_prefetch(device=dev, size=args.moe_size, n_tokens=args.moe_tokens,
+                                              progress=_progress))  # fmt: skip
         _progress("")
         keys = list(rows[0])
         print("  ".join(f"{k:>17}" for k in keys))
@@ -422,12 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "parallelism (all-reduce bus bandwidth, layer tokens/s; -d repeats a "
                         "device to give it several backends); startup: import accelplane and "
                         "list the devices in fresh processes, every plugin and each alone")  # fmt: skip
+    b.add_argument("--moe-size", default="small", choices=["small", "a1b"],
+                   help="moe: the layers' shapes (small: d 512, 16 experts of FFN 1024, 4 used, F32; a1b: "
+                        "qwen3moe 8b-a1b's, d 2048, 64 experts of FFN 768, 8 used, Q4_0)")  # fmt: skip
+    b.add_argument("--moe-tokens", type=_int(1, 65536), default=64, help="moe: tokens per batch (default 64)")
     b.add_argument("--preset", default="bert-mini", choices=["bert-mini", "bert-tiny"],
                    help="graph: the encoder's shapes (default bert-mini: 6 layers, d 384, 12 heads)")
     b.add_argument("--batch", type=_int(1, 4096), default=16, help="graph: sequences per batch (default 16)")
     b.add_argument("--seq", type=_int(1, 512), default=62, help="graph: tokens per sequence (default 62)")
-    b.add_argument("--set", default="default", choices=["default", "matmul", "gemm", "small", "overhead"],
-                   help="ops: case set (default: default)")  # fmt: skip
+    b.add_argument("--set", default="default",
+                   choices=["default", "matmul", "gemm", "small", "overhead", "moe"],
+                   help="ops: case set (default: default; moe: a MoE model's MUL_MAT_IDs)")  # fmt: skip
     b.add_argument("-p", "--pattern", type=_regex, help="regex on case names")
     b.add_argument("-d", "--device", action="append", help="device name (repeatable)")
     b.add_argument("--time", type=_positive, default=1.0, help="seconds per case (default 1)")

@@ -376,6 +376,49 @@ def test_event_record_wait_two_streams(ap_suite, ap_device, ap_rng):
         buf.free()
 
 
+def test_timeline_notes_copies_and_computes(ap_device, ap_rng):
+    """Where the plugin keeps a timeline (API 1.3): a copy then a compute on one stream, and a
+    compute on a second stream that waited for the first's, come back as noted, each ending no
+    earlier than it starts, in stream order, and the waiting compute after the one it waited for
+    on the shared clock."""
+    b1, b2 = ap_device.new_backend(), ap_device.new_backend()
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (4096,), "x")
+    y = affine(ctx, x, 2.0, 1.0)
+    z = affine(ctx, y, 3.0, 0.0)
+    g1 = ctx.graph(y)
+    g2 = accelplane.Graph.from_nodes([z], [y])
+    buf = _alloc(ap_device, x, y, z)
+    ev = ap_device.new_event() if ap_device.has_events else None
+    try:
+        if not b1.timeline_begin():
+            pytest.skip("the plugin keeps no timeline (timeline_begin)")
+        assert b2.timeline_begin(), "timeline_begin answered True for one backend of the device, not another"
+        v = ap_rng.standard_normal(4096).astype(np.float32)
+        b1.set_tensor_async(x, v.view(np.uint8))
+        b1.graph_compute(g1)
+        if ev is not None:
+            ev.record(b1)
+            ev.wait(b2)
+        else:
+            b1.synchronize()
+        b2.graph_compute(g2)
+        t1, t2 = b1.timeline_end(), b2.timeline_end()
+        np.testing.assert_allclose(z.get(), (v * 2 + 1) * 3, rtol=1e-6)
+        assert [k for k, _, _ in t1] == ["copy", "compute"], t1
+        assert [k for k, _, _ in t2] == ["compute"], t2
+        assert all(s0 <= e0 for _, s0, e0 in t1 + t2), (t1, t2)
+        assert t1[0][2] <= t1[1][1] + 1e-6, f"the compute started before the copy ended: {t1}"
+        assert t1[1][2] <= t2[0][1] + 1e-6, f"the waiting compute started before the other ended: {t1} {t2}"
+        assert b1.timeline_end() == [], "a second timeline_end returned work again"
+    finally:
+        if ev is not None:
+            ev.free()
+        b1.free()
+        b2.free()
+        buf.free()
+
+
 def test_event_synchronize_blocks_host(ap_suite, ap_device, ap_backend, ap_rng):
     x, y, g, buf = _graph_xy(ap_device, n=1 << 16)
     ev = ap_device.new_event()

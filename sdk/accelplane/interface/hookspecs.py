@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the handles hooks receive (accelplane.runtime.backend); no 
     from accelplane.runtime.backend import Backend, Buffer, BufferType, Comm, Device, Event
 
 PROJECT = "accelplane"
-API_VERSION: tuple[int, int] = (1, 2)
+API_VERSION: tuple[int, int] = (1, 3)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -136,7 +136,7 @@ class Specs:
 
             @hookimpl
             def api_version():
-                return (1, 2)
+                return (1, 3)
         """
 
     @hookspec
@@ -402,6 +402,21 @@ class Specs:
         if each call were made now (docs/ordering.md: same ordering as the calls it stands
         for). Required when record_begin is implemented."""
 
+    # --- timeline: when the device ran each piece of queued work ------------------------------
+    @hookspec
+    def timeline_begin(self, backend: Backend) -> bool:
+        """Start noting, on the device's own clock, when each copy and each graph compute
+        queued on the stream from now on starts and ends (for CUDA: a pair of timing events
+        around each). Return False when the plugin cannot. Called for plugins of API 1.3 and
+        later. Fallback: False (no timeline)."""
+
+    @hookspec
+    def timeline_end(self, backend: Backend) -> list[tuple[str, float, float]]:
+        """Stop noting and return what ran since timeline_begin, in queue order, as (kind,
+        start, end): kind "copy" or "compute", times in seconds on one clock shared by every
+        stream of the device (its origin is the plugin's). The caller has synchronized the
+        stream. Required when timeline_begin is implemented."""
+
     # --- comm extension (tensor parallelism) ---------------------------------------------------
     @hookspec
     def comm_init(self, backends: list[Backend]) -> Any:
@@ -437,4 +452,5 @@ HOOK_NAMES = tuple(n for n in vars(Specs) if not n.startswith("_"))
 HOOK_MIN_MINOR: dict[str, int] = {
     "record_begin": 1, "record_end": 1, "record_replay": 1,
     "buffer_dlpack": 2, "device_dlpack_wait": 2, "buft_from_dlpack": 2,
+    "timeline_begin": 3, "timeline_end": 3,
 }  # fmt: skip

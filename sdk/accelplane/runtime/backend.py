@@ -605,6 +605,23 @@ class Backend:
         _check_not_freed(recording.buffers, f"{self.name}: a recording")
         self._fn["record_replay"](self, recording.plugin)
 
+    # timeline (hookspecs.timeline_begin): when the device ran each queued copy and compute
+    def timeline_begin(self) -> bool:
+        """Start noting when the work queued from now on runs; False when the plugin cannot."""
+        self._check()
+        f = self._fn.get("timeline_begin")
+        return bool(f is not None and f(self))
+
+    def timeline_end(self) -> list[tuple[str, float, float]]:
+        """Synchronize, stop noting, and return (kind, start_s, end_s) of each copy and compute
+        run since timeline_begin, on a clock shared by the device's streams ([] without one)."""
+        self._check()
+        f = self._fn.get("timeline_end")
+        if f is None:
+            return []
+        self.synchronize()
+        return [(str(k), float(s), float(e)) for k, s, e in f(self) or []]
+
     def graph_optimize(self, graph: Graph) -> None:
         f = self._fn.get("graph_optimize")
         if f:

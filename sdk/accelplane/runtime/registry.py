@@ -61,6 +61,7 @@ HOOK_GROUPS = {
     "event_new": frozenset({"event_new", "event_record", "event_synchronize"}),
     "comm_init": frozenset({"comm_init", "comm_allreduce_tensor"}),
     "record_begin": frozenset({"record_begin", "record_end", "record_replay"}),
+    "timeline_begin": frozenset({"timeline_begin", "timeline_end"}),
 }
 
 

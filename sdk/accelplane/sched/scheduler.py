@@ -17,7 +17,8 @@ Host synchronizations that really wait (on asynchronous devices) are counted in 
 Environment: ACCELPLANE_SCHED_DEBUG=1 prints the splits, 2 also each node's assignment and
 why; ACCELPLANE_CHECK_RESULTS=1 compares every node with the float64 oracle as it runs and
 stops at the first one over its threshold; ACCELPLANE_SCHED_PREFETCH_EXPERTS=N sets how many
-MUL_MAT_ID expert uploads are prefetched on a second stream.
+MUL_MAT_ID expert uploads are prefetched on a second stream (experts in host memory computed
+on a device: accelplane.sched.experts).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from accelplane.runtime.backend import (
     tensor_copy,
     tensor_copy_async,
 )
+from accelplane.sched.experts import ExpertSlots, ExpertUploads, is_expert_input
 
 MAX_COPIES = 4
 EvalCallback = Callable[[Tensor, bool], bool]
@@ -93,6 +95,7 @@ class _Plan:
         self.layout: tuple[int, ...] = ()  # alloc graphs' layout versions at the last alloc
         self.views_placed = False  # clones' views placed for this layout
         self.inputs_released: bool | None = None  # Scheduler.inputs_released, once known
+        self.experts = ExpertSlots()  # host expert inputs' slots (experts.py)
 
     def graphs(self):
         for sp in self.splits:
@@ -180,8 +183,7 @@ class Scheduler(GraphRunner):
         self._computed: _Plan | None = None  # the plan graph_compute queued last
         self.prefetch_experts = (env.PREFETCH_EXPERTS.get()
                                  if prefetch_experts is None else prefetch_experts)  # fmt: skip
-        self._pf_backends: dict[int, Backend] = {}
-        self._pf_events: dict[int, Event] = {}
+        self._experts = ExpertUploads(self)
         self._debug = int(env.SCHED_DEBUG.get())
         self._check = env.CHECK_RESULTS.get()
 
@@ -419,6 +421,7 @@ class Scheduler(GraphRunner):
                 if inp not in cur.inputs:
                     cur.inputs.append(inp)
         plan.splits = splits
+        plan.experts = self._experts.plan(splits)
         # what each split's plugin must still write if it fuses nodes (accelplane.core.fusion):
         # memory read by any other split, and what the caller asked for
         reads = [{id(s.view_src or s) for n in sp.nodes for s in (*n.src, n.view_src) if s is not None}
@@ -467,7 +470,8 @@ class Scheduler(GraphRunner):
             for sp in splits:
                 if sp.backend == k:
                     for i in sp.inputs:
-                        leafs.extend(i.copies)
+                        if not is_expert_input(i):  # those live in the expert slots (experts.py)
+                            leafs.extend(i.copies)
             nodes = [n for n in graph.nodes if a[id(n)] == k]
             plan.alloc_graphs.append(Graph.from_nodes(nodes, leafs))
             plan.keep.append(keep_ids)
@@ -527,7 +531,8 @@ class Scheduler(GraphRunner):
         self.next_copy = (self.next_copy + 1) % self.n_copies
         for k, g in enumerate(plan.alloc_graphs):
             self.galloc[k].alloc_graph(g, plan.keep[k])
-        layout = tuple(g.layout_version for g in plan.alloc_graphs)
+        pools = self._experts.place(plan.experts, plan.splits)
+        layout = tuple(g.layout_version for g in plan.alloc_graphs) + pools
         if layout != plan.layout or not plan.views_placed:
             # tensors moved (or first use): place the views on their sources again, and make
             # plugins re-plan the split graphs they cached. Unmoved, nothing needs redoing: a
@@ -594,10 +599,7 @@ class Scheduler(GraphRunner):
             for e in row:
                 if e is not None:
                     e.free()
-        for e in self._pf_events.values():
-            e.free()
-        for pb in self._pf_backends.values():
-            pb.free()
+        self._experts.free()
         for g in self.galloc:
             g.free()
         self._key_memo.clear()  # it holds the leaves' buffers
@@ -605,6 +607,16 @@ class Scheduler(GraphRunner):
         for b in self._owned:
             b.free()
         self._owned = []
+
+    @property
+    def prefetch_backends(self) -> list[Backend]:
+        """The second streams expert prefetch made (one per device it prefetched to)."""
+        return list(self._experts.pf_backends.values())
+
+    @property
+    def expert_pool_bytes(self) -> int:
+        """Device memory holding uploaded host experts (the slots of accelplane.sched.experts)."""
+        return self._experts.pool_bytes
 
     def _key(self, graph: Graph) -> tuple:
         # re-plan when a leaf placed outside the scheduler moved (e.g. weights went to another
@@ -660,7 +672,7 @@ class Scheduler(GraphRunner):
         c = self.cur_copy
         prev: int | None = None
         self.stats.expert_bytes = self.stats.expert_bytes_total = self.stats.prefetched = 0
-        self._pending: dict[int, Event] = {}
+        self._experts.begin()
         for k, sp in enumerate(plan.splits):
             bi = sp.backend
             b = self.backends[bi]
@@ -678,7 +690,7 @@ class Scheduler(GraphRunner):
             else:
                 self._copy_inputs_strict(plan, sp, bi, b, c)
             if self.prefetch_experts > 0:
-                self._prefetch(plan, k, c)
+                self._experts.prefetch(plan.experts, plan.splits, k, c)
             g = sp.graphs[c]
             if self._check:
                 self._compute_checked(plan, sp, bi, b, c)
@@ -690,13 +702,15 @@ class Scheduler(GraphRunner):
             ev = self.events[bi][c]
             if ev is not None:
                 ev.record(b)
+            self._experts.computed(plan.experts, sp, b, c)
             prev = bi
 
     def _copy_inputs_strict(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> None:
         for inp in sp.inputs:
             src_b = self.backends[inp.src_backend]
             dst = inp.copies[c]
-            if inp.moe_ids is not None and self._experts(plan, inp, bi, b, c):
+            if is_expert_input(inp):
+                self._experts.upload(plan, inp, bi, b, c)
                 continue
             if inp.user_input:
                 ev = self.events[bi][c]
@@ -717,7 +731,8 @@ class Scheduler(GraphRunner):
         for inp in sp.inputs:
             src_b = self.backends[inp.src_backend]
             dst = inp.copies[c]
-            if inp.moe_ids is not None and self._experts(plan, inp, bi, b, c):
+            if is_expert_input(inp):
+                self._experts.upload(plan, inp, bi, b, c)
                 continue
             if self._copy_async(src_b, b, inp.src, dst, True):
                 touched[inp.src_backend] = src_b
@@ -726,71 +741,6 @@ class Scheduler(GraphRunner):
                 tensor_copy(inp.src, dst)
         for tb in touched.values():
             self._sync(tb)
-
-    # --- MoE: upload the experts the ids select; prefetch on a second stream ----------------------
-    def _experts(self, plan: _Plan, inp: SplitInput, bi: int, b: Backend, c: int) -> bool:
-        """Queue the upload of a MUL_MAT_ID's host expert weights on ``b``: the prefetched
-        copy (joined device-side), or only the experts the ids select, in runs of consecutive
-        experts. False: do a plain copy instead."""
-        src, dst = inp.src, inp.copies[c]
-        self.stats.expert_bytes_total += src.nbytes
-        ev = self._pending.pop(id(inp), None)
-        if ev is not None:
-            ev.wait(b)
-            self.stats.expert_bytes += src.nbytes
-            return True
-        ids_t = inp.moe_ids
-        owner = ids_t.view_src or ids_t
-        self._sync(self.backends[plan.assign.get(id(owner), plan.assign.get(id(ids_t), bi))])
-        ids = ids_t.get().reshape(-1)
-        n_exp = src.ne[2]
-        used = np.zeros(n_exp + 1, bool)
-        used[ids[(ids >= 0) & (ids < n_exp)]] = True
-        host = src.buffer.host_array
-        nb2 = src.nb[2]
-        self._wait_slot(bi, b)
-        e = 0
-        while e < n_exp:
-            if not used[e]:
-                e += 1
-                continue
-            e1 = e
-            while used[e1]:
-                e1 += 1
-            start = src.offs + e * nb2
-            b.set_tensor_async(dst, host[start : src.offs + e1 * nb2], e * nb2, (e1 - e) * nb2)
-            self.stats.expert_bytes += (e1 - e) * nb2
-            e = e1
-        return True
-
-    def _prefetch(self, plan: _Plan, k: int, c: int) -> None:
-        """Start, on a second stream of each device, the expert uploads of the next
-        ``prefetch_experts`` host-expert inputs after split k, so they overlap split k."""
-        budget = self.prefetch_experts - len(self._pending)
-        for sp in plan.splits[k + 1 :]:
-            if budget <= 0:
-                return
-            dev = self.backends[sp.backend].device
-            if not dev.has_events:
-                continue
-            for inp in sp.inputs:
-                if inp.moe_ids is None or id(inp) in self._pending or budget <= 0:
-                    continue
-                pf = self._pf_backends.get(sp.backend)
-                if pf is None:
-                    pf = self._pf_backends[sp.backend] = dev.new_backend()
-                slot = self.events[sp.backend][c]
-                if slot is not None:  # the split's stream is done with this slot's last use
-                    slot.wait(pf)
-                tensor_copy_async(self.backends[inp.src_backend], pf, inp.src, inp.copies[c],
-                                  sync=self._sync)  # fmt: skip
-                ev = self._pf_events.get(id(inp))
-                if ev is None:
-                    ev = self._pf_events[id(inp)] = dev.new_event()
-                ev.record(pf)
-                self._pending[id(inp)] = ev
-                self.stats.prefetched += 1
-                budget -= 1
 
     def _node_graph(self, plan: _Plan, key: tuple, nodes: list[Tensor]) -> Graph:
         g = plan.node_graphs.get(key)

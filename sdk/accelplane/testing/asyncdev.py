@@ -148,7 +148,7 @@ def _is_ours(buffer) -> bool:
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
+    return (1, 3)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 @hookimpl
@@ -316,6 +316,28 @@ def record_end(backend):
 def record_replay(backend, recording):
     for fn, label, _plan in recording:
         backend.ctx.stream.submit(fn, label)
+
+
+# --- timeline: the worker thread's clock around each task ------------------------------------------
+_KINDS = {"set": "copy", "get": "copy", "copy": "copy", "h2d": "copy"}
+
+
+@hookimpl
+def timeline_begin(backend):
+    st = backend.ctx.stream
+    st.timeline.clear()
+    st.record_timeline = True
+    return True
+
+
+@hookimpl
+def timeline_end(backend):
+    st = backend.ctx.stream
+    st.record_timeline = False
+    out = [(_KINDS.get(lb, "compute" if lb.startswith("graph#") else ""), t0, t1)
+           for lb, t0, t1 in st.timeline]  # fmt: skip
+    st.timeline.clear()
+    return [x for x in out if x[0]]
 
 
 # --- events ----------------------------------------------------------------------------------------

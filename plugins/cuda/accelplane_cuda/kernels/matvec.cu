@@ -629,9 +629,9 @@ __device__ __forceinline__ void qkv_put(const i64* __restrict__ P, int m, float 
 // RT rows per lane group (1 or 2: rows RT g .. RT g + RT - 1 of group g), sharing each load of
 // the activations; grid (rows / (RT 128 / LPR)). Same P; QKV: the rows go through qkv_put
 // instead of to dst (an even number of rows per block: a rope pair is in one block).
-template <int WT, int U, int LPR, int MINB, int RT, bool QKV = false>
-__global__ void __launch_bounds__(128, MINB)
-k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
+template <int WT, int U, int LPR, int MINB, int RT, bool QKV>
+__device__ __forceinline__ void mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq,
+                                         bool early) {
     constexpr int W = unit_regs<WT>::W, RPB = 128 / LPR;
     const int M = (int)P[0], K = (int)P[1], units = K / 32, loads = units / W;
     const int lid = threadIdx.x % LPR, m = RT * (blockIdx.x * RPB + threadIdx.x / LPR);
@@ -651,8 +651,7 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
                 if (u0 + LPR * i < loads) r[k * U + i].load(row[k], u0 + LPR * i);
         }
     };
-    const bool early = P[15] != 0;  // as k_mmv_row (one load site: fewer registers)
-    if (!early) pdl_enter();
+    if (!early) pdl_enter();  // as k_mmv_row (one load site: fewer registers)
     load(lid);
     if (early) pdl_enter();
     float acc[RT];
@@ -693,6 +692,31 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
         for (int k = 0; k < RT; ++k)
             if (lid == 0 && m + k < M) *(float*)(dst + (m + k) * 4) = acc[k];
     }
+}
+
+template <int WT, int U, int LPR, int MINB, int RT, bool QKV = false>
+__global__ void __launch_bounds__(128, MINB)
+k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
+    mmv_row1<WT, U, LPR, MINB, RT, QKV>(P, dst, w, xq, P[15] != 0);
+}
+
+// MUL_MAT_ID of a few tokens through k_mmv_row1's body: grid.y over (token t, slot u); the
+// expert ids[u, t] names, the activation row u % B of token t (quantized per row: xq_bytes
+// apart, row u % B + B t) and the output row (u, t). The ids come from an earlier kernel, so the
+// weights are loaded only after pdl_enter. An id out of range sets the error flag.
+// P: k_mmv_row1's [0..15], then [ids, nbi0, nbi1, n_used, B, n_exp, err]
+template <int WT, int U, int LPR, int MINB, int RT>
+__global__ void __launch_bounds__(128, MINB)
+k_mmv_row1_id(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
+    pdl_enter();
+    const int n_used = (int)P[19], B = (int)P[20], u = blockIdx.y % n_used, t = blockIdx.y / n_used;
+    const int e = *(const int*)((const char*)P[16] + u * P[17] + t * P[18]);
+    if (e < 0 || e >= (int)P[21]) {
+        if (threadIdx.x == 0) *(int*)P[22] = 1;
+        return;
+    }
+    mmv_row1<WT, U, LPR, MINB, RT, false>(P, dst + u * P[10] + t * P[11], w + (i64)e * P[8],
+                                          xq + (i64)(u % B + B * t) * P[14], true);
 }
 
 // ---- mat-vec through per-warp shared-memory rings (k_mmv_ring) ---------------------------------

@@ -1,0 +1,236 @@
+"""Experts in host memory, computed on a device: the scheduler's uploads of MUL_MAT_ID weights.
+
+A MUL_MAT_ID whose expert weights live in a host weights buffer (llama.cpp's ``--cpu-moe``)
+and whose node runs on a device reads a copy of them in device memory. These copies do not
+get a place of their own in the split graphs' memory, which would hold every layer's experts
+at once: they share a pool of *slots* per device, each the size of the largest such tensor.
+The i-th expert input of a compute (in split order, per device) takes slot i mod S, where S is
+the most expert inputs one split reads plus the prefetch depth, so a split's inputs never share
+a slot, and neither do the inputs being prefetched and those of the split computing meanwhile.
+
+Uploads: the ids are computed first (the split that reads the experts starts where they are
+known), then only the experts they select are copied, in runs of consecutive experts, on the
+split's own stream. With prefetch (``Scheduler(prefetch_experts=N)``), while split k computes,
+the next N expert inputs whose batch uses nearly every expert (a prefill's: :data:`PREFETCH_SHARE`)
+are copied whole on a second stream of the device, each after the split that last used its slot
+has finished with it (an event recorded after that split, waited on by the copy stream), and
+the split that reads it waits for the copy (an event), all device-side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from accelplane.runtime.backend import Backend, BufferType, BufferUsage, Event, tensor_copy_async
+
+if TYPE_CHECKING:
+    from accelplane.core.tensor import Tensor
+    from accelplane.sched.scheduler import Scheduler, Split, SplitInput, _Plan
+
+PREFETCH_SHARE = 0.9  # prefetch whole tensors only where this share of the experts is expected in use
+
+
+@dataclass
+class ExpertSlots:
+    """A plan's expert inputs on each device: slot per input, the split each input is read
+    by, and the slots' count and size per device."""
+
+    slot: dict[int, int] = field(default_factory=dict)  # id(SplitInput) -> slot
+    ordinal: dict[int, int] = field(default_factory=dict)  # id(SplitInput) -> index among its device's
+    split_of: dict[int, list[int]] = field(default_factory=dict)  # backend -> split index per ordinal
+    n_slots: dict[int, int] = field(default_factory=dict)  # backend -> slots
+    slot_bytes: dict[int, int] = field(default_factory=dict)  # backend -> bytes per slot
+    pools: tuple[int, ...] = ()  # uids of the pool buffers the copies were placed in
+
+
+def is_expert_input(inp: SplitInput) -> bool:
+    return inp.moe_ids is not None and not inp.user_input
+
+
+def expected_share(inp: SplitInput) -> float:
+    """The share of the experts a batch of ``inp``'s ids is expected to use (each selection
+    uniform and independent: 1 - (1 - 1/E)^selections)."""
+    n_exp = inp.src.ne[2]
+    return 1.0 - (1.0 - 1.0 / n_exp) ** inp.moe_ids.nelements
+
+
+class _Pool:
+    """``count`` slots of ``stride`` bytes in buffers of ``buft``, as many per buffer as its
+    max size allows."""
+
+    def __init__(self, buft: BufferType, nbytes: int, count: int) -> None:
+        self.stride = -(-nbytes // buft.alignment) * buft.alignment
+        self.count = count
+        self.per_buf = max(1, min(count, buft.max_size // self.stride))
+        sizes = [min(self.per_buf, count - i) * self.stride for i in range(0, count, self.per_buf)]
+        self.buffers = [buft.alloc(n, BufferUsage.COMPUTE) for n in sizes]
+        self.uid = self.buffers[0].uid
+
+    def place(self, t: Tensor, slot: int) -> None:
+        self.buffers[slot // self.per_buf].place(t, slot % self.per_buf * self.stride)
+
+    def free(self) -> None:
+        for b in self.buffers:
+            b.free()
+
+
+class ExpertUploads:
+    """The slot pools, slot events and uploads of one scheduler (module docstring)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.pools: dict[int, _Pool] = {}  # backend -> its slots (n_copies x slots)
+        # (backend, copy, slot) -> recorded after the split that last read the slot
+        self.free_events: dict[tuple[int, int, int], Event] = {}
+        self.pf_backends: dict[int, Backend] = {}  # backend -> its prefetch stream
+        self.ready: dict[int, Event] = {}  # id(SplitInput) -> recorded after its prefetch copy
+        self.pending: dict[int, Event] = {}  # this compute's prefetched inputs, not yet read
+
+    # --- planning and placement ---------------------------------------------------------------------
+    def plan(self, splits: list[Split]) -> ExpertSlots:
+        es = ExpertSlots()
+        most: dict[int, int] = {}
+        for k, sp in enumerate(splits):
+            mine = [i for i in sp.inputs if is_expert_input(i)]
+            if not mine:
+                continue
+            b = sp.backend
+            most[b] = max(most.get(b, 0), len(mine))
+            order = es.split_of.setdefault(b, [])
+            for inp in mine:
+                es.ordinal[id(inp)] = len(order)
+                order.append(k)
+                size = max(self.s.galloc[b].buft.alloc_size(c) for c in inp.copies)
+                es.slot_bytes[b] = max(es.slot_bytes.get(b, 0), size)
+        for b, m in most.items():
+            es.n_slots[b] = m + max(0, self.s.prefetch_experts)
+        for sp in splits:
+            for inp in sp.inputs:
+                if is_expert_input(inp):
+                    es.slot[id(inp)] = es.ordinal[id(inp)] % es.n_slots[sp.backend]
+        return es
+
+    def place(self, es: ExpertSlots, splits: list[Split]) -> tuple[int, ...]:
+        """Put the plan's expert copies in their slots, growing a device's pool where the plan
+        needs more; the pools' uids (a changed tuple: the copies moved)."""
+        for b, nbytes in es.slot_bytes.items():
+            pool = self.pools.get(b)
+            need = self.s.n_copies * es.n_slots[b]
+            if pool is None or pool.stride < nbytes or pool.count < need:
+                if pool is not None:
+                    self.s.backends[b].synchronize()  # nothing may still read the old pool
+                    pool.free()
+                    self.free_events = {k: v for k, v in self.free_events.items() if k[0] != b}
+                self.pools[b] = _Pool(self.s.galloc[b].buft, nbytes, need)
+        uids = tuple(self.pools[b].uid for b in sorted(es.slot_bytes))
+        if uids != es.pools:
+            for sp in splits:
+                for inp in sp.inputs:
+                    if is_expert_input(inp):
+                        for c, t in enumerate(inp.copies):
+                            self.pools[sp.backend].place(t, c * es.n_slots[sp.backend] + es.slot[id(inp)])
+            es.pools = uids
+        return uids
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory the slot pools hold."""
+        return sum(b.size for p in self.pools.values() for b in p.buffers)
+
+    # --- a compute -------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self.pending = {}
+
+    def upload(self, plan: _Plan, inp: SplitInput, bi: int, b: Backend, c: int) -> None:
+        """Queue ``inp``'s experts on ``b`` for the split about to run: its prefetched copy
+        (waited for device-side), or only the experts its ids select."""
+        s, st = self.s, self.s.stats
+        src, dst = inp.src, inp.copies[c]
+        st.expert_bytes_total += src.nbytes
+        ev = self.pending.pop(id(inp), None)
+        if ev is not None:
+            ev.wait(b)
+            st.expert_bytes += src.nbytes
+            return
+        ids_t = inp.moe_ids
+        owner = ids_t.view_src or ids_t
+        s._sync(s.backends[plan.assign.get(id(owner), plan.assign.get(id(ids_t), bi))])
+        ids = ids_t.get().reshape(-1)
+        n_exp = src.ne[2]
+        used = np.zeros(n_exp + 1, bool)
+        used[ids[(ids >= 0) & (ids < n_exp)]] = True
+        host = src.buffer.host_array
+        nb2 = src.nb[2]
+        s._wait_slot(bi, b)
+        e = 0
+        while e < n_exp:
+            if not used[e]:
+                e += 1
+                continue
+            e1 = e
+            while used[e1]:
+                e1 += 1
+            start = src.offs + e * nb2
+            b.set_tensor_async(dst, host[start : src.offs + e1 * nb2], e * nb2, (e1 - e) * nb2)
+            st.expert_bytes += (e1 - e) * nb2
+            e = e1
+
+    def computed(self, es: ExpertSlots, sp: Split, b: Backend, c: int) -> None:
+        """After split ``sp`` was queued on ``b``: its slots are free again once it finishes."""
+        if self.s.prefetch_experts <= 0 or not b.device.has_events:
+            return
+        for inp in sp.inputs:
+            if is_expert_input(inp):
+                key = (sp.backend, c, es.slot[id(inp)])
+                ev = self.free_events.get(key)
+                if ev is None:
+                    ev = self.free_events[key] = b.device.new_event()
+                ev.record(b)
+
+    def prefetch(self, es: ExpertSlots, splits: list[Split], k: int, c: int) -> None:
+        """Before split k is queued: start, on a second stream of each device, the uploads of
+        the next expert inputs after split k (at most ``prefetch_experts`` in flight) whose
+        batches use nearly every expert and whose slot's last reader is queued before split k."""
+        s = self.s
+        budget = s.prefetch_experts - len(self.pending)
+        for sp in splits[k + 1 :]:
+            if budget <= 0:
+                return
+            dev = s.backends[sp.backend].device
+            if not dev.has_events:
+                continue
+            n_slots, order = es.n_slots.get(sp.backend), es.split_of.get(sp.backend)
+            for inp in sp.inputs:
+                if not is_expert_input(inp) or id(inp) in self.pending or budget <= 0:
+                    continue
+                j = es.ordinal[id(inp)]
+                if j >= n_slots and order[j - n_slots] >= k:
+                    return  # its slot is still to be read by split k or later: stop here
+                if expected_share(inp) < PREFETCH_SHARE:
+                    continue
+                pf = self.pf_backends.get(sp.backend)
+                if pf is None:
+                    pf = self.pf_backends[sp.backend] = dev.new_backend()
+                free = self.free_events.get((sp.backend, c, es.slot[id(inp)]))
+                if free is not None:
+                    free.wait(pf)
+                tensor_copy_async(s.backends[inp.src_backend], pf, inp.src, inp.copies[c], sync=s._sync)
+                ev = self.ready.get(id(inp))
+                if ev is None:
+                    ev = self.ready[id(inp)] = dev.new_event()
+                ev.record(pf)
+                self.pending[id(inp)] = ev
+                s.stats.prefetched += 1
+                budget -= 1
+
+    def free(self) -> None:
+        for e in (*self.free_events.values(), *self.ready.values()):
+            e.free()
+        for pb in self.pf_backends.values():
+            pb.free()
+        for p in self.pools.values():
+            p.free()
+        self.free_events, self.ready, self.pf_backends, self.pools = {}, {}, {}, {}
