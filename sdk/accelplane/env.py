@@ -285,8 +285,8 @@ EXTRA_PLUGINS = names(
 
 # --- the scheduler (accelplane.sched) ------------------------------------------------------------
 PREFETCH_EXPERTS = integer(
-    "ACCELPLANE_SCHED_PREFETCH_EXPERTS", 0,
-    "the scheduler prefetches the next N host-expert uploads on a second stream", min=0,
+    "ACCELPLANE_SCHED_PREFETCH_EXPERTS", 3,
+    "the scheduler prefetches the next N host-expert tensors of a prefill on a second stream (0: off)", min=0,
 )  # fmt: skip
 SCHED_DEBUG = choice(
     "ACCELPLANE_SCHED_DEBUG", "0", ("0", "1", "2"),

@@ -5,7 +5,6 @@ package's dequantization."""
 
 from __future__ import annotations
 
-import accelplane
 import gguf
 import numpy as np
 import pytest
@@ -15,18 +14,11 @@ from accelplane.errors import ComputeError
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import BufferUsage
 from accelplane_cuda.moe import GROUPED_MIN_TOKENS
+from test_cuda import _cuda
 
 T = GGMLType
 SDK_QUANTIZED = (T.Q4_K, T.Q6_K, T.IQ4_XS)  # gguf cannot quantize these; tests/test_types.py: ggml's bytes
 REGISTER_LAYOUTS = (T.Q4_0, T.Q8_0, T.Q4_K)  # in a weights buffer: the register mat-vecs' (matvec.REGISTER)
-
-
-def _cuda():
-    reg = accelplane.get_registry()
-    if "cuda" not in reg.plugins:
-        why = [f.reason for f in reg.failures if f.name == "cuda"]
-        pytest.skip(f"no device: {why[0] if why else 'the cuda plugin is not installed'}")
-    return reg.plugins["cuda"].devices[0]
 
 
 def _experts(t, rng) -> np.ndarray:

@@ -346,16 +346,19 @@ def test_blocking_tensor_copy(ap_device, ap_rng):
 
 
 # --- events ---------------------------------------------------------------------------------------
-def test_event_record_wait_two_streams(ap_suite, ap_device, ap_rng):
-    """b1 computes y; event recorded on b1; b2 waits for it, then computes from y."""
-    b1, b2 = ap_device.new_backend(), ap_device.new_backend()
+def _two_stream_chain(device, n: int):
+    """Two backends of ``device`` and a chain x → y = 2x + 1 (g1) → z = 3y (g2) in one buffer."""
+    b1, b2 = device.new_backend(), device.new_backend()
     ctx = Context()
-    x = ctx.new_tensor(T.F32, (2048,), "x")
+    x = ctx.new_tensor(T.F32, (n,), "x")
     y = affine(ctx, x, 2.0, 1.0)
     z = affine(ctx, y, 3.0, 0.0)
-    g1 = ctx.graph(y)
-    g2 = accelplane.Graph.from_nodes([z], [y])
-    buf = _alloc(ap_device, x, y, z)
+    return b1, b2, x, z, ctx.graph(y), accelplane.Graph.from_nodes([z], [y]), _alloc(device, x, y, z)
+
+
+def test_event_record_wait_two_streams(ap_suite, ap_device, ap_rng):
+    """b1 computes y; event recorded on b1; b2 waits for it, then computes from y."""
+    b1, b2, x, z, g1, g2, buf = _two_stream_chain(ap_device, 2048)
     ev = ap_device.new_event()
     try:
         for i in range(repeats(ap_suite)):
@@ -381,14 +384,7 @@ def test_timeline_notes_copies_and_computes(ap_device, ap_rng):
     compute on a second stream that waited for the first's, come back as noted, each ending no
     earlier than it starts, in stream order, and the waiting compute after the one it waited for
     on the shared clock."""
-    b1, b2 = ap_device.new_backend(), ap_device.new_backend()
-    ctx = Context()
-    x = ctx.new_tensor(T.F32, (4096,), "x")
-    y = affine(ctx, x, 2.0, 1.0)
-    z = affine(ctx, y, 3.0, 0.0)
-    g1 = ctx.graph(y)
-    g2 = accelplane.Graph.from_nodes([z], [y])
-    buf = _alloc(ap_device, x, y, z)
+    b1, b2, x, z, g1, g2, buf = _two_stream_chain(ap_device, 4096)
     ev = ap_device.new_event() if ap_device.has_events else None
     try:
         if not b1.timeline_begin():

@@ -133,7 +133,7 @@ class Scheduler(GraphRunner):
     ``op_offload``: devices may take big ops whose weights live in host memory;
     ``policy``: 'strict' or 'relaxed' (see the module docstring);
     ``prefetch_experts``: how many upcoming host-expert uploads to start early on a second
-    stream of the device (default: ACCELPLANE_SCHED_PREFETCH_EXPERTS, else 0).
+    stream of the device (default: ACCELPLANE_SCHED_PREFETCH_EXPERTS, else 3; accelplane.sched.experts).
     """
 
     def __init__(
