@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from accelplane.core.graph import Context
+from accelplane.core.ops import Op
 from accelplane.core.types import GGMLType
 from accelplane.errors import CheckResultsError, DeviceError, TypeMismatchError, UnsupportedOpError
 from accelplane.models.blocks import llama_layer, moe_layers
@@ -302,6 +303,30 @@ def test_moe_expert_upload(reg, prefetch, policy):
     # the slots: one split's three expert inputs plus the prefetch depth, not all nine
     one = m.experts[0].nbytes
     assert 0 < s.expert_pool_bytes < (3 + prefetch + 1) * one < len(m.experts) * one, s.expert_pool_bytes
+
+
+def test_moe_compute_after_a_stopped_one_is_exact(reg):
+    """An eval callback that stops a compute leaves prefetched experts unread: the computes
+    after it are still exact (the next compute waits for those copies before it reuses their
+    slots, and synchronize waits for the prefetch streams too)."""
+    m, g, vals, rng, cpu, dev = _moe_setup(reg, n_tokens=48)
+    bd = dev.new_backend()
+    s = Scheduler([bd, cpu.new_backend()], prefetch_experts=3)
+    for n in m.mul_mat_ids:
+        s.set_tensor_backend(n, bd)
+    for _ in range(5):
+        s.alloc_graph(g)
+        m.x.set(rng.standard_normal(m.x.shape).astype(np.float32))
+        s.set_eval_callback(lambda t, ask: t.op is Op.MUL_MAT_ID if ask else False)
+        s.compute(g)  # stops after the first MUL_MAT_ID
+        assert s.stats.prefetched > 0
+        s.set_eval_callback(None)
+        s.alloc_graph(g)
+        xv = rng.standard_normal(m.x.shape).astype(np.float32)
+        m.x.set(xv)
+        s.compute(g)
+        want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
+        np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_moe_prefetch_skips_batches_that_use_few_experts(reg):

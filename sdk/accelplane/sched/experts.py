@@ -87,7 +87,8 @@ class ExpertUploads:
         self.free_events: dict[tuple[int, int, int], Event] = {}
         self.pf_backends: dict[int, Backend] = {}  # backend -> its prefetch stream
         self.ready: dict[int, Event] = {}  # id(SplitInput) -> recorded after its prefetch copy
-        self.pending: dict[int, Event] = {}  # this compute's prefetched inputs, not yet read
+        # this compute's prefetched inputs not yet read: id(SplitInput) -> (copy done, reader's backend)
+        self.pending: dict[int, tuple[Event, int]] = {}
 
     # --- planning and placement ---------------------------------------------------------------------
     def plan(self, splits: list[Split]) -> ExpertSlots:
@@ -142,6 +143,10 @@ class ExpertUploads:
 
     # --- a compute -------------------------------------------------------------------------------------
     def begin(self) -> None:
+        # a prefetch the last compute never read (it stopped early) may still be writing its
+        # slot: the devices' streams wait for it before this compute's uploads
+        for ev, b in self.pending.values():
+            ev.wait(self.s.backends[b])
         self.pending = {}
 
     def upload(self, plan: _Plan, inp: SplitInput, bi: int, b: Backend, c: int) -> None:
@@ -150,9 +155,9 @@ class ExpertUploads:
         s, st = self.s, self.s.stats
         src, dst = inp.src, inp.copies[c]
         st.expert_bytes_total += src.nbytes
-        ev = self.pending.pop(id(inp), None)
-        if ev is not None:
-            ev.wait(b)
+        done = self.pending.pop(id(inp), None)
+        if done is not None:
+            done[0].wait(b)
             st.expert_bytes += src.nbytes
             return
         ids_t = inp.moe_ids
@@ -222,7 +227,7 @@ class ExpertUploads:
                 if ev is None:
                     ev = self.ready[id(inp)] = dev.new_event()
                 ev.record(pf)
-                self.pending[id(inp)] = ev
+                self.pending[id(inp)] = (ev, sp.backend)
                 s.stats.prefetched += 1
                 budget -= 1
 

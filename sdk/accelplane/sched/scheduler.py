@@ -589,8 +589,11 @@ class Scheduler(GraphRunner):
                    for n in sp.nodes for t in n.src)  # fmt: skip
 
     def synchronize(self) -> None:
-        """Block until every backend is done (the caller's wait; not counted in stats)."""
+        """Block until every backend is done, the expert prefetch streams too (the caller's
+        wait; not counted in stats)."""
         super().synchronize()
+        for pb in self._experts.pf_backends.values():
+            pb.synchronize()
         if self._allocated is None:
             self.next_copy = 0  # token generation keeps reusing slot 0 (stable device graphs)
 
