@@ -11,11 +11,11 @@ from accelplane.errors import ConfigError
 from accelplane_cuda import launch, tuning
 
 
-def _kernels() -> dict[str, str]:
-    """name → body of every __global__ function of kernels/*.cu."""
+def _kernels(kind: str = "__global__", names: str = r"k_\w+") -> dict[str, str]:
+    """name → body of every ``kind`` function of kernels/*.cu whose name matches ``names``."""
     src = "\n".join(p.read_text() for p in sorted((Path(launch.__file__).parent / "kernels").glob("*.cu")))
     out = {}
-    for m in re.finditer(r"__global__[^{;]*?\b(k_\w+)\s*\(", src):
+    for m in re.finditer(kind + r"[^{;]*?\b(" + names + r")\s*\(", src):
         start = src.index("{", m.end())
         depth, i = 0, start
         while True:
@@ -31,7 +31,8 @@ def test_every_kernel_waits_for_its_predecessor():
     """The contract that makes programmatic launches safe (kernels/common.cuh: pdl_enter): every
     kernel calls pdl_enter first, or pdl_enter_params (its parameters, written at plan time,
     copied to shared memory before the wait), except the mat-vecs (k_mmv_row, k_mmv_row1,
-    k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15])."""
+    k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15]);
+    k_mmv_row1_id, whose expert comes from an earlier kernel, waits first."""
     bodies = _kernels()
     assert len(bodies) >= 30
     for name, body in bodies.items():
@@ -40,10 +41,10 @@ def test_every_kernel_waits_for_its_predecessor():
             before = body[: body.index("pdl_enter();")]
             assert "if (early) load(lid)" in before and "dst" not in before.split("const bool early")[1]
             assert "if (!early) load(lid)" in body
-        elif name == "k_mmv_row1":  # one load site, the wait before or after it
-            before = body[: body.index("if (!early) pdl_enter();")]
-            assert "dst" not in before and "__ldg" not in before and "load(lid)" not in before
-            assert "if (!early) pdl_enter();\n    load(lid);\n    if (early) pdl_enter();" in body
+        elif name == "k_mmv_row1":  # its body (below) waits before or after its one load site
+            assert "mmv_row1<WT, U, LPR, MINB, RT, QKV>(P, dst, w, xq, P[15] != 0);" in body, body
+        elif name == "k_mmv_row1_id":  # reads the ids first: waits, then loads at once
+            assert stmts[0] == "pdl_enter()" and body.rstrip("} \n").endswith(", true);"), body
         elif name == "k_mmv_ring":  # weight copies into its own slots, the wait before or after them
             before = body[: body.index("if (!early) pdl_enter();")]
             assert "dst" not in before and "__ldg" not in before and "issue(st)" not in before
@@ -57,6 +58,16 @@ def test_every_kernel_waits_for_its_predecessor():
             assert wait.startswith("pdl_enter_params<") and wait.endswith(">(P, Ps)"), (name, wait)
         else:
             assert stmts[0] == "pdl_enter()", (name, stmts[0])
+
+
+def test_register_matvec_body_waits_around_its_one_load_site():
+    """mmv_row1, the body of k_mmv_row1 and k_mmv_row1_id: nothing before the wait but the
+    weights' loads (and those only when ``early``)."""
+    body = _kernels("__device__ __forceinline__ void", "mmv_row1")["mmv_row1"]
+    before = body[: body.index("if (!early) pdl_enter();")]
+    assert "dst" not in before and "__ldg" not in before and "load(lid)" not in before
+    assert "if (!early) pdl_enter();  // as k_mmv_row (one load site: fewer registers)\n    load(lid);\n" \
+           "    if (early) pdl_enter();" in body
 
 
 def test_launch_takes_numpy_scalars_only():
