@@ -206,17 +206,10 @@ def get_tensor_async(backend, tensor, out, offset, size):
 
 @hookimpl
 def cpy_tensor_async(backend_src, backend_dst, src, dst):
-    if not isinstance(backend_dst.ctx, Stream):
+    if not (isinstance(backend_src.ctx, Stream) and isinstance(backend_dst.ctx, Stream)):
         return False
-    bdst: Stream = backend_dst.ctx
-    if not isinstance(backend_src.ctx, Stream):
-        # host memory a synchronous backend (the CPU plugin) has finished with: uploaded on the
-        # destination's queue as set_tensor_async does (experts kept in host memory, prefetched)
-        if backend_src.device.caps.async_ or not src.buffer.is_host or src.buffer.freed or dst.buffer.freed:
-            return False
-        host = src.buffer.host_array[src.offs : src.offs + src.nbytes]
-        return bdst.queue_copy(dst, host, 0, dst.nbytes, to_device=True)
     bsrc: Stream = backend_src.ctx
+    bdst: Stream = backend_dst.ctx
     # views live in their view_src's buffer, at view_src.offs + view_offs (= t.offs)
     us = usm_of((src.view_src or src).buffer, bsrc.dev)
     ud = usm_of((dst.view_src or dst).buffer, bdst.dev)
