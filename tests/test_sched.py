@@ -276,6 +276,25 @@ def _moe_setup(reg, seed=0, n_layers=3, n_tokens=3):
     return m, g, vals, rng, cpu, dev
 
 
+def _moe_scheduler(m, cpu, dev, **kw) -> Scheduler:
+    """A scheduler over a new backend of ``dev`` and the CPU with every MUL_MAT_ID on ``dev``."""
+    bd = dev.new_backend()
+    s = Scheduler([bd, cpu.new_backend()], **kw)
+    for n in m.mul_mat_ids:
+        s.set_tensor_backend(n, bd)
+    return s
+
+
+def _moe_compute_exact(s, m, g, vals, rng) -> None:
+    """One compute on new inputs, checked against the float64 oracle."""
+    s.alloc_graph(g)
+    xv = rng.standard_normal(m.x.shape).astype(np.float32)
+    m.x.set(xv)
+    s.compute(g)
+    want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
+    np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("prefetch", [0, 3])  # 3: a whole layer's inputs, so no upload syncs the host
 @pytest.mark.parametrize("policy", ["strict", "relaxed"])
 def test_moe_expert_upload(reg, prefetch, policy):
@@ -284,17 +303,9 @@ def test_moe_expert_upload(reg, prefetch, policy):
     prefetched on a second stream. Either way the copies share a few slots that later layers
     reuse, and every result equals the float64 oracle's."""
     m, g, vals, rng, cpu, dev = _moe_setup(reg, n_tokens=48 if prefetch else 3)
-    bd = dev.new_backend()
-    s = Scheduler([bd, cpu.new_backend()], prefetch_experts=prefetch, policy=policy)
-    for n in m.mul_mat_ids:
-        s.set_tensor_backend(n, bd)
+    s = _moe_scheduler(m, cpu, dev, prefetch_experts=prefetch, policy=policy)
     for _ in range(max(5, SCHEDULES // 40)):
-        s.alloc_graph(g)
-        xv = rng.standard_normal(m.x.shape).astype(np.float32)
-        m.x.set(xv)
-        s.compute(g)
-        want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
-        np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
+        _moe_compute_exact(s, m, g, vals, rng)
     if prefetch:
         assert s.stats.prefetched > 0
     else:
@@ -310,10 +321,7 @@ def test_moe_compute_after_a_stopped_one_is_exact(reg):
     after it are still exact (the next compute waits for those copies before it reuses their
     slots, and synchronize waits for the prefetch streams too)."""
     m, g, vals, rng, cpu, dev = _moe_setup(reg, n_tokens=48)
-    bd = dev.new_backend()
-    s = Scheduler([bd, cpu.new_backend()], prefetch_experts=3)
-    for n in m.mul_mat_ids:
-        s.set_tensor_backend(n, bd)
+    s = _moe_scheduler(m, cpu, dev, prefetch_experts=3)
     for _ in range(5):
         s.alloc_graph(g)
         m.x.set(rng.standard_normal(m.x.shape).astype(np.float32))
@@ -321,28 +329,15 @@ def test_moe_compute_after_a_stopped_one_is_exact(reg):
         s.compute(g)  # stops after the first MUL_MAT_ID
         assert s.stats.prefetched > 0
         s.set_eval_callback(None)
-        s.alloc_graph(g)
-        xv = rng.standard_normal(m.x.shape).astype(np.float32)
-        m.x.set(xv)
-        s.compute(g)
-        want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
-        np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
+        _moe_compute_exact(s, m, g, vals, rng)
 
 
 def test_moe_prefetch_skips_batches_that_use_few_experts(reg):
     """A decode's batch selects a few experts: uploading those beats prefetching whole tensors."""
     m, g, vals, rng, cpu, dev = _moe_setup(reg, n_tokens=2)
-    bd = dev.new_backend()
-    s = Scheduler([bd, cpu.new_backend()], prefetch_experts=2)
-    for n in m.mul_mat_ids:
-        s.set_tensor_backend(n, bd)
-    s.alloc_graph(g)
-    xv = rng.standard_normal(m.x.shape).astype(np.float32)
-    m.x.set(xv)
-    s.compute(g)
+    s = _moe_scheduler(m, cpu, dev, prefetch_experts=2)
+    _moe_compute_exact(s, m, g, vals, rng)
     assert s.stats.prefetched == 0 and s.stats.expert_bytes <= s.stats.expert_bytes_total * 4 / 16
-    want = reference.evaluate(g, {**vals, m.x: xv})[m.out].reshape(m.out.shape)
-    np.testing.assert_allclose(m.out.get(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_views_placed_once_while_nothing_moves(reg, monkeypatch):
