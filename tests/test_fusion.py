@@ -10,6 +10,7 @@ from accelplane.core.graph import Context, Graph
 from accelplane.core.ops import Op
 from accelplane.core.tensor import TensorFlag
 from accelplane.core.types import GGMLType
+from accelplane.errors import ShapeError
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.sched import Scheduler
 from accelplane.testing.plugins import cpu_and_async_registry
@@ -376,3 +377,120 @@ def test_product_rope_cache_in_a_llama_decode():
         assert [r.product.name for r in runs if r is not None] == ["blk.0.QKVcur", "blk.1.QKVcur"]
     finally:
         m.free()
+
+
+def _moe_block(ctx: Context, k: int = 4, norm: bool = True, n_tok: int = 3):
+    from accelplane.models.decoder import moe_gating, moe_weighted_sum
+
+    logits = ctx.new_tensor_ne(T.F32, 16, n_tok, name="logits")
+    dn = ctx.new_tensor_ne(T.F32, 32, k, n_tok, name="experts")
+    ids, wts = moe_gating(ctx, logits, k, norm=norm)
+    return ids, wts, moe_weighted_sum(ctx, dn, wts)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_gating_run(norm):
+    """The gating chain the decoder builds is one run from its SOFT_MAX, through the DIV when the
+    weights are renormalized, else the GET_ROWS; only at the SOFT_MAX."""
+    ctx = Context()
+    ids, wts, out = _moe_block(ctx, norm=norm)
+    g = ctx.graph(out, expand=[wts])
+    i = next(i for i, n in enumerate(g.nodes) if n.op is Op.SOFT_MAX)
+    r = Fusion(g).moe_gating(i)
+    assert r is not None and r.k == 4 and r.order is ids.view_src
+    last = r.normed if norm else r.weights
+    assert g.nodes[i + r.covered - 1] is last
+    assert (r.total is not None) == norm and (last.op is Op.DIV) == norm
+    assert all(Fusion(g).moe_gating(j) is None for j in range(len(g.nodes)) if j != i)
+
+
+def test_moe_gating_needs_an_unmasked_softmax_and_its_order():
+    ctx = Context()
+    logits = ctx.new_tensor_ne(T.F32, 16, 3, name="logits")
+    mask = ctx.new_tensor_ne(T.F32, 16, 3, name="mask")
+    probs = ctx.soft_max(logits, mask)
+    order = ctx.argsort(probs, 1)
+    ids = ctx.view(order, (2, 3), (order.nb[0], order.nb[1]))
+    w = ctx.get_rows(ctx.reshape_ne(probs, 1, 16, 3), ids)
+    g = ctx.graph(w)
+    assert Fusion(g).moe_gating(_index(g, probs)) is None  # masked
+    ctx = Context()
+    logits = ctx.new_tensor_ne(T.F32, 16, 3, name="logits")
+    probs = ctx.soft_max(logits)
+    g = ctx.graph(ctx.scale(probs, 2.0), ctx.argsort(probs, 1))
+    assert Fusion(g).moe_gating(_index(g, probs)) is None  # another node inside the window
+
+
+@pytest.mark.parametrize("why", ["fuses", "partial_kept", "product_read", "slot_order", "output", "no_keep"])
+def test_moe_sum_run(why):
+    """MUL then the chain of ADDs over its k slices, in slot order, fuses when neither the
+    product nor a partial sum is read elsewhere or kept."""
+    ctx = Context()
+    k = 4
+    ids, wts, out = _moe_block(ctx, k=k)
+    outs = [out]
+    g0 = ctx.graph(*outs)
+    mul = next(n for n in g0.nodes if n.op is Op.MUL)
+    adds = [n for n in g0.nodes if n.op is Op.ADD]
+    if why == "partial_kept":
+        outs.append(ctx.scale(adds[0], 2.0))
+    elif why == "product_read":
+        outs.append(ctx.scale(mul, 2.0))
+    elif why == "output":
+        adds[1].set_output()
+    if why == "slot_order":  # (s0 + s2) + ...: not the slot order the kernel sums in
+        ctx = Context()
+        from accelplane.models.decoder import moe_gating
+
+        logits = ctx.new_tensor_ne(T.F32, 16, 3, name="logits")
+        dn = ctx.new_tensor_ne(T.F32, 32, 3, 3, name="experts")
+        _, w = moe_gating(ctx, logits, 3)
+        mul = ctx.mul(dn, w)
+        v = [ctx.view(mul, (32, 3), (mul.nb[0], mul.nb[2]), j * mul.nb[1]) for j in (0, 2, 1)]
+        outs = [ctx.add(ctx.add(v[0], v[1]), v[2])]
+    g = Graph(outs)
+    if why == "no_keep":
+        g = Graph.from_nodes(g.nodes, g.leafs)
+    r = Fusion(g).moe_sum(_index(g, mul))
+    if why == "fuses":
+        assert r is not None and r.k == k and r.out is out and g.nodes[_index(g, mul) + r.covered - 1] is out
+    else:
+        assert r is None
+
+
+def test_moe_runs_in_a_qwen3moe_decode():
+    """Every layer of a qwen3moe decode step has both runs (the graph orders the gating first)."""
+    from accelplane.models.decoder import DecoderConfig, DecoderModel
+
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    cfg = DecoderConfig(n_vocab=64, d_model=64, n_layers=2, n_head=4, n_head_kv=2, d_ff=96, n_expert=8,
+                        n_expert_used=2, arch="qwen3moe")  # fmt: skip
+    m = DecoderModel(cfg, [reg.device("CPU")], types={}, n_ctx=32, kv_pad=16)
+    try:
+        g = m.step(1, 16).graph
+        f = Fusion(g)
+        gating = [f.moe_gating(i) for i, n in enumerate(g.nodes) if n.op is Op.SOFT_MAX]
+        sums = [f.moe_sum(i) for i, n in enumerate(g.nodes) if n.op is Op.MUL]
+        want = [f"blk.{i}.ffn_moe_weights_norm" for i in (0, 1)]
+        assert [r.normed.name for r in gating if r is not None] == want
+        assert [r.out.name for r in sums if r is not None] == ["blk.0.ffn_moe_out", "blk.1.ffn_moe_out"]
+    finally:
+        m.free()
+
+
+def test_graph_expand_orders_chains_first():
+    """Context.graph(expand=...): those chains come first, are not outputs; a non-tensor is a
+    ShapeError."""
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (4,), "x")
+    a, b = ctx.scale(x, 2.0), ctx.scale(x, 3.0)
+    y = ctx.add(a, b)
+    assert ctx.graph(y).nodes == [a, b, y]
+    ctx2 = Context()
+    x = ctx2.new_tensor(T.F32, (4,), "x")
+    a, b = ctx2.scale(x, 2.0), ctx2.scale(x, 3.0)
+    y = ctx2.add(a, b)
+    g = ctx2.graph(y, expand=[b])
+    assert g.nodes == [b, a, y] and not b.flags & TensorFlag.OUTPUT
+    with pytest.raises(ShapeError, match="expand take tensors"):
+        ctx2.graph(y, expand=[1])

@@ -59,6 +59,32 @@ class RopeCache(NamedTuple):
     covered: int
 
 
+class MoeGating(NamedTuple):
+    """:meth:`Fusion.moe_gating`'s run, every node of which the kernel writes: the router's
+    SOFT_MAX (``probs``, [E, T]), its descending ARGSORT (``order``), the GET_ROWS of the top
+    ``k`` probabilities (``weights``, [1, k, T]), and, when they are renormalized, the
+    SUM_ROWS of those (``total``) and the DIV by it (``normed``, [k, T]); ``covered``: nodes
+    from the SOFT_MAX through the last of them, views included."""
+
+    probs: Tensor
+    order: Tensor
+    weights: Tensor
+    total: Tensor | None
+    normed: Tensor | None
+    k: int
+    covered: int
+
+
+class MoeSum(NamedTuple):
+    """:meth:`Fusion.moe_sum`'s run: ``mul`` = MUL(experts [d, k, T], weights [1, k, T]) and
+    the ADDs that sum its k [d, T] slices in order; only the last ADD (``out``) is written."""
+
+    mul: Tensor
+    out: Tensor
+    k: int
+    covered: int
+
+
 class Fusion:
     """Use counts of one graph's nodes, for :meth:`match`; build once per plan."""
 
@@ -171,6 +197,89 @@ class Fusion:
         if q.src[1] is not k.src[1] or tuple(q.op_params) != tuple(k.op_params) or len(q.src) > 2:
             return None
         return RopeCache(n, q, k, k_set, v, j - i)
+
+    def moe_gating(self, i: int) -> MoeGating | None:
+        """A MoE layer's expert weights as one kernel (:class:`MoeGating`, the order
+        DecoderModel builds them in, as llama.cpp's build_moe_ffn): node ``i`` is SOFT_MAX(logits)
+        without mask; then, views aside, ARGSORT of it, GET_ROWS of the probabilities viewed as
+        [1, E, T] at the first k columns of the ARGSORT, and optionally SUM_ROWS of those
+        weights viewed as [k, T] and DIV of that view by the sum. Every node of the run is
+        written (each is small: E or k values per token), so any of them may have other
+        readers; the caller checks the types and shapes its kernel handles."""
+        if self.keep is None or self.nodes[i].op is not Op.SOFT_MAX:
+            return None
+        probs = self.nodes[i]
+        if len(probs.src) > 1 and probs.src[1] is not None:  # masked
+            return None
+        j, order, ids, weights = i + 1, None, None, None
+        while j < len(self.nodes) and weights is None:  # views, the ARGSORT, the GET_ROWS
+            t = self.nodes[j]
+            if t.op is Op.ARGSORT and order is None and t.src[0] is probs:
+                order = t
+            elif t.op is Op.VIEW and order is not None and ids is None and t.src[0] is order:
+                ids = t
+            elif t.op is Op.GET_ROWS and ids is not None and t.src[1] is ids:
+                weights = t
+            elif t.op not in (Op.RESHAPE, Op.VIEW):
+                return None
+            j += 1
+        if weights is None or _owner(weights.src[0]) is not probs or weights.src[0].ne[0] != 1:
+            return None
+        k, n_tok = ids.ne[0], ids.ne[1]
+        if ids.view_offs or tuple(ids.ne) != (k, probs.ne[1], 1, 1) or tuple(weights.ne) != (1, k, n_tok, 1):
+            return None
+        total = normed = None
+        rest = self.nodes[j : j + 3]
+        if [t.op for t in rest] == [Op.RESHAPE, Op.SUM_ROWS, Op.DIV]:
+            view, s, d = rest
+            if view.src[0] is weights and s.src[0] is view and d.src[0] is view and d.src[1] is s:
+                total, normed, j = s, d, j + 3
+        return MoeGating(probs, order, weights, total, normed, int(k), j - i)
+
+    def moe_sum(self, i: int) -> MoeSum | None:
+        """The weighted sum over a MoE layer's experts as one kernel (:class:`MoeSum`): node
+        ``i`` is MUL(experts [d, k, T], weights [1, k, T]) read only by k views, slice j being
+        [d, T] at offset j * nb1, and the ADDs chain ((s0 + s1) + s2) + …, each partial sum
+        read only by the next ADD; the MUL and the partial sums are neither kept nor outputs
+        (their memory is left unwritten)."""
+        if self.keep is None or self.nodes[i].op is not Op.MUL:
+            return None
+        mul = self.nodes[i]
+        d, k, n_tok = mul.ne[0], mul.ne[1], mul.ne[2]
+        w = mul.src[1]
+        if k < 2 or tuple(w.ne) != (1, k, n_tok, 1) or tuple(mul.src[0].ne) != (d, k, n_tok, 1):
+            return None
+
+        def dropped(t: Tensor, readers: int) -> bool:  # may be left unwritten
+            own = _owner(t)
+            return (_own_memory(t) and id(own) not in self.keep and not own.flags & TensorFlag.OUTPUT
+                    and self.uses.get(id(own), 0) == readers)  # fmt: skip
+
+        if not dropped(mul, 2 * k - 1):  # readers: the k views and the k - 1 ADDs through them
+            return None
+        slices: dict[int, int] = {}  # id(view) → its slice
+        acc, seen, j = None, 0, i + 1
+        while j < len(self.nodes) and seen < k:
+            t = self.nodes[j]
+            if t.op is Op.VIEW and t.view_src is mul:
+                off, r = divmod(t.view_offs, mul.nb[1])
+                if r or tuple(t.ne) != (d, n_tok, 1, 1) or tuple(t.nb[:2]) != (mul.nb[0], mul.nb[2]):
+                    return None
+                slices[id(t)] = off
+            elif t.op is Op.ADD:
+                a, b = t.src
+                first = acc is None and slices.get(id(a)) == 0 and slices.get(id(b)) == 1
+                if not (first or (acc is not None and a is acc and slices.get(id(b)) == seen)):
+                    return None
+                if acc is not None and not dropped(acc, 1):
+                    return None
+                acc, seen = t, 2 if first else seen + 1
+            else:
+                return None
+            j += 1
+        if acc is None or seen != k:
+            return None
+        return MoeSum(mul, acc, int(k), j - i)
 
     def norm_mul(self, i: int) -> Tensor | None:
         """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales

@@ -439,11 +439,18 @@ class Context:
         t.ndim = max(2, a.ndim)
         return t
 
-    def graph(self, *outputs: Tensor) -> Graph:
-        """The graph that computes ``outputs`` (marked as graph outputs)."""
+    def graph(self, *outputs: Tensor, expand: Sequence[Tensor] = ()) -> Graph:
+        """The graph that computes ``outputs`` (marked as graph outputs). ``expand``: tensors
+        whose chains come first, in this order (ggml_build_forward_expand before the final
+        one): they only order independent chains, e.g. a MoE layer's gating weights before its
+        experts so a plugin may fuse the gating run; they are not outputs (but are computed
+        even when no output needs them)."""
+        bad = [t for t in (*outputs, *expand) if not isinstance(t, Tensor)]
+        if bad:
+            raise ShapeError(f"Context.graph: outputs and expand take tensors, not {type(bad[0]).__name__}")
         for o in outputs:
             o.set_output()
-        return Graph(outputs)
+        return Graph(outputs, expand=expand)
 
 
 def _typed_errors(name: str, fn):
@@ -476,12 +483,14 @@ class Graph:
 
     __slots__ = ("nodes", "leafs", "uid", "layout_version", "keep", "__weakref__")
 
-    def __init__(self, outputs: Iterable[Tensor]) -> None:
+    def __init__(self, outputs: Iterable[Tensor], expand: Iterable[Tensor] = ()) -> None:
+        """``outputs``' nodes in topological order; the chains of ``expand`` first (see
+        :meth:`Context.graph`)."""
         self.nodes: list[Tensor] = []
         self.leafs: list[Tensor] = []
         outputs = list(outputs)
         seen: set[int] = set()
-        for out in outputs:
+        for out in [*expand, *outputs]:
             self._visit(out, seen)
         self.uid = next(_graph_ids)
         self.layout_version = 0

@@ -404,6 +404,37 @@ def _gets_rows(dev: Device, ty: GGMLType, cfg: DecoderConfig) -> bool:
     return dev.supports_op(ctx.get_rows(w, ctx.new_tensor_ne(T.I32, 1)))
 
 
+def moe_gating(ctx: Context, logits: Tensor, k: int, norm: bool = True,
+               name: _Namer = lambda t, _: t) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """llama.cpp's softmax gating of ``logits`` [T, E]: the ``k`` experts of highest probability
+    per token (``ids`` [T, k], a view of the descending ARGSORT) and their probabilities
+    (``weights`` [T, k, 1]), when ``norm`` divided by their sum. The nodes come in the order
+    accelplane.core.fusion's moe_gating run names."""
+    n_exp, n_tok = logits.ne[0], logits.ne[1]
+    probs = name(ctx.soft_max(logits), "ffn_moe_probs")
+    order = name(ctx.argsort(probs, SortOrder.DESC), "ffn_moe_argsort")
+    ids = ctx.view(order, (k, n_tok), (order.nb[0], order.nb[1]))  # top-k expert ids
+    wts = name(ctx.get_rows(ctx.reshape_ne(probs, 1, n_exp, n_tok), ids), "ffn_moe_weights")
+    if norm:
+        wts = ctx.reshape_ne(wts, k, n_tok)
+        wts = name(ctx.div(wts, name(ctx.sum_rows(wts), "ffn_moe_weights_sum")), "ffn_moe_weights_norm")
+        wts = ctx.reshape_ne(wts, 1, k, n_tok)
+    return ids, wts
+
+
+def moe_weighted_sum(ctx: Context, experts: Tensor, weights: Tensor, name: _Namer = lambda t, _: t) -> Tensor:
+    """The experts' outputs ``experts`` [T, k, d] weighted by ``weights`` [T, k, 1] and summed over
+    the k slots, as llama.cpp does it (a MUL, then ADDs of its [T, d] views in slot order; one
+    slot: a CONT of the view): [T, d]."""
+    d, k, n_tok = experts.ne[0], experts.ne[1], experts.ne[2]
+    dn = name(ctx.mul(experts, weights), "ffn_moe_weighted")
+    out = None
+    for j in range(k):
+        vj = ctx.view(dn, (d, n_tok), (dn.nb[0], dn.nb[2]), j * dn.nb[1])
+        out = vj if out is None else name(ctx.add(out, vj), "ffn_moe_out")
+    return name(ctx.cont(out), "ffn_moe_out") if k == 1 else out
+
+
 @dataclass(frozen=True)
 class _Place:
     """Where a tensor-split weight lives, for reports: all the meta device's devices."""
@@ -797,6 +828,7 @@ class DecoderModel:
         esz = self.cache_type.type_size
 
         cur = cb(ctx.get_rows(w["token_embd.weight"], tokens), "inp_embd")
+        gating: list[Tensor] = []  # each MoE layer's expert weights, ordered before its experts
         if cfg.embd_scale:
             cur = cb(ctx.scale(cur, cfg.embd_scale), "inp_scaled")
         for il in range(cfg.n_layers):
@@ -831,7 +863,7 @@ class DecoderModel:
                 o = norm(o, p + "post_attention_norm.weight", "attn_post_norm")
             ffn_inp = cb(ctx.add(o, inp), "ffn_inp")
             x = norm(ffn_inp, p + "ffn_norm.weight", "ffn_norm")
-            f = self._moe(ctx, cb, x, p, n_tok) if cfg.is_moe else self._ffn(ctx, cb, x, p)
+            f = self._moe(ctx, cb, x, p, n_tok, gating) if cfg.is_moe else self._ffn(ctx, cb, x, p)
             if cfg.post_norms:
                 f = norm(f, p + "post_ffw_norm.weight", "ffn_post_norm")
             cur = cb(ctx.add(f, ffn_inp), "l_out")
@@ -849,7 +881,7 @@ class DecoderModel:
             logits = ctx.scale(cb(ctx.tanh(cb(ctx.scale(logits, 1.0 / c), "softcap_in")), "softcap_tanh"), c)
         logits = cb(logits, "result_output")  # the last of them
         ids = cb(ctx.argmax(logits), "result_argmax")
-        graph = ctx.graph(logits, ids)
+        graph = ctx.graph(logits, ids, expand=gating)
         return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa)
 
     def _linear(self, ctx: Context, cb: _Namer, base: str, x: Tensor, name: str) -> Tensor:
@@ -897,31 +929,22 @@ class DecoderModel:
             a = cb(glu(g, u), act)
         return self._linear(ctx, cb, p + "ffn_down", a, "ffn_out")
 
-    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int) -> Tensor:
-        """llama.cpp's build_moe_ffn for llama and qwen3moe: softmax gating, top-k, weights renormalized."""
+    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int, gating: list[Tensor]) -> Tensor:
+        """llama.cpp's build_moe_ffn for llama and qwen3moe: softmax gating, top-k, weights
+        renormalized. The weights go to ``gating``: the graph orders their run (softmax →
+        argsort → top-k view → get_rows → sum_rows → div) before the experts, as llama.cpp
+        does, so a plugin can compute it as one kernel (accelplane.core.fusion: moe_gating)."""
         w, cfg = self.w, self.cfg
-        n_exp, k = cfg.n_expert, cfg.n_expert_used
+        k = cfg.n_expert_used
         logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
-        probs = cb(ctx.soft_max(logits), "ffn_moe_probs")
-        order = cb(ctx.argsort(probs, SortOrder.DESC), "ffn_moe_argsort")
-        ids = ctx.view(order, (k, n_tok), (order.nb[0], order.nb[1]))  # top-k expert ids
-        wts = cb(ctx.get_rows(ctx.reshape_ne(probs, 1, n_exp, n_tok), ids), "ffn_moe_weights")
-        wts = ctx.reshape_ne(wts, k, n_tok)
-        wts = cb(ctx.div(wts, cb(ctx.sum_rows(wts), "ffn_moe_weights_sum")), "ffn_moe_weights_norm")
-        wts = ctx.reshape_ne(wts, 1, k, n_tok)
+        ids, wts = moe_gating(ctx, logits, k, name=cb)
+        gating.append(wts)
         xb = ctx.reshape_ne(x, cfg.d_model, 1, n_tok)
         g = cb(ctx.mul_mat_id(w[p + "ffn_gate_exps.weight"], xb, ids), "ffn_moe_gate")
         u = cb(ctx.mul_mat_id(w[p + "ffn_up_exps.weight"], xb, ids), "ffn_moe_up")
         a = cb(ctx.swiglu(g, u), "ffn_moe_swiglu")  # [T, k, ff_exp]
         dn = cb(ctx.mul_mat_id(w[p + "ffn_down_exps.weight"], a, ids), "ffn_moe_down")  # [T, k, d]
-        dn = cb(ctx.mul(dn, wts), "ffn_moe_weighted")
-        out = None
-        for j in range(k):  # sum over the used experts (views, as llama.cpp)
-            vj = ctx.view(dn, (cfg.d_model, n_tok), (dn.nb[0], dn.nb[2]), j * dn.nb[1])
-            out = vj if out is None else cb(ctx.add(out, vj), "ffn_moe_out")
-        if k == 1:
-            out = cb(ctx.cont(out), "ffn_moe_out")
-        return out
+        return moe_weighted_sum(ctx, dn, wts, name=cb)
 
     # --- running ------------------------------------------------------------------------------
     def reset(self) -> None:
