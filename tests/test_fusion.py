@@ -494,3 +494,27 @@ def test_graph_expand_orders_chains_first():
     assert g.nodes == [b, a, y] and not b.flags & TensorFlag.OUTPUT
     with pytest.raises(ShapeError, match="expand take tensors"):
         ctx2.graph(y, expand=[1])
+
+
+def test_moe_runs_in_a_split_of_clones(tmp_path):
+    """Through the scheduler (the split's nodes are clones, its views view the originals): each
+    layer's gating and weighted sum are still runs of the device split's graph."""
+    from accelplane.models import LlamaModel, make_model
+
+    path = tmp_path / "moe.gguf"
+    make_model(path, arch="qwen3moe", n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96,
+               n_vocab=128, n_ctx=256, n_expert=4, n_expert_used=2, d_ff_exp=64, head_dim=32, wtype="f32",
+               seed=8)  # fmt: skip
+    reg = cpu_and_async_registry(n_async=1, delay_us=0)
+    m = LlamaModel.from_gguf(path, [reg.device("ASYNC0")], cpu=reg.device("CPU"), n_ctx=64)
+    try:
+        m.eval([1, 2, 3])
+        m.eval([4])
+        graphs = [g for p in m.sched._plans.values() for sp in p.splits if sp.backend == 0 for g in sp.graphs]
+        assert len(graphs) == 2  # the prefill's and the decode's
+        for g in graphs:
+            f = Fusion(g)
+            assert sum(f.moe_gating(i) is not None for i in range(len(g.nodes))) == 2
+            assert sum(f.moe_sum(i) is not None for i in range(len(g.nodes))) == 2
+    finally:
+        m.free()

@@ -1,14 +1,16 @@
 """Runs of nodes launched as one kernel, where accelplane.core.fusion allows it and a fused kernel
 takes the shapes: ROPE → view → SET_ROWS, ADD + norm (+ MUL), norm + MUL, the Q/K/V projection
-with its ropes and cache writes, the decode attention."""
+with its ropes and cache writes, the decode attention, a MoE layer's gating, its gate and up
+products (one launch) and its weighted sum over the experts."""
 
 from __future__ import annotations
 
-from accelplane.core.fusion import NORMS, Fusion, scales_rows
+from accelplane.core.fusion import NORMS, Fusion, enabled, scales_rows
 from accelplane.core.ops import Op
 from accelplane.core.types import GGMLType as T
 
-from . import attention, norm, qkv, softmax_rope
+from . import attention, moe, norm, qkv, softmax_rope
+from .matvec import mul_mat_id_rows
 
 _ATTENTION = (Op.MUL_MAT, Op.SOFT_MAX, Op.MUL_MAT)
 
@@ -24,6 +26,24 @@ def fuse(plan, fusion: Fusion, i: int, nodes) -> int:
             plan.fused.append(("ROPE", "SET_ROWS"))
             return 3
         return 0
+    if n.op is Op.SOFT_MAX:
+        g = fusion.moe_gating(i)
+        if g is not None and moe.gating_fits(g):
+            moe.gating(plan, g)
+            plan.fused.append(("SOFT_MAX", "ARGSORT", "GET_ROWS", *(("SUM_ROWS", "DIV") if g.normed else ())))
+            return g.covered
+        return 0
+    # (nothing is left unwritten: only ACCELPLANE_FUSION=0 stops it)
+    if n.op is Op.MUL_MAT_ID and enabled() and i + 1 < len(nodes) and moe.pairs(n, nodes[i + 1]):
+        mul_mat_id_rows(plan, n, nodes[i + 1])
+        plan.fused.append(("MUL_MAT_ID", "MUL_MAT_ID"))
+        return 2
+    if n.op is Op.MUL:
+        s = fusion.moe_sum(i)
+        if s is not None and moe.sum_fits(s):
+            moe.weighted_sum(plan, s)
+            plan.fused.append(("MUL", *("ADD",) * (s.k - 1)))
+            return s.covered
     if n.op is Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op in NORMS:
         covered = _add_norm(plan, fusion, i, nodes)
         if covered:

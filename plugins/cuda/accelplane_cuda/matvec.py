@@ -317,15 +317,21 @@ def _mul_mat_vec(plan, n) -> None:
                 block=32 * warps, grid=grid, smem=smem)  # fmt: skip
 
 
-def mul_mat_id_rows(plan, n) -> None:
+def row1_id_fits(n) -> bool:
+    """MUL_MAT_ID ``n`` (a row at a time) takes k_mmv_row1_id: a register layout, K a multiple of 256."""
+    a = n.src[0]
+    return type_id(a) in REGISTER and a.ne[0] % 256 == 0 and rows_aligned(a)
+
+
+def mul_mat_id_rows(plan, n, pair=None) -> None:
     """MUL_MAT_ID a row at a time (moe.py says when): for the register layouts, k_mmv_row1's
-    body per (token, slot) on the activations quantized per row (k_mmv_row1_id); else a warp
-    per weight row of the expert each (token, slot) names (k_mul_mat_id)."""
+    body per (token, slot) on the activations quantized per row (k_mmv_row1_id; with ``pair``, a
+    second MUL_MAT_ID of the same activations, ids, shapes and weight type, both in one launch);
+    else a warp per weight row of the expert each (token, slot) names (k_mul_mat_id)."""
     a, b, ids = n.src
     plan.uses_index = True
-    wt = type_id(a)
-    if wt in REGISTER and a.ne[0] % 256 == 0 and rows_aligned(a):
-        _mmv_row1_id(plan, n)
+    if row1_id_fits(n):
+        _mmv_row1_id(plan, n, pair)
         return
     xp, xnb = x_f32(plan, b)
     P = plan.params([a.ne[1], a.ne[0], ids.ne[0], ids.ne[1], a.ne[2], b.ne[1], a.nb[1], a.nb[2],
@@ -337,24 +343,32 @@ def mul_mat_id_rows(plan, n) -> None:
                 grid=grid)  # fmt: skip
 
 
-def _mmv_row1_id(plan, n) -> None:
+def _mmv_row1_id(plan, n, pair=None) -> None:
     a, b, ids = n.src
     k, n_used, n_tok, rows = a.ne[0], ids.ne[0], ids.ne[1], b.ne[1]
     wt = type_id(a)
     reg = REGISTER[wt]
-    # each activation row quantized on its own (k_quant_x's batches: B rows per token)
-    xp, xnb = x_f32(plan, b)
+    # each activation row quantized on its own (k_quant_x's batches: B rows per token); one row
+    # per token (the gate and up products' shared input) is _quantized's layout too, so the up
+    # product reuses the gate's copy
     xq_bytes = k + (k // 32) * 8
-    xq = np.uint64(plan.scratch(xq_bytes * rows * n_tok))
-    P = plan.params([k, 1, rows, 0, xnb[1], xnb[2], xq_bytes])
-    plan.launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-k // 1024), rows * n_tok))
+    xq = xq_of(plan, b, plan.index[id(n)]) if rows == 1 else None
+    if xq is None:
+        xp, xnb = x_f32(plan, b)
+        xq = np.uint64(plan.scratch(xq_bytes * rows * n_tok))
+        P = plan.params([k, 1, rows, 0, xnb[1], xnb[2], xq_bytes])
+        plan.launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-k // 1024), rows * n_tok))
+        if rows == 1:
+            plan.xq_ready[id(b)] = (b, xq, plan.index[id(n)])
     lpr = max(32, _lanes(k // 32 // reg.per_load, reg.row1.units))  # the body sums whole warps
     rt = reg.row1.rows
     P = [a.ne[1], k, 1, 1, 1, 1, 1, *a.nb[1:], *n.nb[1:], lpr, xq_bytes, 0,
          int(plan.ptr(ids)), ids.nb[0], ids.nb[1], n_used, rows, a.ne[2], int(plan.err)]  # fmt: skip
+    P += [n_used * n_tok, int(plan.ptr(pair.src[0])), int(plan.ptr(pair))] if pair is not None else [0, 0, 0]
     name = compiler.name("k_mmv_row1_id", *_row1_args(wt, lpr, False)[:-1])
+    products = 1 + (pair is not None)
     plan.launch(name, 0, (plan.params(P), plan.ptr(n), plan.ptr(a), xq), block=128,
-                grid=(-(-a.ne[1] // (rt * 128 // lpr)), n_used * n_tok))  # fmt: skip
+                grid=(-(-a.ne[1] // (rt * 128 // lpr)), n_used * n_tok * products))  # fmt: skip
 
 
 OPS = {Op.MUL_MAT: mul_mat}

@@ -8,16 +8,23 @@ used expert once. From
 inside the plan's CUDA graph) and ``k_moe_gemm`` multiplies each tile of one expert's rows by
 its weights on the tensor cores (F16 products, F32 sums, the weights dequantized on the fly):
 an expert's weights are read once per 64 of its rows instead of once per row.
+
+Around the products, two fused runs (accelplane.core.fusion): the gating (softmax → argsort →
+top-k weights → renormalized) as ``k_moe_gating``, and the weighted sum over the used experts
+(MUL and its chain of ADDs) as ``k_moe_sum``: a decode step's layer launches two kernels there
+instead of 5 + k.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from accelplane.core.ops import Op
+from accelplane.core.fusion import MoeGating, MoeSum
+from accelplane.core.ops import Op, SortOrder
+from accelplane.core.types import GGMLType as T
 
 from . import compiler
 from .layout import type_id
-from .matvec import WEIGHT_TYPES, mul_mat_id_rows, x_f32
+from .matvec import WEIGHT_TYPES, mul_mat_id_rows, row1_id_fits, x_f32
 
 GROUPED_MIN_TOKENS = 9  # llama.cpp's CUDA backend also takes up to 8 tokens a row at a time (MMVQ)
 TM, TN = 64, 64  # kernels/moe.cu: MOE_TM, MOE_TN
@@ -26,7 +33,10 @@ MAX_EXPERTS = 1024  # kernels/moe.cu: MOE_MAX_EXP (k_moe_route's block)
 FAMILY = compiler.family("moe", {
     "k_moe_route": [()],
     "k_moe_gemm": compiler.product(WEIGHT_TYPES),
+    "k_moe_gating": [()],
+    "k_moe_sum": [()],
 })  # fmt: skip
+GATING_ROWS = 4  # tokens (warps) per block of k_moe_gating
 
 
 def grouped(n) -> bool:
@@ -56,6 +66,63 @@ def mul_mat_id(plan, n) -> None:
     plan.launch(compiler.name("k_moe_gemm", type_id(a)), 0,
                 (P, plan.ptr(n), plan.ptr(a), xp, np.uint64(rows), np.uint64(tiles)), block=128,
                 grid=(-(-a.ne[1] // TN), max_tiles))  # fmt: skip
+
+
+def pairs(n, nxt) -> bool:
+    """MUL_MAT_IDs ``n`` and ``nxt`` (consecutive nodes) run as one k_mmv_row1_id launch: a
+    decode's products of the same activations and ids (a MoE layer's gate and up) by experts of
+    one type, shape and strides, into results of one shape and strides."""
+    if nxt.op is not Op.MUL_MAT_ID or grouped(n) or not row1_id_fits(n) or n.nelements == 0:
+        return False
+    a, b, ids = n.src
+    a2, b2, ids2 = nxt.src
+    return (b2 is b and ids2 is ids and a2.type == a.type and tuple(a2.ne) == tuple(a.ne)
+            and tuple(a2.nb) == tuple(a.nb) and tuple(nxt.ne) == tuple(n.ne) and tuple(nxt.nb) == tuple(n.nb)
+            and row1_id_fits(nxt))  # fmt: skip
+
+
+def _f32(*ts) -> bool:
+    return all(t.type == T.F32 for t in ts)
+
+
+def gating_fits(g: MoeGating) -> bool:
+    """k_moe_gating takes the run: F32 [E, T] probabilities of unscaled logits, rows of
+    contiguous elements, E <= MAX_EXPERTS and k <= 32."""
+    p, o, w = g.probs, g.order, g.weights
+    lg = p.src[0]
+    scale, max_bias = p.op_params
+    rows = (lg, p, o, *((g.normed,) if g.normed is not None else ()))
+    return (_f32(lg, p, w, *((g.total, g.normed) if g.normed is not None else ())) and o.type == T.I32
+            and scale == 1.0 and max_bias == 0.0 and o.op_params[0] == SortOrder.DESC
+            and tuple(lg.ne) == tuple(p.ne) == tuple(o.ne) and p.ne[2] == p.ne[3] == 1
+            and all(t.nb[0] == 4 for t in rows) and w.nb[1] == 4
+            and p.ne[0] <= MAX_EXPERTS and 0 < g.k <= 32)  # fmt: skip
+
+
+def gating(plan, g: MoeGating) -> None:
+    p, o, w, total, normed = g.probs, g.order, g.weights, g.total, g.normed
+    E, n_tok = p.ne[0], p.ne[1]
+    norm = normed is not None
+    P = plan.params([E, n_tok, p.src[0].nb[1], p.nb[1], o.nb[1], g.k, w.nb[2], total.nb[1] if norm else 0,
+                     normed.nb[1] if norm else 0, int(norm)])  # fmt: skip
+    zero = np.uint64(0)
+    plan.launch("k_moe_gating", 0, (P, plan.ptr(p.src[0]), plan.ptr(p), plan.ptr(o), plan.ptr(w),
+                                    plan.ptr(total) if norm else zero, plan.ptr(normed) if norm else zero),
+                block=32 * GATING_ROWS, grid=(-(-n_tok // GATING_ROWS),),
+                smem=GATING_ROWS * E * 8)  # fmt: skip
+
+
+def sum_fits(s: MoeSum) -> bool:
+    """k_moe_sum takes the run: F32 throughout, fewer than 2^31 results."""
+    x, w = s.mul.src
+    return _f32(x, w, s.mul, s.out) and s.out.nelements < 2**31
+
+
+def weighted_sum(plan, s: MoeSum) -> None:
+    x, w = s.mul.src
+    out = s.out
+    P = plan.params([x.ne[0], s.k, x.ne[2], *x.nb[:3], w.nb[1], w.nb[2], out.nb[0], out.nb[1]])
+    plan.launch("k_moe_sum", out.nelements, (P, plan.ptr(out), plan.ptr(x), plan.ptr(w)))
 
 
 OPS = {Op.MUL_MAT_ID: mul_mat_id}

@@ -101,3 +101,110 @@ def test_expert_index_out_of_range_raises(wtype, n_tok):
     ids_v[1, 2] = 16  # n_exp is 16
     with pytest.raises(ComputeError, match="out of range"):
         _run(_cuda(), wtype, n_tok, 1, ids_v=ids_v)
+
+
+def _gating_graph(n_exp, k, n_tok, d, norm, fusion, monkeypatch, logits_v=None):
+    """The decoder's MoE gating and weighted sum (accelplane.models.decoder) of given router
+    logits and expert outputs, on the GPU: the plan's fused runs and every result."""
+    from accelplane.models.decoder import moe_gating, moe_weighted_sum
+
+    monkeypatch.setenv("ACCELPLANE_FUSION", "1" if fusion else "0")
+    rng = np.random.default_rng(n_tok * 7 + k)
+    ctx = Context()
+    logits = ctx.new_tensor_ne(T.F32, n_exp, n_tok, name="logits")
+    dn = ctx.new_tensor_ne(T.F32, d, k, n_tok, name="experts")
+    ids, wts = moe_gating(ctx, logits, k, norm=norm)
+    out = moe_weighted_sum(ctx, dn, wts)
+    graph = ctx.graph(out, wts, ids.view_src)
+    dev = _cuda()
+    buf = alloc_tensors([logits, dn, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        lv = rng.standard_normal((n_tok, n_exp)).astype(np.float32) if logits_v is None else logits_v
+        dv = rng.standard_normal((n_tok, k, d)).astype(np.float32)
+        logits.set(lv)
+        dn.set(dv)
+        be.compute(graph)
+        fused = be.ctx.plans.get(graph).fused
+        got = (ids.view_src.get().reshape(n_tok, n_exp), wts.get().reshape(n_tok, k),
+               out.get().reshape(n_tok, d))
+    finally:
+        be.free()
+        buf.free()
+    return fused, lv, dv, got
+
+
+@pytest.mark.parametrize("n_exp, k, n_tok, norm", [(64, 8, 1, True), (64, 8, 13, True), (128, 4, 3, False),
+                                                   (8, 2, 40, True), (1000, 32, 2, True)])  # fmt: skip
+def test_gating_and_weighted_sum_fused(monkeypatch, n_exp, k, n_tok, norm):
+    """The gating run (softmax → argsort → top-k → renormalized) and the weighted sum over the
+    slots, each one kernel: the experts of highest float64 probability, in order, their
+    weights and the sum within F32 rounding; the unfused launches give the same bytes."""
+    d = 96
+    fused, lv, dv, (order, w, y) = _gating_graph(n_exp, k, n_tok, d, norm, True, monkeypatch)
+    gate = ("SOFT_MAX", "ARGSORT", "GET_ROWS", *(("SUM_ROWS", "DIV") if norm else ()))
+    assert fused == [gate, ("MUL", *("ADD",) * (k - 1))], fused
+    p = np.exp(lv.astype(np.float64) - lv.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want_order = np.argsort(-p, axis=1, kind="stable")
+    assert (order == want_order).all()
+    want_w = np.take_along_axis(p, want_order[:, :k], 1)
+    if norm:
+        want_w /= want_w.sum(1, keepdims=True)
+    assert np.abs(w - want_w).max() < 1e-6
+    want_y = np.einsum("tkd,tk->td", dv.astype(np.float64), want_w)
+    assert np.abs(y - want_y).max() / np.abs(want_y).max() < 1e-5
+    unfused, _, _, plain = _gating_graph(n_exp, k, n_tok, d, norm, False, monkeypatch)
+    assert unfused == []
+    for a, b in zip((order, w, y), plain, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_gating_ties_keep_the_lower_expert_first(monkeypatch):
+    """Equal router logits: the lower expert index ranks first (stable), as ARGSORT orders."""
+    lv = np.zeros((2, 16), np.float32)
+    lv[0, [3, 9]] = 1.0
+    _, _, _, (order, w, _) = _gating_graph(16, 4, 2, 32, True, True, monkeypatch, logits_v=lv)
+    assert order[0, :4].tolist() == [3, 9, 0, 1] and order[1, :4].tolist() == [0, 1, 2, 3]
+    assert np.allclose(w[1], 0.25)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_gate_and_up_share_the_quantized_activations(monkeypatch, fusion):
+    """Two decode products of the same activations (a MoE layer's gate and up): one k_quant_x
+    launch, one k_mmv_row1_id for both (two with ACCELPLANE_FUSION=0), and each product equals
+    float64 numpy."""
+    monkeypatch.setenv("ACCELPLANE_FUSION", "1" if fusion else "0")
+    rng = np.random.default_rng(5)
+    dev = _cuda()
+    ctx = Context()
+    k, m, n_exp, n_used, n_tok = 512, 128, 8, 2, 2
+    wg = ctx.new_tensor_ne(T.Q4_0, k, m, n_exp, name="gate")
+    wu = ctx.new_tensor_ne(T.Q4_0, k, m, n_exp, name="up")
+    x = ctx.new_tensor_ne(T.F32, k, 1, n_tok, name="x")
+    ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
+    g, u = ctx.mul_mat_id(wg, x, ids), ctx.mul_mat_id(wu, x, ids)
+    graph = ctx.graph(g, u)
+    wbuf = alloc_tensors([wg, wu], dev.buffer_type, BufferUsage.WEIGHTS)
+    buf = alloc_tensors([x, ids, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        wv = [_experts(w, rng) for w in (wg, wu)]
+        xv = rng.standard_normal((n_tok, 1, k)).astype(np.float32)
+        ids_v = np.array([[1, 6], [6, 3]], np.int32)
+        x.set(xv)
+        ids.set(ids_v)
+        be.compute(graph)
+        plan = be.ctx.plans.get(graph)
+        got = [t.get().reshape(n_tok, n_used, m) for t in (g, u)]
+    finally:
+        be.free()
+        buf.free()
+        wbuf.free()
+    names = plan.kernel_names
+    assert names.count("k_quant_x") == 1, names
+    assert sum(n.startswith("k_mmv_row1_id<") for n in names) == (1 if fusion else 2), names
+    assert plan.fused == ([("MUL_MAT_ID", "MUL_MAT_ID")] if fusion else [])
+    for w, y in zip(wv, got, strict=True):
+        want = np.einsum("tumk,tk->tum", w[ids_v], xv[:, 0].astype(np.float64))
+        assert np.abs(y - want).max() / np.abs(want).max() < 2e-2

@@ -223,10 +223,15 @@ class Fusion:
             elif t.op not in (Op.RESHAPE, Op.VIEW):
                 return None
             j += 1
-        if weights is None or _owner(weights.src[0]) is not probs or weights.src[0].ne[0] != 1:
+        if weights is None:
+            return None
+        # (a node's sources are the split's clones; a view's view_src is the original's memory)
+        pv = weights.src[0]
+        if pv.op not in (Op.RESHAPE, Op.VIEW) or pv.src[0] is not probs or pv.ne[0] != 1:
             return None
         k, n_tok = ids.ne[0], ids.ne[1]
-        if ids.view_offs or tuple(ids.ne) != (k, probs.ne[1], 1, 1) or tuple(weights.ne) != (1, k, n_tok, 1):
+        if (ids.view_offs != order.view_offs or tuple(ids.ne) != (k, probs.ne[1], 1, 1)
+                or tuple(weights.ne) != (1, k, n_tok, 1)):  # fmt: skip
             return None
         total = normed = None
         rest = self.nodes[j : j + 3]
@@ -261,8 +266,8 @@ class Fusion:
         acc, seen, j = None, 0, i + 1
         while j < len(self.nodes) and seen < k:
             t = self.nodes[j]
-            if t.op is Op.VIEW and t.view_src is mul:
-                off, r = divmod(t.view_offs, mul.nb[1])
+            if t.op is Op.VIEW and t.src[0] is mul:
+                off, r = divmod(t.view_offs - mul.view_offs, mul.nb[1])
                 if r or tuple(t.ne) != (d, n_tok, 1, 1) or tuple(t.nb[:2]) != (mul.nb[0], mul.nb[2]):
                     return None
                 slices[id(t)] = off

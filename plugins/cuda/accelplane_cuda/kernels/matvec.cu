@@ -703,13 +703,21 @@ k_mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq) 
 // MUL_MAT_ID of a few tokens through k_mmv_row1's body: grid.y over (token t, slot u); the
 // expert ids[u, t] names, the activation row u % B of token t (quantized per row: xq_bytes
 // apart, row u % B + B t) and the output row (u, t). The ids come from an earlier kernel, so the
-// weights are loaded only after pdl_enter. An id out of range sets the error flag.
-// P: k_mmv_row1's [0..15], then [ids, nbi0, nbi1, n_used, B, n_exp, err]
+// weights are loaded only after pdl_enter. An id out of range sets the error flag. pair > 0: two
+// products of the same activations and ids in one launch (a MoE layer's gate and up): grid.y
+// rows from pair on use the second experts w2 and result dst2 (same shapes and strides).
+// P: k_mmv_row1's [0..15], then [ids, nbi0, nbi1, n_used, B, n_exp, err, pair, w2, dst2]
 template <int WT, int U, int LPR, int MINB, int RT>
 __global__ void __launch_bounds__(128, MINB)
 k_mmv_row1_id(const i64* __restrict__ P, char* dst, const char* w, const char* xq) {
     pdl_enter();
-    const int n_used = (int)P[19], B = (int)P[20], u = blockIdx.y % n_used, t = blockIdx.y / n_used;
+    int y = blockIdx.y;
+    if (P[23] && y >= P[23]) {
+        y -= (int)P[23];
+        w = (const char*)P[24];
+        dst = (char*)P[25];
+    }
+    const int n_used = (int)P[19], B = (int)P[20], u = y % n_used, t = y / n_used;
     const int e = *(const int*)((const char*)P[16] + u * P[17] + t * P[18]);
     if (e < 0 || e >= (int)P[21]) {
         if (threadIdx.x == 0) *(int*)P[22] = 1;

@@ -196,3 +196,74 @@ __global__ void __launch_bounds__(128) k_moe_gemm(const i64* __restrict__ P, cha
             }
         }
 }
+
+// A MoE layer's expert weights as one kernel (accelplane.core.fusion: moe_gating), a warp per
+// token: the router's softmax computed as k_soft_max's warp form does (so the same experts
+// win), its descending stable argsort ranked as k_argsort ranks, the top k probabilities and,
+// when norm, their sum and each divided by it (k_sum_rows' and the DIV's arithmetic). Every
+// result is written. E <= MOE_MAX_EXP, k <= 32; dynamic shared memory: E floats and E ints
+// per warp. P: [E, T, nbl1, nbp1, nbo1, k, nbw2, nbt1, nbn1, norm]
+__global__ void k_moe_gating(const i64* __restrict__ P, const char* logits, char* probs, char* order,
+                             char* weights, char* total, char* normed) {
+    pdl_enter();
+    extern __shared__ float gsm[];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 t = (i64)blockIdx.x * nw + wid;
+    if (t >= P[1]) return;  // (no block-wide barrier follows)
+    const int E = (int)P[0], k = (int)P[5];
+    float* p = gsm + wid * E;
+    int* rank_of = (int*)(gsm + nw * E) + wid * E;  // rank_of[r]: the expert ranked r
+    const float* l = (const float*)(logits + t * P[2]);
+    float mx = -AP_INF;
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, l[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int i = lane; i < E; i += 32) {
+        const float e = expf(l[i] - mx);
+        p[i] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.0f / sum;
+    float* pr = (float*)(probs + t * P[3]);
+    for (int i = lane; i < E; i += 32) pr[i] = p[i] = p[i] * inv;
+    __syncwarp();
+    int* o = (int*)(order + t * P[4]);
+    for (int i = lane; i < E; i += 32) {
+        const float xi = p[i];
+        int rank = 0;
+        for (int j = 0; j < E; ++j) {
+            const float xj = p[j];
+            rank += isnan(xi) ? (!isnan(xj) || j < i) : !isnan(xj) && (xj > xi || (xj == xi && j < i));
+        }
+        o[rank] = i;
+        rank_of[rank] = i;
+    }
+    __syncwarp();
+    const float w = lane < k ? p[rank_of[lane]] : 0.0f;
+    if (lane < k) ((float*)(weights + t * P[6]))[lane] = w;
+    if (P[9]) {
+        const float s = warp_sum(w);
+        if (lane == 0) *(float*)(total + t * P[7]) = s;
+        if (lane < k) ((float*)(normed + t * P[8]))[lane] = w / s;
+    }
+}
+
+// The weighted sum over a MoE layer's experts (accelplane.core.fusion: moe_sum): dst[c, t] =
+// sum_j x[c, j, t] * w[j, t], in slot order and rounded after each product and each sum, as
+// the MUL and its chain of ADDs compute it. d * T < 2^31. P: [d, k, T, nbx0, nbx1, nbx2, nbw1,
+// nbw2, nbd0, nbd1]
+__global__ void k_moe_sum(const i64* __restrict__ P, char* dst, const char* x, const char* w) {
+    pdl_enter();
+    const unsigned int d = (unsigned int)P[0], n = d * (unsigned int)P[2];
+    const int k = (int)P[1];
+    for (unsigned int li = blockIdx.x * blockDim.x + threadIdx.x; li < n; li += gridDim.x * blockDim.x) {
+        const unsigned int c = li % d, t = li / d;
+        const char* xs = x + c * P[3] + t * P[5];
+        const char* ws = w + t * P[7];
+        float acc = __fmul_rn(*(const float*)xs, *(const float*)ws);
+        for (int j = 1; j < k; ++j)
+            acc = __fadd_rn(acc, __fmul_rn(*(const float*)(xs + j * P[4]), *(const float*)(ws + j * P[6])));
+        *(float*)(dst + c * P[8] + t * P[9]) = acc;
+    }
+}
