@@ -11,8 +11,8 @@ an expert's weights are read once per 64 of its rows instead of once per row.
 
 Around the products, two fused runs (accelplane.core.fusion): the gating (softmax → argsort →
 top-k weights → renormalized) as ``k_moe_gating``, and the weighted sum over the used experts
-(MUL and its chain of ADDs) as ``k_moe_sum``: a decode step's layer launches two kernels there
-instead of 5 + k.
+(MUL and its chain of ADDs) as ``k_moe_sum``; and a decode's gate and up products of the same
+activations as one k_mmv_row1_id launch (``pairs``): k + 5 launches fewer per decode layer.
 """
 
 from __future__ import annotations
