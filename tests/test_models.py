@@ -461,12 +461,87 @@ def test_run_and_bench_model_with_experts_in_host_memory(models, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"weights on {dev}" in out and "weights on CPU" in out and ": OK" in out, out
+    route = r"routing check vs CPU \(\d+ expert choices, replayed on the CPU\): \d+ differ .*: OK"
+    assert re.search(route, out), out
     assert cli.main(["run", "--model", str(models["f32"]), "--experts", "cpu"]) == 2
     assert "--experts cpu: the model (llama) has no experts" in capsys.readouterr().err
     assert cli.main(["bench", "model", "--model", str(models["qwen3moe"]), "-d", dev, "--n-cpu-moe", "0,2",
                      "--pp", "8", "--tg", "2", "--reps", "1"]) == 0  # fmt: skip
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| synthetic-qwen3moe")]
     assert [ln.split("|")[6].strip() for ln in rows] == ["0", "0", "2", "2"], rows  # ncmoe per pp, tg row
+
+
+def test_moe_routing_traced_and_forced(models):
+    """eval(trace_routing=True) returns each MoE layer's router probabilities (rows of a
+    softmax) and the experts used (their top k, stable); eval(routing=...) makes every layer
+    use the given experts: the traced ones reproduce the logits bit for bit, others change
+    them and come back as used; bad routing is refused."""
+    from accelplane.errors import OutOfRangeError
+    from accelplane.models.decoder import Routing
+
+    cpu = accelplane.get_registry().device("CPU")
+    m = LlamaModel.from_gguf(models["qwen3moe"], [cpu], n_ctx=64)
+    toks = [3, 17, 40, 99, 5]
+    try:
+        plain = m.eval(toks).logits
+        m.reset()
+        r = m.eval(toks, trace_routing=True)
+        assert len(r.routing) == MOE["n_layers"] and np.array_equal(r.logits, plain)
+        for layer in r.routing:
+            assert layer.probs.shape == (5, MOE["n_expert"]) and layer.ids.shape == (5, MOE["n_expert_used"])
+            assert np.allclose(layer.probs.astype(np.float64).sum(1), 1.0, atol=1e-6)
+            top = np.argsort(-layer.probs.astype(np.float64), axis=1, kind="stable")[:, :2]
+            assert np.array_equal(layer.ids, top)
+        m.reset()
+        assert np.array_equal(m.eval(toks, routing=r.routing).logits, plain)
+        other = [Routing(x.probs, (x.ids + 1) % MOE["n_expert"]) for x in r.routing]
+        m.reset()
+        got = m.eval(toks, routing=other)
+        assert np.abs(got.logits - plain).max() > 1e-3
+        assert all(np.array_equal(g.ids, o.ids) for g, o in zip(got.routing, other, strict=True))
+        with pytest.raises(ShapeError, match="routing for 2 MoE layers"):
+            m.eval([1], routing=[Routing(r.routing[0].probs[:1], r.routing[0].ids[:1])])
+        with pytest.raises(ShapeError, match="shape"):
+            m.eval([1], routing=r.routing)
+        bad = [Routing(x.probs[:1], np.full((1, 2), MOE["n_expert"], np.int32)) for x in r.routing]
+        with pytest.raises(OutOfRangeError, match="routing ids"):
+            m.eval([1], routing=bad)
+    finally:
+        m.free()
+    dense = LlamaModel.from_gguf(models["f32"], [cpu], n_ctx=16)
+    try:
+        with pytest.raises(ShapeError, match="MoE models only"):
+            dense.eval([1], trace_routing=True)
+    finally:
+        dense.free()
+
+
+def test_routing_agreement_measures_the_distance_from_a_tie():
+    """routing_agreement: choices equal to the reference's own top k count as agreeing; a swap
+    is measured by the log of the reference's probability ratio across it (float64 by hand)."""
+    from accelplane.models.decoder import Routing
+    from accelplane.models.runner import routing_agreement
+
+    probs = np.array([[0.4, 0.3, 0.2, 0.1], [0.25, 0.249, 0.3, 0.201]], np.float32)
+    same = [[Routing(probs, np.array([[0, 1], [2, 0]], np.int32))]]
+    ag = routing_agreement(same, [[Routing(probs, same[0][0].ids)]])
+    assert (ag.choices, ag.differ, ag.worst, ag.ok) == (2, 0, 0.0, True)
+    # token 1: the run's router put expert 1 a hair above expert 0, the reference's a hair below
+    dev_probs = probs.copy()
+    dev_probs[1, :2] = [0.249, 0.25]
+    near = [[Routing(dev_probs, np.array([[0, 1], [2, 1]], np.int32))]]
+    ag = routing_agreement(near, [[Routing(probs, near[0][0].ids)]])
+    f64 = lambda v: float(np.float32(v))  # noqa: E731  (the probabilities as stored)
+    assert ag.differ == 1 and ag.ok and np.isclose(ag.worst, np.log(f64(0.25) / f64(0.249)), rtol=1e-9)
+    far = [[Routing(probs, np.array([[0, 3], [2, 0]], np.int32))]]  # token 0: 0.1 for 0.3
+    ag = routing_agreement(far, [[Routing(probs, far[0][0].ids)]])
+    assert ag.differ == 1 and not ag.ok and np.isclose(ag.worst, np.log(f64(0.3) / f64(0.1)), rtol=1e-9)
+    assert ag.not_top == 1  # expert 3 (0.1) over expert 1 (0.3): not this run's own top 2 either
+    # the run's own probabilities pick other experts than it used: a defect even where the
+    # reference agrees with the choice
+    mine = np.array([[0.1, 0.1, 0.4, 0.4], [0.25, 0.249, 0.3, 0.201]], np.float32)
+    ag = routing_agreement([[Routing(mine, same[0][0].ids)]], [[Routing(probs, same[0][0].ids)]])
+    assert (ag.differ, ag.not_top, ag.ok) == (0, 1, False)
 
 
 def test_cpu_moe_is_validated(models):

@@ -4,6 +4,8 @@
 greedily, print tokens/s, then recompute the same steps (teacher-forced with the generated
 tokens) on a CPU-only scheduler and compare the logits: max abs error, NMSE and top-1
 agreement; the run fails beyond ``--nmse-tol`` (default :data:`~accelplane.models.runner.NMSE_TOL`).
+A MoE model's replay uses this run's experts, and each choice that differs from the CPU's own
+top k must be a near tie (:data:`~accelplane.models.runner.ROUTE_TIE`), else the run fails.
 
 ``run --prompt TEXT``: tokenize the text with the model's vocabulary, generate (greedy, or
 sampled with ``--temp``/``--top-k``/``--top-p``/``--seed``) until an end-of-generation token or
@@ -35,7 +37,9 @@ from accelplane.models.runner import (
     make_with_bar,
     meta_summary,
     pick_devices,
+    routing_agreement,
     teacher_forced,
+    teacher_forced_routing,
 )
 from accelplane.models.sampling import Sampler
 from accelplane.models.tokenizer import Tokenizer
@@ -177,16 +181,37 @@ def cmd_run(args, out: TextIO | None = None) -> int:
             rec = f"not recorded ({why})" if why else "recorded: one replay per device"
             p(f"tensor split: {m['segments']} segments and {m['allreduces']} all-reduces "
               f"({', '.join(m['algorithms']) or '-'}) per step; {rec}")  # fmt: skip
+        # a MoE: this run's routing, which the CPU's replay then follows (see below)
+        routed = teacher_forced_routing(model, prompt, res.tokens[:-1]) if check and cfg.is_moe else None
     finally:
         model.free()
     if not check:
         return 0
     ref_model = load(f, [cpu], cpu, "none", n_ctx, show=False)
     try:
-        ref = teacher_forced(ref_model, prompt, res.tokens[:-1])
+        if routed is None:
+            ref = teacher_forced(ref_model, prompt, res.tokens[:-1])
+        else:
+            ref, ref_routes = teacher_forced_routing(ref_model, prompt, res.tokens[:-1], forced=routed[1])
     finally:
         ref_model.free()
-    a, b = np.stack(res.logits), np.stack(ref)
+    route_ok = True
+    if routed is not None:
+        # near-tied experts may rank differently under another device's rounding, and one swap
+        # changes everything after it; so the CPU ran this run's experts (its logits then differ
+        # by arithmetic alone), and the experts are checked apart: each differing choice must
+        # be a near tie of the CPU's own probabilities
+        ag = routing_agreement(routed[1], ref_routes)
+        route_ok = ag.ok
+        verdict = "OK" if ag.ok else "FAILED"
+        off = f"; {ag.not_top} not a top {cfg.n_expert_used} of this run's own router" if ag.not_top else ""
+        p(f"routing check vs CPU ({ag.choices} expert choices, replayed on the CPU): {ag.differ} differ "
+          f"from the CPU's own top {cfg.n_expert_used}, the widest swap a log-probability ratio of "
+          f"{ag.worst:.3g} (tolerance {ag.tie:g}){off}: {verdict}")  # fmt: skip
+        res_logits = routed[0]
+    else:
+        res_logits = res.logits
+    a, b = np.stack(res_logits), np.stack(ref)
     err = float(np.max(np.abs(a - b)))
     e = nmse(a, b)
     agree = int(np.sum(a.argmax(-1) == b.argmax(-1)))
@@ -194,7 +219,7 @@ def cmd_run(args, out: TextIO | None = None) -> int:
     p(f"logits check vs CPU ({len(ref)} steps, teacher-forced): max abs err {err:.3g}, NMSE {e:.3g}, "
       f"top-1 agree {agree}/{len(ref)} (tolerance NMSE <= {args.nmse_tol:g}): "
       f"{'OK' if ok else 'FAILED'}")  # fmt: skip
-    return 0 if ok else 1
+    return 0 if ok and route_ok else 1
 
 
 def cmd_bench_model(args, out: TextIO | None = None) -> int:

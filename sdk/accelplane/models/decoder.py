@@ -344,6 +344,10 @@ class _Step:
     argmax: Tensor
     groups: dict[int, str] = field(default_factory=dict)  # id(node) -> "inp" / "blk.N" / "out"
     mask_swa: Tensor | None = None  # the sliding-window layers' mask
+    # traced or forced routing (DecoderModel.eval): per MoE layer, its probabilities [T, E] and
+    # the experts used: the ARGSORT [T, E] (the first k are used), or the forced ids input [T, k]
+    routes: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    forced: bool = False
 
 
 @dataclass
@@ -353,6 +357,16 @@ class EvalResult:
 
     ids: np.ndarray
     logits: np.ndarray | None
+    routing: list[Routing] | None = None  # eval(trace_routing / routing=...): per MoE layer
+
+
+@dataclass
+class Routing:
+    """One MoE layer's routing of a step's tokens: the router's probabilities ``probs`` F32
+    [T, E] and the experts used ``ids`` I32 [T, k] (its top k, or those it was given)."""
+
+    probs: np.ndarray
+    ids: np.ndarray
 
 
 def _packed(ctx: Context, cb: _Namer, t: Tensor, name: str) -> Tensor:
@@ -404,16 +418,21 @@ def _gets_rows(dev: Device, ty: GGMLType, cfg: DecoderConfig) -> bool:
     return dev.supports_op(ctx.get_rows(w, ctx.new_tensor_ne(T.I32, 1)))
 
 
-def moe_gating(ctx: Context, logits: Tensor, k: int, norm: bool = True,
-               name: _Namer = lambda t, _: t) -> tuple[Tensor, Tensor]:  # fmt: skip
+def moe_gating(ctx: Context, logits: Tensor, k: int, norm: bool = True, name: _Namer = lambda t, _: t,
+               ids: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """llama.cpp's softmax gating of ``logits`` [T, E]: the ``k`` experts of highest probability
     per token (``ids`` [T, k], a view of the descending ARGSORT) and their probabilities
     (``weights`` [T, k, 1]), when ``norm`` divided by their sum. The nodes come in the order
-    accelplane.core.fusion's moe_gating run names."""
+    accelplane.core.fusion's moe_gating run names. Given ``ids`` (I32 [T, k]), those experts
+    are used instead of the top k (no ARGSORT), with their probabilities."""
     n_exp, n_tok = logits.ne[0], logits.ne[1]
     probs = name(ctx.soft_max(logits), "ffn_moe_probs")
-    order = name(ctx.argsort(probs, SortOrder.DESC), "ffn_moe_argsort")
-    ids = ctx.view(order, (k, n_tok), (order.nb[0], order.nb[1]))  # top-k expert ids
+    if ids is None:
+        order = name(ctx.argsort(probs, SortOrder.DESC), "ffn_moe_argsort")
+        ids = ctx.view(order, (k, n_tok), (order.nb[0], order.nb[1]))  # top-k expert ids
+    elif tuple(ids.ne[:2]) != (k, n_tok) or ids.type != T.I32:
+        got = f"{ids.type.name} {list(ids.ne[:2])}"
+        raise ShapeError(f"moe_gating: ids must be I32 [{n_tok}, {k}] (ggml order [k, T]), got {got}")
     wts = name(ctx.get_rows(ctx.reshape_ne(probs, 1, n_exp, n_tok), ids), "ffn_moe_weights")
     if norm:
         wts = ctx.reshape_ne(wts, k, n_tok)
@@ -600,7 +619,7 @@ class DecoderModel:
             self.sched = Scheduler(self.backends, policy=policy)
         self.n_past = 0
         self.load_s = 0.0  # set by from_gguf
-        self._steps: dict[tuple[int, int, bool], _Step] = {}
+        self._steps: dict[tuple[int, int, bool, str], _Step] = {}
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
         self.buffers: list[Buffer] = []
         if merge is None:
@@ -786,16 +805,18 @@ class DecoderModel:
         """Cache slots attended when the last position is ``n_end - 1``."""
         return min(self.n_ctx, -(-n_end // self.kv_pad) * self.kv_pad)
 
-    def step(self, n_tokens: int, n_kv: int, all_rows: bool = False) -> _Step:
+    def step(self, n_tokens: int, n_kv: int, all_rows: bool = False, routing: str = "") -> _Step:
         """The (cached) graph for a batch of ``n_tokens`` attending ``n_kv`` cache slots;
-        ``all_rows``: logits for every token, else only for the last."""
-        key = (n_tokens, n_kv, all_rows or n_tokens == 1)
+        ``all_rows``: logits for every token, else only for the last. ``routing``: "" (the
+        model's own, nothing kept), "trace" (each MoE layer's probabilities and ARGSORT kept as
+        outputs) or "forced" (each MoE layer's experts an input, its probabilities kept)."""
+        key = (n_tokens, n_kv, all_rows or n_tokens == 1, routing if self.cfg.is_moe else "")
         st = self._steps.get(key)
         if st is None:
             st = self._steps[key] = self._build(*key)
         return st
 
-    def _build(self, n_tok: int, n_kv: int, all_rows: bool) -> _Step:
+    def _build(self, n_tok: int, n_kv: int, all_rows: bool, routing: str) -> _Step:
         """Build the forward graph (module docstring) for one batch shape."""
         cfg, w = self.cfg, self.w
         ctx = Context(f"{cfg.arch}-{n_tok}x{n_kv}")
@@ -829,6 +850,7 @@ class DecoderModel:
 
         cur = cb(ctx.get_rows(w["token_embd.weight"], tokens), "inp_embd")
         gating: list[Tensor] = []  # each MoE layer's expert weights, ordered before its experts
+        routes: list[tuple[Tensor, Tensor]] = []  # traced or forced routing (_Step.routes)
         if cfg.embd_scale:
             cur = cb(ctx.scale(cur, cfg.embd_scale), "inp_scaled")
         for il in range(cfg.n_layers):
@@ -863,7 +885,10 @@ class DecoderModel:
                 o = norm(o, p + "post_attention_norm.weight", "attn_post_norm")
             ffn_inp = cb(ctx.add(o, inp), "ffn_inp")
             x = norm(ffn_inp, p + "ffn_norm.weight", "ffn_norm")
-            f = self._moe(ctx, cb, x, p, n_tok, gating) if cfg.is_moe else self._ffn(ctx, cb, x, p)
+            if cfg.is_moe:
+                f = self._moe(ctx, cb, x, p, n_tok, gating, routes if routing else None, routing == "forced")
+            else:
+                f = self._ffn(ctx, cb, x, p)
             if cfg.post_norms:
                 f = norm(f, p + "post_ffw_norm.weight", "ffn_post_norm")
             cur = cb(ctx.add(f, ffn_inp), "l_out")
@@ -881,8 +906,9 @@ class DecoderModel:
             logits = ctx.scale(cb(ctx.tanh(cb(ctx.scale(logits, 1.0 / c), "softcap_in")), "softcap_tanh"), c)
         logits = cb(logits, "result_output")  # the last of them
         ids = cb(ctx.argmax(logits), "result_argmax")
-        graph = ctx.graph(logits, ids, expand=gating)
-        return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa)
+        graph = ctx.graph(logits, ids, *(t for r in routes for t in r), expand=gating)
+        return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa,
+                     routes, routing == "forced")  # fmt: skip
 
     def _linear(self, ctx: Context, cb: _Namer, base: str, x: Tensor, name: str) -> Tensor:
         """``x`` times weight ``base``.weight, plus ``base``.bias when the model has one."""
@@ -929,16 +955,28 @@ class DecoderModel:
             a = cb(glu(g, u), act)
         return self._linear(ctx, cb, p + "ffn_down", a, "ffn_out")
 
-    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int, gating: list[Tensor]) -> Tensor:
+    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int, gating: list[Tensor],
+             routes: list[tuple[Tensor, Tensor]] | None = None, forced: bool = False) -> Tensor:  # fmt: skip
         """llama.cpp's build_moe_ffn for llama and qwen3moe: softmax gating, top-k, weights
         renormalized. The weights go to ``gating``: the graph orders their run (softmax →
         argsort → top-k view → get_rows → sum_rows → div) before the experts, as llama.cpp
-        does, so a plugin can compute it as one kernel (accelplane.core.fusion: moe_gating)."""
+        does, so a plugin can compute it as one kernel (accelplane.core.fusion: moe_gating).
+        ``routes``: gets (probabilities, ARGSORT or, ``forced``, the ids input) as outputs."""
         w, cfg = self.w, self.cfg
         k = cfg.n_expert_used
         logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
-        ids, wts = moe_gating(ctx, logits, k, name=cb)
+        given = cb(ctx.new_tensor(T.I32, (n_tok, k)), "ffn_moe_ids").set_input() if forced else None
+        named: dict[str, Tensor] = {}
+
+        def name(t: Tensor, what: str) -> Tensor:
+            named[what] = t
+            return cb(t, what)
+
+        ids, wts = moe_gating(ctx, logits, k, name=name, ids=given)
         gating.append(wts)
+        if routes is not None:
+            used = given if given is not None else ids.view_src  # the input, or the whole ARGSORT
+            routes.append((named["ffn_moe_probs"].set_output(), used.set_output()))
         xb = ctx.reshape_ne(x, cfg.d_model, 1, n_tok)
         g = cb(ctx.mul_mat_id(w[p + "ffn_gate_exps.weight"], xb, ids), "ffn_moe_gate")
         u = cb(ctx.mul_mat_id(w[p + "ffn_up_exps.weight"], xb, ids), "ffn_moe_up")
@@ -972,10 +1010,16 @@ class DecoderModel:
             st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
 
     def eval(self, tokens: Sequence[int] | np.ndarray, *, all_logits: bool = False,
-             want_logits: bool = True) -> EvalResult:  # fmt: skip
+             want_logits: bool = True, trace_routing: bool = False,
+             routing: Sequence[Routing] | None = None) -> EvalResult:  # fmt: skip
         """Run ``tokens`` at positions ``n_past ..``: write their K/V into the cache, return
         the greedy next ids and (``want_logits``) the logits of the last token, or of every
-        token with ``all_logits``. Advances ``n_past``."""
+        token with ``all_logits``. Advances ``n_past``.
+
+        A MoE model's routing: ``trace_routing`` returns each MoE layer's (:class:`Routing`);
+        ``routing`` (one per MoE layer, for these tokens) makes each layer use the given experts
+        instead of its top k (teacher-forcing the routing of another run), and returns the
+        routing with this model's own probabilities."""
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = toks.size
         if n == 0:
@@ -985,9 +1029,14 @@ class DecoderModel:
                                   f"{self.n_ctx}")  # fmt: skip
         if toks.min() < 0 or toks.max() >= self.cfg.n_vocab:
             raise OutOfRangeError(f"eval: token ids must be in 0..{self.cfg.n_vocab - 1}")
-        st = self.step(n, self.window(self.n_past + n), all_logits)
+        mode = "forced" if routing is not None else "trace" if trace_routing else ""
+        if mode and not self.cfg.is_moe:
+            raise ShapeError("eval: routing is traced or given for MoE models only")
+        st = self.step(n, self.window(self.n_past + n), all_logits, mode)
         self.sched.alloc_graph(st.graph)
         st.tokens.set(toks.astype(np.int32))
+        if routing is not None:
+            self._force_routing(st, routing, n)
         ready = self._positions_set
         if ready is None or ready[0] is not st or ready[1] != self.n_past:
             self._set_positions(st, self.n_past)
@@ -1005,7 +1054,23 @@ class DecoderModel:
         self.n_past += n
         ids = st.argmax.get().astype(np.int64)
         logits = st.logits.get() if want_logits else None
-        return EvalResult(ids, logits)
+        k = self.cfg.n_expert_used
+        routes = [Routing(p.get().reshape(n, -1), u.get().reshape(n, -1)[:, :k].astype(np.int32))
+                  for p, u in st.routes] if mode else None  # fmt: skip
+        return EvalResult(ids, logits, routes)
+
+    def _force_routing(self, st: _Step, routing: Sequence[Routing], n: int) -> None:
+        """Write the given experts into step ``st``'s ids inputs, checked against the model."""
+        k, n_exp = self.cfg.n_expert_used, self.cfg.n_expert
+        if len(routing) != len(st.routes):
+            raise ShapeError(f"eval: routing for {len(st.routes)} MoE layers expected, got {len(routing)}")
+        for (_, inp), r in zip(st.routes, routing, strict=True):
+            ids = np.asarray(r.ids)
+            if ids.shape != (n, k):
+                raise ShapeError(f"eval: routing ids of shape ({n}, {k}) expected, got {ids.shape}")
+            if ids.size and (ids.min() < 0 or ids.max() >= n_exp):
+                raise OutOfRangeError(f"eval: routing ids must be in 0..{n_exp - 1}")
+            inp.set(ids.astype(np.int32))
 
     def generate(self, prompt: Sequence[int], n_new: int,
                  on_token: Callable[[int], None] | None = None) -> list[int]:  # fmt: skip

@@ -21,7 +21,7 @@ from accelplane.errors import ComputeError, DeviceError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.models import bert
 from accelplane.models.archs import ARCHITECTURES
-from accelplane.models.decoder import DecoderModel
+from accelplane.models.decoder import DecoderModel, Routing
 from accelplane.models.gguf import (
     GGUFFile,
     parallel_sources,
@@ -73,6 +73,10 @@ MAKE_ARCHS: dict[str, tuple[dict[str, dict], str, tuple[str, ...]]] = {
 # logits vs the CPU plugin over every compared step; measured on this machine's plugins
 # (Q8_0 model, F16 cache): 1.6e-4 SYCL (CPU OpenCL), ~2e-4 Vulkan (lavapipe), 3e-4 Hexagon (emulated)
 NMSE_TOL = 1e-3
+# a MoE router's choice that differs from the reference's own top k is a near tie when the
+# reference's probabilities of the experts swapped are within this log-ratio (10 %); the
+# synthetic 8b-a1b qwen3moe (64 experts, Q4_0) swaps up to 4.6 % on SYCL (OpenCL CPU) vs CPU
+ROUTE_TIE = 0.1
 
 
 def default_model_path(out: TextIO | None = None) -> Path:
@@ -279,6 +283,70 @@ def teacher_forced(model: DecoderModel, prompt: Sequence[int], tokens: Sequence[
     for t in tokens:
         out.append(model.eval([t]).logits[-1].copy())
     return out
+
+
+def teacher_forced_routing(model: DecoderModel, prompt: Sequence[int], tokens: Sequence[int],
+                           forced: Sequence[Sequence[Routing]] | None = None,
+                           ) -> tuple[list[np.ndarray], list[list[Routing]]]:  # fmt: skip
+    """:func:`teacher_forced` for a MoE model, with each step's routing per MoE layer: the
+    model's own (traced), or with ``forced`` (a routing list per step, as this returns) the
+    experts given, so that two runs compare arithmetic on the same experts."""
+    model.reset()
+    logits, routes = [], []
+    for i, toks in enumerate([list(prompt), *([t] for t in tokens)]):
+        r = model.eval(toks, trace_routing=forced is None, routing=None if forced is None else forced[i])
+        logits.append(r.logits[-1].copy())
+        routes.append(r.routing)
+    return logits, routes
+
+
+@dataclass
+class RoutingAgreement:
+    """How one run's expert choices compare with a reference's own top k, per (step, MoE layer,
+    token): ``choices`` compared, ``differ`` where the sets differ, and the largest log-ratio
+    of the reference's probabilities across a swap (0 when none differ): the swap's distance
+    from a tie. ``ok``: every differing choice within ``tie``."""
+
+    choices: int
+    differ: int
+    worst: float
+    tie: float
+    not_top: int = 0  # choices that are not a top k of the run's own probabilities
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= self.tie and self.not_top == 0
+
+
+def routing_agreement(used: Sequence[Sequence[Routing]], ref: Sequence[Sequence[Routing]],
+                      tie: float = ROUTE_TIE) -> RoutingAgreement:  # fmt: skip
+    """Compare the experts ``used`` (per step, per MoE layer) with the top k of the reference
+    probabilities ``ref`` (same steps and layers: teacher_forced_routing's, the reference run
+    forced to ``used``): for each token, the log of the reference's probability ratio between
+    the best expert it would have picked but was not used and the worst used it would not have
+    picked. Also counts the choices that are not a top k of ``used``'s own probabilities (the
+    run's router and its choice disagree: a defect, not rounding)."""
+    choices = differ = not_top = 0
+    worst = 0.0
+    for us, rs in zip(used, ref, strict=True):
+        for u, r in zip(us, rs, strict=True):
+            k = u.ids.shape[1]
+            own = np.argsort(-r.probs, axis=1, kind="stable")[:, :k]
+            for t in range(u.ids.shape[0]):
+                choices += 1
+                mine = np.zeros(u.probs.shape[1], bool)
+                mine[u.ids[t]] = True
+                if mine.sum() != k or (~mine).any() and u.probs[t][~mine].max() > u.probs[t][mine].min():
+                    not_top += 1
+                a, b = set(u.ids[t].tolist()), set(own[t].tolist())
+                if a == b:
+                    continue
+                differ += 1
+                p = r.probs[t].astype(np.float64)
+                best_left = max(p[e] for e in b - a)
+                worst_used = min(p[e] for e in a - b)
+                worst = max(worst, float(np.log(best_left / max(worst_used, 1e-300))))
+    return RoutingAgreement(choices, differ, worst, tie, not_top)
 
 
 def meta_summary(meta) -> dict:
