@@ -70,15 +70,17 @@ def glu(plan, n) -> None:
         nbx = nbg = a.nb
     else:
         xp, gp, nbx, nbg = int(plan.ptr(a)), int(plan.ptr(b)), a.nb, b.nb
-    P = plan.params([n.nelements, *n.ne, *n.nb, *nbx, *nbg, int(op)])
-    args = (P, plan.ptr(n), np.uint64(xp), np.uint64(gp))
     vec = n.ne[0] % 32 == 0 and n.ne[2] == n.ne[3] == 1 and xp % 16 == 0 and gp % 16 == 0
     vec = vec and f32_rows16(n) and all(q[0] == 4 and q[1] % 16 == 0 for q in (nbx, nbg))
     vec = vec and a.type == T.F32 and (b is None or b.type == T.F32)
     if vec:  # float4s, and the quantized activations of a register mat-vec reading it
+        xq, row_bytes = matvec.xq_for(plan, n, per_row=True)
+        P = plan.params([n.nelements, *n.ne, *n.nb, *nbx, *nbg, int(op), row_bytes])
         grid = (-(-n.nelements // 1024),)
-        plan.launch("k_glu_vec", 0, (*args, matvec.xq_for(plan, n)), block=256, grid=grid)
+        plan.launch("k_glu_vec", 0, (P, plan.ptr(n), np.uint64(xp), np.uint64(gp), xq), block=256, grid=grid)
     else:
+        P = plan.params([n.nelements, *n.ne, *n.nb, *nbx, *nbg, int(op)])
+        args = (P, plan.ptr(n), np.uint64(xp), np.uint64(gp))
         plan.launch(compiler.name("k_glu", CTYPE[n.type]), n.nelements, args)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from accelplane.core.ops import FLOAT, VIEW_OPS, Op
+from accelplane.core.ops import FLOAT, Op
 from accelplane.core.types import GGMLType as T
 
 from . import compiler, gemm, layout, rows
@@ -200,56 +200,56 @@ def _quantized(plan, n) -> tuple[np.uint64, int]:
     a, b = n.src
     k, nrow = a.ne[0], b.ne[1]
     xq_bytes = nrow * k + nrow * (k // 32) * 8  # int8 quants, then a float scale and an int sum per unit
-    xq = xq_of(plan, b, plan.index[id(n)])
+    xq = plan.derived("xq", b, n)
     if xq is None:
         batches = b.ne[2] * b.ne[3]
         xp, xnb = x_f32(plan, b)
         xq = np.uint64(plan.scratch(xq_bytes * batches))
         P = plan.params([k, nrow, b.ne[2], *xnb[1:], xq_bytes])
         plan.launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-nrow * k // 1024), batches))
-        plan.xq_ready[id(b)] = (b, xq, plan.index[id(n)])
+        plan.remember("xq", b, xq, n)
     return xq, xq_bytes
 
 
-def xq_for(plan, out) -> np.uint64:
-    """Scratch for ``out`` quantized as k_quant_x writes it (flat over its elements), when a
-    register mat-vec reads ``out``, directly or through a contiguous view of all of it in the
-    same memory order (the attention's permuted, reshaped output), as rows of a multiple of
-    32 elements with ne2 = ne3 = 1: the kernel writing ``out`` then writes that too, and
-    mmv_row skips k_quant_x. Else a null pointer."""
+def xq_for(plan, out, per_row: bool = False):
+    """Scratch for ``out`` quantized as k_quant_x writes it, when a register mat-vec reads
+    ``out``, directly or through a contiguous view of all of it in the same memory order (the
+    attention's permuted, reshaped output), as rows of a multiple of 32 elements with ne2 = ne3
+    = 1: a MUL_MAT (flat over its elements), or a decode's MUL_MAT_ID (each activation row on
+    its own, as k_mmv_row1_id quantizes them: the flat layout too for one row). The kernel
+    writing ``out`` then writes that too, and the products skip k_quant_x. Else a null pointer.
+
+    ``per_row``: the writer can also write each row on its own (k_glu_vec); then the result is
+    (pointer, bytes per row, 0 for flat), and rows of MUL_MAT_ID readers of several activation
+    rows are served too where no MUL_MAT reads ``out``."""
 
     def reads_as_is(b) -> bool:
         return b is out or (layout.root(b) is layout.root(out) and b.buffer is out.buffer
                             and b.offs == out.offs and b.nelements == out.nelements
                             and b.is_contiguous() and out.is_contiguous())  # fmt: skip
 
-    readers = [c for c in plan.nodes if c.op is Op.MUL_MAT and c.src[0].buffer and reads_as_is(c.src[1])]
-    readers = [c for c in readers if c.src[1].ne[0] % 32 == 0 and c.src[1].ne[2] == c.src[1].ne[3] == 1
-               and takes_row(c)]  # fmt: skip
-    if not readers:
-        return np.uint64(0)
+    def rows_fit(b) -> bool:
+        return b.ne[0] % 32 == 0 and b.ne[2] == b.ne[3] == 1
+
+    mm = [c for c in plan.nodes if c.op is Op.MUL_MAT and c.src[0].buffer and reads_as_is(c.src[1])
+          and rows_fit(c.src[1]) and takes_row(c)]  # fmt: skip
+    ids = [c for c in plan.nodes if c.op is Op.MUL_MAT_ID and c.src[0].buffer and reads_as_is(c.src[1])
+           and rows_fit(c.src[1]) and c.src[2].ne[1] == 1 and row1_id_fits(c)]  # fmt: skip
+    one = [c for c in ids if c.src[1].ne[1] == 1]
+    several = [c for c in ids if c.src[1].ne[1] > 1] if per_row and not mm else []
+    none = (np.uint64(0), 0) if per_row else np.uint64(0)
+    if not (mm or one or several):
+        return none
     total = out.nelements
     xq = np.uint64(plan.scratch(total + total // 32 * 8))
-    for c in readers:
-        plan.xq_ready[id(c.src[1])] = (c.src[1], xq, plan.index[id(out)])
-    return xq
-
-
-def xq_of(plan, b, i: int) -> np.uint64 | None:
-    """The quantized copy of ``b`` for node ``i``'s register mat-vec, if one was made and no
-    node since wrote into ``b``'s memory (CPY or SET_ROWS into it, an op on a view of it);
-    scratch is never shared, so only such writes could make the copy stale."""
-    ready = plan.xq_ready.get(id(b))
-    if ready is None or ready[0] is not b:
-        return None
-    own = layout.root(b)
-    for n in plan.nodes[ready[2] + 1 : i]:
-        if n.op is None or n.op in VIEW_OPS:
-            continue
-        dst = n.src[1] if n.op is Op.CPY else n.src[0] if n.op is Op.SET_ROWS else n
-        if layout.root(dst) is own:
-            return None
-    return ready[1]
+    for c in (*mm, *one):
+        plan.remember("xq", c.src[1], xq, out)
+    for c in several:
+        plan.remember("xq_rows", c.src[1], xq, out)
+    if not per_row:
+        return xq
+    k = out.ne[0]
+    return xq, (k + k // 32 * 8 if several else 0)
 
 
 def x_f32(plan, b) -> tuple[np.uint64, list[int]]:
@@ -352,14 +352,13 @@ def _mmv_row1_id(plan, n, pair=None) -> None:
     # per token (the gate and up products' shared input) is _quantized's layout too, so the up
     # product reuses the gate's copy
     xq_bytes = k + (k // 32) * 8
-    xq = xq_of(plan, b, plan.index[id(n)]) if rows == 1 else None
+    xq = plan.derived("xq" if rows == 1 else "xq_rows", b, n)
     if xq is None:
         xp, xnb = x_f32(plan, b)
         xq = np.uint64(plan.scratch(xq_bytes * rows * n_tok))
         P = plan.params([k, 1, rows, 0, xnb[1], xnb[2], xq_bytes])
         plan.launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-k // 1024), rows * n_tok))
-        if rows == 1:
-            plan.xq_ready[id(b)] = (b, xq, plan.index[id(n)])
+        plan.remember("xq" if rows == 1 else "xq_rows", b, xq, n)
     lpr = max(32, _lanes(k // 32 // reg.per_load, reg.row1.units))  # the body sums whole warps
     rt = reg.row1.rows
     P = [a.ne[1], k, 1, 1, 1, 1, 1, *a.nb[1:], *n.nb[1:], lpr, xq_bytes, 0,

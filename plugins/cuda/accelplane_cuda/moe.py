@@ -13,6 +13,8 @@ Around the products, two fused runs (accelplane.core.fusion): the gating (softma
 top-k weights → renormalized) as ``k_moe_gating``, and the weighted sum over the used experts
 (MUL and its chain of ADDs) as ``k_moe_sum``; and a decode's gate and up products of the same
 activations as one k_mmv_row1_id launch (``pairs``): k + 5 launches fewer per decode layer.
+A decode's products read their activations quantized by the norm and the SWIGLU that wrote
+them (matvec.xq_for): no k_quant_x launch either.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from accelplane.core.fusion import Fusion
 from accelplane.core.ops import VIEW_OPS, Op
 from accelplane.errors import ComputeError
 
-from . import compiler, conv, elementwise, fuse, matvec, moe, norm, reduce, rows, softmax_rope, tuning
+from . import compiler, conv, elementwise, fuse, layout, matvec, moe, norm, reduce, rows, softmax_rope, tuning
 from .args import THREADS
 from .launch import Launch, pdl_wanted
 
@@ -63,7 +63,8 @@ class CudaPlan:
         # activations already quantized for the register mat-vec, by the kernel that produced
         # them or by an earlier product's k_quant_x: id(tensor) → (tensor, scratch address,
         # index of the node after which the quantized copy matches the tensor; matvec.py)
-        self.xq_ready: dict[int, tuple] = {}
+        # (kind, id(t)) -> (t, value, node index): copies derived from t (Plan.derived)
+        self.memo: dict[tuple[str, int], tuple] = {}
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention
         with cp.cuda.Device(sctx.device):
@@ -108,6 +109,26 @@ class CudaPlan:
     def err(self) -> np.uint64:
         """The stream's index error flag (plugin.py: ErrFlag), for kernels that check indices."""
         return self.sctx.err.ptr
+
+    def remember(self, kind: str, t, value, node) -> None:
+        """Note ``value`` (a copy or table made from ``t``'s contents, in scratch) as made at ``node``."""
+        self.memo[(kind, id(t))] = (t, value, self.index[id(node)])
+
+    def derived(self, kind: str, t, node):
+        """What ``remember(kind, t, ..)`` noted, if no node between it and ``node`` wrote into
+        ``t``'s memory (CPY or SET_ROWS into it, an op on a view of it); else None. Scratch is
+        never shared, so only such writes could make the copy stale."""
+        got = self.memo.get((kind, id(t)))
+        if got is None or got[0] is not t:
+            return None
+        own = layout.root(t)
+        for n in self.nodes[got[2] + 1 : self.index[id(node)]]:
+            if n.op is None or n.op in VIEW_OPS:
+                continue
+            dst = n.src[1] if n.op is Op.CPY else n.src[0] if n.op is Op.SET_ROWS else n
+            if layout.root(dst) is own:
+                return None
+        return got[1]
 
     def scratch(self, nbytes: int) -> int:
         m = self.cp.cuda.Memory(max(nbytes, 1))

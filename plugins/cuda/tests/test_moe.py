@@ -208,3 +208,46 @@ def test_gate_and_up_share_the_quantized_activations(monkeypatch, fusion):
     for w, y in zip(wv, got, strict=True):
         want = np.einsum("tumk,tk->tum", w[ids_v], xv[:, 0].astype(np.float64))
         assert np.abs(y - want).max() / np.abs(want).max() < 2e-2
+
+
+def test_decode_layer_quantizes_in_the_norm_and_the_glu():
+    """A decode's MoE products (gate and up of the normed activations, down of their SWIGLU):
+    the norm writes the quantized copy gate and up read, the SWIGLU writes each slot's row
+    quantized for down, so no k_quant_x runs; each product within int8 rounding of float64."""
+    rng = np.random.default_rng(11)
+    dev = _cuda()
+    ctx = Context()
+    k, m, n_exp, n_used = 512, 256, 8, 4
+    wg, wu = (ctx.new_tensor_ne(T.Q4_0, k, m, n_exp, name=s) for s in ("gate", "up"))
+    wd = ctx.new_tensor_ne(T.Q8_0, m, k, n_exp, name="down")
+    x = ctx.new_tensor_ne(T.F32, k, 1, name="x")
+    nw = ctx.new_tensor_ne(T.F32, k, name="norm")
+    ids = ctx.new_tensor_ne(T.I32, n_used, 1, name="ids")
+    h = ctx.mul(ctx.rms_norm(x, 1e-6), nw)
+    xb = ctx.reshape_ne(h, k, 1, 1)
+    g, u = ctx.mul_mat_id(wg, xb, ids), ctx.mul_mat_id(wu, xb, ids)
+    a = ctx.swiglu(g, u)
+    d = ctx.mul_mat_id(wd, a, ids)
+    graph = ctx.graph(d, h, g, u, a)
+    wbuf = alloc_tensors([wg, wu, wd], dev.buffer_type, BufferUsage.WEIGHTS)
+    buf = alloc_tensors([x, nw, ids, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        wv = [_experts(w, rng) for w in (wg, wu, wd)]
+        x.set(rng.standard_normal((1, k)).astype(np.float32))
+        nw.set(rng.uniform(0.5, 1.5, k).astype(np.float32))
+        ids_v = np.array([[5, 0, 7, 2]], np.int32)
+        ids.set(ids_v)
+        be.compute(graph)
+        names = be.ctx.plans.get(graph).kernel_names
+        hv, gv, uv, av, dv = (t.get().astype(np.float64).reshape(n_used if t is not h else 1, -1)
+                              for t in (h, g, u, a, d))  # fmt: skip
+    finally:
+        be.free()
+        buf.free()
+        wbuf.free()
+    assert "k_quant_x" not in names and "k_glu_vec" in names, names
+    assert sum(n.startswith("k_mmv_row1_id<") for n in names) == 2, names  # gate and up paired, down
+    for y, w, xin in ((gv, wv[0], hv[[0] * n_used]), (uv, wv[1], hv[[0] * n_used]), (dv, wv[2], av)):
+        want = np.einsum("umk,uk->um", w[ids_v[0]], xin)
+        assert np.abs(y - want).max() / np.abs(want).max() < 2e-2

@@ -114,13 +114,15 @@ __global__ void k_glu(const i64* __restrict__ P, char* dst, const char* x, const
 }
 
 // k_glu for contiguous F32 rows of ne0 % 32 == 0 elements, 16-byte aligned, ne2 = ne3 = 1 (elementwise.py
-// picks it): a warp per 128 elements, float4 accesses. Same P as k_glu, plus xq: when not null
-// the result is also written quantized as k_quant_x writes it, for the register mat-vec that
-// reads it (the FFN's down projection), saving that launch. Grid: warps of 128 elements / 8.
+// picks it): a warp per 128 elements, float4 accesses. P: k_glu's, then the bytes per row of xq
+// (0: flat). xq: when not null the result is also written quantized as k_quant_x writes it, for
+// the register mat-vec that reads it (the FFN's down projection, a MoE's down products: each
+// row on its own, row_bytes apart), saving that launch. Grid: warps of 128 elements / 8.
 __global__ void k_glu_vec(const i64* __restrict__ P, char* dst, const char* x, const char* g, char* xq) {
-    __shared__ i64 Ps[18];
-    pdl_enter_params<18>(P, Ps);
+    __shared__ i64 Ps[19];
+    pdl_enter_params<19>(P, Ps);
     const int total = (int)Ps[0], K = (int)Ps[1], op = (int)Ps[17];
+    const i64 row_bytes = Ps[18];
     const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (w * 128 >= total) return;  // whole warps: the shuffles in quantize4 need all 32 lanes
     const int e = w * 128 + 4 * (threadIdx.x & 31), j = e / K, c = e - j * K;
@@ -131,5 +133,8 @@ __global__ void k_glu_vec(const i64* __restrict__ P, char* dst, const char* x, c
         y = make_float4(glu1(a.x, b.x, op), glu1(a.y, b.y, op), glu1(a.z, b.z, op), glu1(a.w, b.w, op));
         *(float4*)(dst + j * Ps[6] + 4 * (i64)c) = y;
     }
-    if (xq) quantize4(xq, y, e, total);
+    if (xq && row_bytes)  // (a lane past the total gets c = K: quantize4 leaves it out)
+        quantize4(xq + (e < total ? j * row_bytes : 0), y, e < total ? c : K, K);
+    else if (xq)
+        quantize4(xq, y, e, total);
 }
