@@ -1,7 +1,6 @@
 """``accelplane bench model``: llama-bench's tests on a GGUF model, per device set and split
 mode: prompt processing of ``pp`` tokens in one batch and text generation of ``tg`` tokens one
-at a time, both from an empty context, after two warm-up runs (the first builds the plans, the
-second captures them where a plugin replays captured graphs), each timed run without garbage
+at a time, both from an empty context, after one warm-up run, each timed run without garbage
 collector pauses (:func:`~accelplane.models.runner.no_gc_pauses`); for tg also the decode graph's
 rate without the host's work between tokens, and the weights' read rate (of a MoE's experts, the
 used share) against the same run's device copy bandwidth."""
@@ -21,8 +20,6 @@ from accelplane.models.gguf import GGUFFile, total_bytes
 from accelplane.models.runner import context_for, load, meta_summary, no_gc_pauses, pick_devices
 from accelplane.runtime.backend import Device
 from accelplane.runtime.progress import phase
-
-WARMUPS = 2  # untimed runs before each test: plans built, then captured (CUDA graphs)
 
 
 def bench_configs(
@@ -104,12 +101,12 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                     continue
                 toks = rng.integers(0, cfg.n_vocab, n).tolist()
                 times = []
-                for rep in range(-WARMUPS + 1, reps + 1):  # rep <= 0: the warm-ups
-                    what = f"timed run {rep}/{reps}" if rep > 0 else f"warm-up {rep + WARMUPS}/{WARMUPS}"
+                for rep in range(reps + 1):  # the first run is the warm-up
+                    what = f"timed run {rep}/{reps}" if rep else "warm-up"
                     moe = f" n_cpu_moe={cm}" if cfg.is_moe else ""
                     with _step(show, f"{label} split={split}{moe} {test}{n}: {what}") as ph:
                         model.reset()
-                        prof = profiler if rep > 0 and test == "tg" else None
+                        prof = profiler if rep and test == "tg" else None
                         if prof is not None:
                             prof.enable()
                         with no_gc_pauses():
@@ -124,7 +121,7 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                         if prof is not None:
                             prof.disable()
                         ph.note(f"{n / dt:.1f} tokens/s")
-                    if rep > 0:
+                    if rep:
                         times.append(dt)
                 tps = [n / t for t in times]
                 row = {"model": f.get("general.name", ""), "size_bytes": wbytes, "params": params,
