@@ -60,10 +60,9 @@ class CudaPlan:
         self.cuda_graph = None
         self.graph_failed = not self.tuning.graphs
         self.nodes = graph.nodes
-        # activations already quantized for the register mat-vec, by the kernel that produced
-        # them or by an earlier product's k_quant_x: id(tensor) → (tensor, scratch address,
-        # index of the node after which the quantized copy matches the tensor; matvec.py)
-        # (kind, id(t)) -> (t, value, node index): copies derived from t (Plan.derived)
+        # copies derived from a tensor's contents (the activations quantized for the register
+        # mat-vecs, by the kernel that produced them or an earlier k_quant_x; matvec.py):
+        # (kind, id(t)) → (t, scratch address, index of the node that made it); see derived()
         self.memo: dict[tuple[str, int], tuple] = {}
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention

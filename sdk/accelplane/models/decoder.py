@@ -347,7 +347,6 @@ class _Step:
     # traced or forced routing (DecoderModel.eval): per MoE layer, its probabilities [T, E] and
     # the experts used: the ARGSORT [T, E] (the first k are used), or the forced ids input [T, k]
     routes: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    forced: bool = False
 
 
 @dataclass
@@ -908,7 +907,7 @@ class DecoderModel:
         ids = cb(ctx.argmax(logits), "result_argmax")
         graph = ctx.graph(logits, ids, *(t for r in routes for t in r), expand=gating)
         return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa,
-                     routes, routing == "forced")  # fmt: skip
+                     routes)  # fmt: skip
 
     def _linear(self, ctx: Context, cb: _Namer, base: str, x: Tensor, name: str) -> Tensor:
         """``x`` times weight ``base``.weight, plus ``base``.bias when the model has one."""

@@ -305,7 +305,7 @@ class RoutingAgreement:
     """How one run's expert choices compare with a reference's own top k, per (step, MoE layer,
     token): ``choices`` compared, ``differ`` where the sets differ, and the largest log-ratio
     of the reference's probabilities across a swap (0 when none differ): the swap's distance
-    from a tie. ``ok``: every differing choice within ``tie``."""
+    from a tie. ``ok``: every differing choice within ``tie``, and none off the run's own top k."""
 
     choices: int
     differ: int
@@ -336,7 +336,7 @@ def routing_agreement(used: Sequence[Sequence[Routing]], ref: Sequence[Sequence[
                 choices += 1
                 mine = np.zeros(u.probs.shape[1], bool)
                 mine[u.ids[t]] = True
-                if mine.sum() != k or (~mine).any() and u.probs[t][~mine].max() > u.probs[t][mine].min():
+                if mine.sum() != k or ((~mine).any() and u.probs[t][~mine].max() > u.probs[t][mine].min()):
                     not_top += 1
                 a, b = set(u.ids[t].tolist()), set(own[t].tolist())
                 if a == b:
