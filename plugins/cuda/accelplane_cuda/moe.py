@@ -5,9 +5,10 @@ mat-vec per (token, slot) for its layouts, else ``k_mul_mat_id``): a decode step
 used expert once. From
 ``GROUPED_MIN_TOKENS`` tokens on, the rows are grouped by expert on the device
 (``k_moe_route``: counts, offsets and a tile list, with no host round trip, so the op stays
-inside the plan's CUDA graph) and ``k_moe_gemm`` multiplies each tile of one expert's rows by
-its weights on the tensor cores (F16 products, F32 sums, the weights dequantized on the fly):
-an expert's weights are read once per 64 of its rows instead of once per row.
+inside the plan's CUDA graph; one route serves the layer's products of the same ids) and
+``k_moe_gemm`` multiplies each tile of one expert's rows by its weights on the tensor cores
+(F16 products on activations converted to F16 once, F32 sums, the weights dequantized on the
+fly): an expert's weights are read once per 64 of its rows instead of once per row.
 
 Around the products, two fused runs (accelplane.core.fusion): the gating (softmax → argsort →
 top-k weights → renormalized) as ``k_moe_gating``, and the weighted sum over the used experts
@@ -26,10 +27,11 @@ from accelplane.core.types import GGMLType as T
 
 from . import compiler
 from .layout import type_id
-from .matvec import WEIGHT_TYPES, mul_mat_id_rows, row1_id_fits, x_f32
+from .matvec import WEIGHT_TYPES, mul_mat_id_rows, row1_id_fits
+from .rows import contig_copy
 
 GROUPED_MIN_TOKENS = 9  # llama.cpp's CUDA backend also takes up to 8 tokens a row at a time (MMVQ)
-TM, TN = 64, 64  # kernels/moe.cu: MOE_TM, MOE_TN
+TM, TN, LD = 64, 64, 72  # kernels/moe.cu: MOE_TM, MOE_TN, MOE_LD
 MAX_EXPERTS = 1024  # kernels/moe.cu: MOE_MAX_EXP (k_moe_route's block)
 
 FAMILY = compiler.family("moe", {
@@ -54,20 +56,36 @@ def mul_mat_id(plan, n) -> None:
         mul_mat_id_rows(plan, n)
         return
     a, b, ids = n.src
-    plan.uses_index = True
-    n_used, n_tok = ids.ne[0], ids.ne[1]
-    r = n_used * n_tok
-    max_tiles = -(-r // TM) + a.ne[2]
-    rows = plan.scratch(4 * r)
-    tiles = plan.scratch(4 * (1 + 3 * max_tiles))
-    P = plan.params([n_used, n_tok, a.ne[2], ids.nb[0], ids.nb[1]])
-    plan.launch("k_moe_route", 0, (P, plan.ptr(ids), np.uint64(rows), np.uint64(tiles), plan.err),
-                block=MAX_EXPERTS, grid=(1,))  # fmt: skip
-    xp, xnb = x_f32(plan, b)
-    P = plan.params([a.ne[1], a.ne[0], n_used, b.ne[1], a.nb[1], a.nb[2], xnb[1], xnb[2], n.nb[1], n.nb[2]])
+    rows, tiles, max_tiles = _route(plan, n)
+    # the activations as F16 rows, converted once for the products that share them (gate and up)
+    xh = plan.derived("f16", b, n)
+    if xh is None:
+        ptr, nb = contig_copy(plan, b, T.F16)
+        xh = (np.uint64(ptr), nb)
+        plan.remember("f16", b, xh, n)
+    xp, xnb = xh
+    P = plan.params([a.ne[1], a.ne[0], ids.ne[0], b.ne[1], a.nb[1], a.nb[2], *xnb[1:3], n.nb[1], n.nb[2]])
     plan.launch(compiler.name("k_moe_gemm", type_id(a)), 0,
-                (P, plan.ptr(n), plan.ptr(a), xp, np.uint64(rows), np.uint64(tiles)), block=128,
-                grid=(-(-a.ne[1] // TN), max_tiles))  # fmt: skip
+                (P, plan.ptr(n), plan.ptr(a), xp, rows, tiles), block=2 * TN,
+                grid=(-(-a.ne[1] // TN), max_tiles), smem=4 * (TM + TN) * LD)  # fmt: skip
+
+
+def _route(plan, n) -> tuple[np.uint64, np.uint64, int]:
+    """k_moe_route's rows and tiles for ``n``'s ids (and their tile-count bound): made once for
+    the products of one MoE layer, which share them."""
+    a, _, ids = n.src
+    n_exp, (n_used, n_tok) = a.ne[2], ids.ne[:2]
+    max_tiles = -(-n_used * n_tok // TM) + n_exp
+    got = plan.derived(f"route{n_exp}", ids, n)
+    if got is not None:
+        return got
+    plan.uses_index = True
+    rows = np.uint64(plan.scratch(4 * n_used * n_tok))
+    tiles = np.uint64(plan.scratch(4 * (1 + 3 * max_tiles)))
+    P = plan.params([n_used, n_tok, n_exp, ids.nb[0], ids.nb[1]])
+    plan.launch("k_moe_route", 0, (P, plan.ptr(ids), rows, tiles, plan.err), block=MAX_EXPERTS, grid=(1,))
+    plan.remember(f"route{n_exp}", ids, (rows, tiles, max_tiles), n)
+    return rows, tiles, max_tiles
 
 
 def pairs(n, nxt) -> bool:

@@ -61,8 +61,8 @@ class CudaPlan:
         self.graph_failed = not self.tuning.graphs
         self.nodes = graph.nodes
         # copies derived from a tensor's contents (the activations quantized for the register
-        # mat-vecs, by the kernel that produced them or an earlier k_quant_x; matvec.py):
-        # (kind, id(t)) → (t, scratch address, index of the node that made it); see derived()
+        # mat-vecs, converted to F16 for the grouped products; the route of a layer's ids):
+        # (kind, id(t)) → (t, value, index of the node that made it); see derived()
         self.memo: dict[tuple[str, int], tuple] = {}
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention

@@ -72,7 +72,7 @@ SIZES = [(GROUPED_MIN_TOKENS - 1, 1), (GROUPED_MIN_TOKENS, 4), (64, 1), (300, 4)
 @pytest.mark.parametrize("n_tok, b1", SIZES)
 def test_mul_mat_id_equals_float64(wtype, n_tok, b1):
     """Experts of every layout family (the x8 ones in a weights buffer, generic block types,
-    floats), 200 weight rows (not a whole number of 64-row tiles), the activations shared by the
+    floats), 200 weight rows (not a whole number of tiles), the activations shared by the
     slots (b1 = 1, gate/up) or one per slot (down): within F16 rounding of the products."""
     names, got, want = _run(_cuda(), wtype, n_tok, b1)
     if n_tok >= GROUPED_MIN_TOKENS:
@@ -85,6 +85,15 @@ def test_mul_mat_id_equals_float64(wtype, n_tok, b1):
         n for n in names if n.startswith(kernel)] and any(n.startswith(kernel) for n in names), names
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < tol, (wtype, n_tok, err)
+
+
+@pytest.mark.parametrize("wtype, b1", [(T.Q4_0, 1), (T.Q8_0, 4), (T.F16, 1)])
+def test_grouped_odd_last_chunk_equals_float64(wtype, b1):
+    """K of 17 32-element chunks (a stage's second chunk missing at the end) on 200 weight rows
+    (a partial tile), Q4_0 in the weights buffer's layout (its own chunk loader)."""
+    names, got, want = _run(_cuda(), wtype, 300, b1, k=544)
+    assert any(n.startswith("k_moe_gemm<") for n in names), names
+    assert np.abs(got - want).max() / np.abs(want).max() < 3e-3
 
 
 def test_grouped_tiles_span_experts_with_many_rows():
@@ -208,6 +217,48 @@ def test_gate_and_up_share_the_quantized_activations(monkeypatch, fusion):
     for w, y in zip(wv, got, strict=True):
         want = np.einsum("tumk,tk->tum", w[ids_v], xv[:, 0].astype(np.float64))
         assert np.abs(y - want).max() / np.abs(want).max() < 2e-2
+
+
+def test_prefill_products_share_the_route_and_f16_activations():
+    """A prefill's gate and up products of the same activations and ids, and a down product of
+    the same ids on other activations: one k_moe_route for the three, one F16 conversion for
+    gate and up (one more for down), and each product equals float64 numpy."""
+    rng = np.random.default_rng(9)
+    dev = _cuda()
+    ctx = Context()
+    k, m, n_exp, n_used, n_tok = 256, 160, 8, 2, 40
+    wg, wu = (ctx.new_tensor_ne(T.Q4_0, k, m, n_exp, name=s) for s in ("gate", "up"))
+    wd = ctx.new_tensor_ne(T.Q8_0, m, k, n_exp, name="down")
+    x = ctx.new_tensor_ne(T.F32, k, 1, n_tok, name="x")
+    ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
+    g, u = ctx.mul_mat_id(wg, x, ids), ctx.mul_mat_id(wu, x, ids)
+    h = ctx.mul(g, u)
+    d = ctx.mul_mat_id(wd, h, ids)
+    graph = ctx.graph(d, g, u)
+    wbuf = alloc_tensors([wg, wu, wd], dev.buffer_type, BufferUsage.WEIGHTS)
+    buf = alloc_tensors([x, ids, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        wv = [_experts(w, rng) for w in (wg, wu, wd)]
+        xv = rng.standard_normal((n_tok, 1, k)).astype(np.float32)
+        ids_v = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
+        x.set(xv)
+        ids.set(ids_v)
+        be.compute(graph)
+        names = be.ctx.plans.get(graph).kernel_names
+        got = [t.get().reshape(n_tok, n_used, -1) for t in (g, u, d)]
+    finally:
+        be.free()
+        buf.free()
+        wbuf.free()
+    assert names.count("k_moe_route") == 1, names
+    assert sum(n.startswith("k_moe_gemm<") for n in names) == 3, names
+    assert sum(n.startswith("k_convert<") for n in names) == 2, names
+    x64 = xv[:, 0].astype(np.float64)
+    gw, uw = (np.einsum("tumk,tk->tum", w[ids_v], x64) for w in wv[:2])
+    dw = np.einsum("tumk,tuk->tum", wv[2][ids_v], got[0].astype(np.float64) * got[1])
+    for y, want in zip(got, (gw, uw, dw), strict=True):
+        assert np.abs(y - want).max() / np.abs(want).max() < 3e-3
 
 
 def test_decode_layer_quantizes_in_the_norm_and_the_glu():

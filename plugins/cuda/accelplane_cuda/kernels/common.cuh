@@ -63,6 +63,16 @@ template <> __device__ __forceinline__ void st<__nv_bfloat16>(char* p, float v) 
     *(__nv_bfloat16*)p = __float2bfloat16_rn(v);
 }
 
+// 16 bytes global -> shared without a register round trip (both 16-byte aligned)
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+    const unsigned int sa = (unsigned int)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int n> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+}
+
 __device__ __forceinline__ float f16at(const u8* p) { return __half2float(*(const __half*)p); }
 // eight F16 values of a 16-byte word as floats
 __device__ __forceinline__ void half8(uint4 v, float* f) {

@@ -210,15 +210,6 @@ template <int WT> struct is_quant {
     enum { v = WT != ty::F32 && WT != ty::F16 && WT != ty::BF16 };
 };
 
-__device__ __forceinline__ void cp_async16(void* s, const void* g) {
-    const unsigned int sa = (unsigned int)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int n> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
-}
-
 // N activation rows of K floats (row stride nbx1, 16-byte aligned) → shared memory in the
 // quantized layout above quantize4, eight lanes per 32-element block, four float4 loads in
 // flight per lane (the loads come from L2: latency, not bandwidth).

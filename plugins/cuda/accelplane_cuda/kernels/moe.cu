@@ -4,14 +4,13 @@
 // so the whole op stays inside one CUDA graph with no host round trip; then each block of
 // k_moe_gemm multiplies one tile of one expert's rows by a tile of that expert's weight rows on
 // the tensor cores (mma.sync m16n8k16, F16 inputs, F32 accumulation), dequantizing the weights
-// chunk by chunk as it goes. Each expert's weights are read once per tile of its rows instead
-// of once per row.
+// stage by stage as it goes, on activations converted to F16 once. Each expert's weights are
+// read once per tile of its rows instead of once per row.
 #include "common.cuh"
 
 #define MOE_TM 64   // activation rows (one expert's) per tile
 #define MOE_TN 64   // weight rows per tile
-#define MOE_KS 64   // elements of K per stage (two 32-element chunks)
-#define MOE_LD (MOE_KS + 8)  // halves per shared row (+8: rows start on other banks)
+#define MOE_LD 72   // halves per shared row of a 64-element stage (+8: ldmatrix's rows on distinct banks)
 #define MOE_MAX_EXP 1024     // experts k_moe_route takes (one per thread)
 
 // Exclusive prefix sum over the block of v (one value per thread, blockDim.x a multiple of 32);
@@ -93,35 +92,120 @@ __device__ __forceinline__ void mma_16816(float* c, const unsigned int* a, const
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// grid (ceil(M / MOE_TN), upper bound of the tile count), 128 threads: 4 warps of 32 x 32 outputs.
+// One 32-element chunk of a weight row, loaded into registers (load) and later written to shared
+// memory as 16 F16 pairs in element order, d[l] holding elements 8l .. 8l + 7 (store): so a
+// stage's global loads are in flight while the previous stage's products run. Any type: the
+// chunk dequantized to float at load, each value rounded once to F16 at store.
+template <int WT> struct WChunk {
+    float y[32];
+    __device__ __forceinline__ void load(const u8* row, int c) { deq32<WT>(row, c, y); }
+    __device__ __forceinline__ void store(uint4* d) const {
+        #pragma unroll
+        for (int l = 0; l < 4; ++l)
+            d[l] = make_uint4(pack_half2(y[8 * l], y[8 * l + 1]), pack_half2(y[8 * l + 2], y[8 * l + 3]),
+                              pack_half2(y[8 * l + 4], y[8 * l + 5]), pack_half2(y[8 * l + 6], y[8 * l + 7]));
+    }
+};
+// Q4_0x8 (the experts' layout in a weights buffer; layout.py) keeps its bits: one 16-byte word of
+// nibbles and the scale, converted without floats at store: a nibble n under the F16 exponent of
+// 1024 (0x64) is 1024 + n, so (h - 1032) * d is (n - 8) * d rounded once, as above.
+template <> struct WChunk<ty::Q4_0X8> {
+    uint4 q;
+    __half d;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        const u8* g = row + (i64)(c >> 3) * 144;
+        q = *(const uint4*)(g + 16 * (c & 7));
+        d = *(const __half*)(g + 128 + 2 * (c & 7));
+    }
+    __device__ __forceinline__ void store(uint4* out) const {
+        const __half2 dd = __half2half2(d), off = __float2half2_rn(1032.0f);
+        const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+        unsigned int h[16];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned int lo = w[i] & 0x0F0F0F0Fu, hi = (w[i] >> 4) & 0x0F0F0F0Fu;
+            // elements 4i .. 4i + 3 (low nibbles), 16 + 4i .. 16 + 4i + 3 (high), two to a pair
+            const unsigned int v[4] = {__byte_perm(lo, 0x64646464u, 0x4140), __byte_perm(lo, 0x64646464u, 0x4342),
+                                       __byte_perm(hi, 0x64646464u, 0x4140), __byte_perm(hi, 0x64646464u, 0x4342)};
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const __half2 x = __hmul2(__hsub2(*(const __half2*)&v[j], off), dd);
+                h[2 * i + (j & 1) + 8 * (j >> 1)] = *(const unsigned int*)&x;
+            }
+        }
+        #pragma unroll
+        for (int l = 0; l < 4; ++l) out[l] = make_uint4(h[4 * l], h[4 * l + 1], h[4 * l + 2], h[4 * l + 3]);
+    }
+};
+
+// four 8x8 F16 matrices from shared memory, matrix i's rows at the addresses of lanes 8i .. 8i+7
+__device__ __forceinline__ void ldsm_x4(unsigned int* r, const __half* p) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// grid (ceil(M / MOE_TN), upper bound of the tile count), 2 * MOE_TN threads: 4 warps, 2 (rows)
+// x 2 (weight rows) of 32 x 32 outputs each. K in 64-element stages, double-buffered in
+// dynamic shared memory (2 * (MOE_TM + TN) * MOE_LD halves): before the warps multiply stage c,
+// every thread starts the copy of part of stage c + 1's activation rows (cp.async) and loads
+// one 32-element chunk of its weight rows into registers, which it writes out as F16 after the
+// products; one barrier per stage.
 // dst[m, u, t] = sum_k W[e(u, t), m, k] * x[k, u % B, t] for the rows of tile blockIdx.y.
+// x: F16 rows, 16-byte aligned. K % 32 == 0.
 // P: [M, K, n_used, B, nbw1, nbw2, nbx1, nbx2, nbd1, nbd2]
 template <int WT>
-__global__ void __launch_bounds__(128) k_moe_gemm(const i64* __restrict__ P, char* dst, const char* w,
-                                                  const char* x, const int* rows, const int* tiles) {
+__global__ void __launch_bounds__(2 * MOE_TN) k_moe_gemm(const i64* __restrict__ P, char* dst, const char* w,
+                                                     const char* x, const int* rows, const int* tiles) {
     pdl_enter();
-    __shared__ __align__(16) __half xs[MOE_TM * MOE_LD];
-    __shared__ __align__(16) __half wsm[MOE_TN * MOE_LD];
+    constexpr int TN = MOE_TN, NT = 2 * TN, NX = MOE_TM * 8 / NT;  // threads; 16-byte activation pieces per thread
+    extern __shared__ __align__(16) __half msm[];
     if ((int)blockIdx.y >= tiles[0]) return;
     const int* tl = tiles + 3 + 3 * blockIdx.y;
     const int e = tl[0], first = tl[1], count = tl[2];
     const i64 M = P[0];
     const int K = (int)P[1], n_used = (int)P[2], B = (int)P[3];
-    const i64 m0 = (i64)blockIdx.x * MOE_TN;
+    const i64 m0 = (i64)blockIdx.x * TN;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, q = lane & 3;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
-    // what this thread stages: half a K stage of one activation row and of one weight row
-    const int srow = tid >> 1, shalf = tid & 1;
-    const bool xlive = srow < count;
-    const char* xrow = x;
-    if (xlive) {
-        const int r = rows[first + srow];
-        xrow = x + (i64)((r % n_used) % B) * P[6] + (i64)(r / n_used) * P[7];
+    const int wm = (warp / (TN / 32)) * 32, wn = (warp % (TN / 32)) * 32;
+    // this thread's weight row and chunk of a stage, and its activation pieces (row p >> 3, part p & 7)
+    const int wrow = tid >> 1, wch = tid & 1;
+    const bool wlive = m0 + wrow < M;
+    const u8* wsrc = (const u8*)(w + (i64)e * P[5] + (wlive ? m0 + wrow : 0) * P[4]);
+    const char* xsrc[NX];
+    #pragma unroll
+    for (int j = 0; j < NX; ++j) {
+        const int p = tid + j * NT, row = p >> 3;
+        const int r = row < count ? rows[first + row] : -1;
+        xsrc[j] = r < 0 ? nullptr : x + (i64)((r % n_used) % B) * P[6] + (i64)(r / n_used) * P[7] + (p & 7) * 16;
     }
-    const bool wlive = m0 + srow < M;
-    const u8* wrow = (const u8*)(w + (i64)e * P[5] + (wlive ? m0 + srow : 0) * P[4]);
-    const int nch = K / 32;
+    const int nch = K / 32, nst = (nch + 1) / 2;
+    // rows past count or M are left stale: their products are never stored
+    WChunk<WT> wc;
+    auto fetch = [&](int s) {
+        if (wlive && 2 * s + wch < nch) wc.load(wsrc, 2 * s + wch);
+    };
+    auto put_w = [&](int s, int buf) {
+        if (!wlive) return;
+        uint4* d = (uint4*)(msm + buf * (MOE_TM + TN) * MOE_LD + (MOE_TM + wrow) * MOE_LD + wch * 32);
+        if (2 * s + wch < nch) {
+            wc.store(d);
+        } else {
+            #pragma unroll
+            for (int l = 0; l < 4; ++l) d[l] = make_uint4(0u, 0u, 0u, 0u);  // K's odd last chunk
+        }
+    };
+    auto put_x = [&](int s, int buf) {
+        __half* xs = msm + buf * (MOE_TM + TN) * MOE_LD;
+        #pragma unroll
+        for (int j = 0; j < NX; ++j) {
+            const int p = tid + j * NT, part = p & 7;
+            __half* d = xs + (p >> 3) * MOE_LD + part * 8;
+            if (xsrc[j] == nullptr) continue;
+            if (2 * s + (part >> 2) < nch) cp_async16(d, xsrc[j] + (i64)s * 128);
+            else *(uint4*)d = make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
     float acc[2][4][4];
     #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -129,57 +213,50 @@ __global__ void __launch_bounds__(128) k_moe_gemm(const i64* __restrict__ P, cha
         for (int j = 0; j < 4; ++j)
             #pragma unroll
             for (int l = 0; l < 4; ++l) acc[i][j][l] = 0.0f;
-    for (int k0 = 0; k0 < nch; k0 += 2) {
-        const int ch = k0 + shalf;
-        unsigned int* xd = (unsigned int*)(xs + srow * MOE_LD + shalf * 32);
-        unsigned int* wd = (unsigned int*)(wsm + srow * MOE_LD + shalf * 32);
-        if (xlive && ch < nch) {
-            const float4* xv = (const float4*)(xrow) + 8 * ch;
-            #pragma unroll
-            for (int l = 0; l < 8; ++l) {
-                const float4 v = xv[l];
-                xd[2 * l] = pack_half2(v.x, v.y);
-                xd[2 * l + 1] = pack_half2(v.z, v.w);
-            }
-        } else {
-            #pragma unroll
-            for (int l = 0; l < 16; ++l) xd[l] = 0u;
+    const bool busy = wm < count;  // a warp whose rows are all past count skips the products
+    // ldmatrix lanes: A's rows (lane & 15) at column 8 * (lane >> 4); B's rows (lane & 7) + 8 * (lane >> 4)
+    // at column 8 * ((lane >> 3) & 1)
+    const int a_off = (wm + (lane & 15)) * MOE_LD + 8 * (lane >> 4);
+    const int b_off = MOE_TM * MOE_LD + (wn + (lane & 7) + 8 * (lane >> 4)) * MOE_LD + 8 * ((lane >> 3) & 1);
+    fetch(0);
+    put_w(0, 0);
+    put_x(0, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int s = 0; s < nst; ++s) {
+        const int buf = s & 1;
+        const bool more = s + 1 < nst;
+        if (more) {  // the barrier ending stage s - 1 freed buffer buf ^ 1
+            fetch(s + 1);
+            put_x(s + 1, buf ^ 1);
         }
-        if (wlive && ch < nch) {
-            float y[32];
-            deq32<WT>(wrow, ch, y);
+        cp_async_commit();
+        if (busy) {
+            const __half* sb = msm + buf * (MOE_TM + TN) * MOE_LD;
             #pragma unroll
-            for (int l = 0; l < 16; ++l) wd[l] = pack_half2(y[2 * l], y[2 * l + 1]);
-        } else {
-            #pragma unroll
-            for (int l = 0; l < 16; ++l) wd[l] = 0u;
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int kk = 0; kk < MOE_KS; kk += 16) {
-            unsigned int af[2][4], bf[4][2];
-            #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const __half* a0 = xs + (wm + 16 * i + g) * MOE_LD + kk + 2 * q;
-                af[i][0] = *(const unsigned int*)a0;
-                af[i][1] = *(const unsigned int*)(a0 + 8 * MOE_LD);
-                af[i][2] = *(const unsigned int*)(a0 + 8);
-                af[i][3] = *(const unsigned int*)(a0 + 8 * MOE_LD + 8);
-            }
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const __half* b0 = wsm + (wn + 8 * j + g) * MOE_LD + kk + 2 * q;
-                bf[j][0] = *(const unsigned int*)b0;
-                bf[j][1] = *(const unsigned int*)(b0 + 8);
-            }
-            #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int kk = 0; kk < 64; kk += 16) {
+                unsigned int af[2][4], bf[4][2];
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], af[i], bf[j]);
+                for (int i = 0; i < 2; ++i) ldsm_x4(af[i], sb + a_off + 16 * i * MOE_LD + kk);
+                #pragma unroll
+                for (int j = 0; j < 4; j += 2) {
+                    unsigned int r[4];
+                    ldsm_x4(r, sb + b_off + 8 * j * MOE_LD + kk);
+                    bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
+                }
+                #pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], af[i], bf[j]);
+            }
         }
+        if (more) put_w(s + 1, buf ^ 1);
+        cp_async_wait<0>();
         __syncthreads();
     }
     // c0, c1: row g, columns 2q, 2q + 1; c2, c3: row g + 8
+    const int g = lane >> 2, q = lane & 3;
     #pragma unroll
     for (int i = 0; i < 2; ++i)
         #pragma unroll
