@@ -2,9 +2,9 @@
 
 Weights are random blocks (random bytes, f16 scale fields overwritten with small finite values),
 dequantized for the oracle by gguf.quants.dequantize; the oracle product is float64 numpy.
-Every type runs on both code paths (AVX2 and portable C). The AVX2 path quantizes activations to
-int8 as ggml does, so mat-mul is held to ggml's MUL_MAT NMSE threshold (5e-4); the worst NMSE
-seen per (path, type) is printed by the last test (pytest -rP shows it).
+Every type runs on each code path the CPU has (avx2-vnni, avx2, portable C). The AVX2 paths
+quantize activations to int8 as ggml does, so mat-mul is held to ggml's MUL_MAT NMSE threshold
+(5e-4); the worst NMSE seen per (path, type) is printed by the last test (pytest -rP shows it).
 """
 
 from __future__ import annotations
@@ -106,10 +106,12 @@ def check_product(out: np.ndarray, wf: np.ndarray, x: np.ndarray, isa: str, t: G
     return err
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx2-vnni", "avx2", "portable"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "avx2" and not kernels.has_avx2():
         pytest.skip("CPU has no AVX2+FMA+F16C")
+    if request.param == "avx2-vnni" and not kernels.has_avx2_vnni():
+        pytest.skip("CPU has no AVX-VNNI")
     before = kernels.get_isa()
     assert kernels.set_isa(request.param) == request.param
     yield request.param
@@ -328,6 +330,41 @@ def test_mul_mat_many_rows_threaded(t: GGMLType, isa: str) -> None:
     check_product(out, wf, x, isa, t)
 
 
+@pytest.mark.parametrize("t", QUANT, ids=str)
+def test_avx2_vnni_gives_avx2s_bits(t: GGMLType) -> None:
+    """vpdpbusd sums the same u8 x s8 products as vpmaddubsw + vpmaddwd, and the operands never
+    reach vpmaddubsw's int16 saturation (Q8_0's -128 quants against |x| = 127 included), so the
+    two paths agree bit for bit, on random weights and on all-extreme quants."""
+    if not kernels.has_avx2_vnni():
+        pytest.skip("CPU has no AVX-VNNI")
+    rng = np.random.default_rng([int(t), 23])
+    k, m = k_values(t)[1] * 4, 24
+    w, wf = make_weights(t, m, k, rng)
+    blk, bsz = BLOCK[t]
+    quant = np.ones(bsz, bool)  # the bytes of a block that are not f16 scales
+    for off in t.traits.f16_fields:
+        quant[off : off + 2] = False
+    w = w.copy()
+    blocks = w.reshape(m, k // blk, bsz)
+    blocks[m // 2 :: 2, :, quant] = 0x80
+    blocks[m // 2 + 1 :: 2, :, quant] = 0xFF
+    wf = gguf_quants.dequantize(w, gguf.GGMLQuantizationType(int(t))).astype(np.float64)
+    before = kernels.get_isa()
+    try:
+        for n in (1, 2, 5):
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            x[0] = np.abs(x[0]).max()  # every activation quantized to 127
+            outs = {}
+            for name in ("avx2", "avx2-vnni"):
+                assert kernels.set_isa(name) == name
+                out = np.empty((n, m), np.float32)
+                outs[name] = kernels.mul_mat(t, w, x, out, 1, strategy="direct")
+            np.testing.assert_array_equal(outs["avx2"], outs["avx2-vnni"])
+            check_product(outs["avx2-vnni"], wf, x, "avx2-vnni", t)
+    finally:
+        kernels.set_isa(before)
+
+
 # --- dequantize / get_rows -----------------------------------------------------------------
 
 
@@ -357,6 +394,20 @@ def test_isa_env_var_selects_portable() -> None:
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "portable"
+
+
+def test_set_isa_falls_back_to_the_best_level_below() -> None:
+    best = "avx2-vnni" if kernels.has_avx2_vnni() else "avx2" if kernels.has_avx2() else "portable"
+    before = kernels.get_isa()
+    try:
+        assert kernels.set_isa("auto") == best
+        assert kernels.set_isa("AVX2-VNNI") == best
+        assert kernels.get_isa() == best
+        assert kernels.set_isa("avx2") == ("portable" if best == "portable" else "avx2")
+        assert kernels.set_isa("portable") == "portable"
+    finally:
+        kernels.set_isa(before)
+    assert not kernels.has_avx2_vnni() or kernels.has_avx2()
 
 
 def test_set_isa_rejects_unknown() -> None:

@@ -357,8 +357,9 @@ NTHREADS = integer(
     "ACCELPLANE_NTHREADS", None, "CPU plugin threads (default: one per CPU)", min=1, max=1024
 )
 CPU_ISA = choice(
-    "ACCELPLANE_CPU_ISA", "auto", ("auto", "avx2", "portable"),
-    "the CPU plugin's kernel code path (portable: no AVX2, e.g. to compare)",
+    "ACCELPLANE_CPU_ISA", "auto", ("auto", "avx2-vnni", "avx2", "portable"),
+    "the CPU plugin's kernel code path (auto: the best the CPU has; a missing one falls back; "
+    "portable: no AVX2, e.g. to compare)",
 )  # fmt: skip
 
 

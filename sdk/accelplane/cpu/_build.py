@@ -52,7 +52,7 @@ def make_builder(absolute: bool = False) -> FFI:
         '#include "_kernels.h"',
         sources=[_src("_kernels.c", absolute), _src("_rowops.c", absolute)],
         include_dirs=[_src(".", absolute)],
-        depends=[_src("_kernels.h", absolute)],
+        depends=[_src("_kernels.h", absolute), _src("_kernels_q32.h", absolute)],
         # -fno-trapping-math: no FP traps are enabled, so the compiler may if-convert float
         # comparisons (clamps, selects) and vectorize those loops; results stay IEEE's
         extra_compile_args=["-O3", "-std=gnu11", "-fno-trapping-math", *_openmp],

@@ -1,6 +1,9 @@
 /* accelplane CPU kernels (see _kernels.h).
  *
- * Two code paths, chosen at run time (no -march flags at build time, so one wheel runs anywhere):
+ * Three code paths, chosen at run time (no -march flags at build time, so one wheel runs anywhere):
+ *  - AVX2+FMA+F16C with AVX-VNNI: the AVX2 path, its 32-element block types' dot products
+ *    (_kernels_q32.h) compiled a second time with vpdpbusd in place of vpmaddubsw + vpmaddwd
+ *    (the same integer sums, one instruction instead of two).
  *  - AVX2+FMA+F16C, compiled per function with __attribute__((target)). Quantized weights are
  *    dotted against activations quantized to int8 (like ggml: Q8 blocks of 32 for the 32-element
  *    block types, 256-blocks with per-16 sums for the K-quants and IQ4_XS) with vpmaddubsw. Measured on Zen 3, one
@@ -24,10 +27,20 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define AP_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #define AP_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define AP_X86 0
+#endif
+
+/* The AVX-VNNI path needs a compiler that knows the avxvnni target (GCC 11, clang 13); with an
+ * older one the level is simply never available. */
+#if AP_X86 && (defined(__clang__) ? __clang_major__ >= 13 : __GNUC__ >= 11)
+#define AP_HAVE_VNNI 1
+#define AP_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#else
+#define AP_HAVE_VNNI 0
 #endif
 
 #define AP_INLINE static inline __attribute__((always_inline))
@@ -564,140 +577,6 @@ AP_INLINE AP_AVX2 __m256i u32_quants(int type, const uint8_t *blk) {
     }
 }
 
-/* q (unsigned, as vpmaddubsw wants) against nr activation rows; d dx of 4 blocks at a time from
- * one vcvtph2ps, the correction accumulated apart and applied once */
-AP_INLINE AP_AVX2 void dot_u32(const int type, const int nr, int64_t nb, const uint8_t *w,
-                               const act_t *a, int64_t r0, float *out) {
-    const int64_t bsz = u32_bsz(type);
-    const int coff = u32_coff(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *xq[NR_MAX];
-    const float *xd[NR_MAX], *xc[NR_MAX];
-    __m256 acc[NR_MAX][2];
-    __m128 corr[NR_MAX];
-    for (int r = 0; r < nr; r++) {
-        xq[r] = a->q + (r0 + r) * a->K;
-        xd[r] = a->d + (r0 + r) * a->nd;
-        xc[r] = a->c + (r0 + r) * a->nd;
-        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        corr[r] = _mm_setzero_ps();
-    }
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const uint8_t *blk = w + b * bsz;
-        const __m128 dw = ld_f16x4(blk, bsz);
-        const __m128 cw = coff ? ld_f16x4(blk + coff, bsz) : dw;
-        __m256 sc[NR_MAX];
-        for (int r = 0; r < nr; r++) {
-            sc[r] = _mm256_castps128_ps256(_mm_mul_ps(dw, _mm_loadu_ps(xd[r] + b)));
-            corr[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(xc[r] + b), corr[r]);
-        }
-        for (int j = 0; j < 4; j++) {
-            const __m256i qv = u32_quants(type, blk + bsz * j);
-            const __m256i idx = _mm256_set1_epi32(j);
-            for (int r = 0; r < nr; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + (b + j) * QK));
-                const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
-                acc[r][j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc[r], idx),
-                                                _mm256_cvtepi32_ps(s), acc[r][j & 1]);
-            }
-        }
-    }
-    float tail[NR_MAX] = {0};
-    for (; b < nb; b++) {
-        const uint8_t *blk = w + b * bsz;
-        const float dw = ld_f16_x(blk), cw = coff ? ld_f16_x(blk + coff) : dw;
-        const __m256i qv = u32_quants(type, blk);
-        for (int r = 0; r < nr; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + b * QK));
-            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(s),
-                                        acc[r][0]);
-            tail[r] += cw * xc[r][b];
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        __m128 c = _mm_add_ps(corr[r], _mm_movehl_ps(corr[r], corr[r]));
-        c = _mm_add_ss(c, _mm_movehdup_ps(c));
-        out[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])) +
-                 u32_cmul(type) * (_mm_cvtss_f32(c) + tail[r]);
-    }
-}
-
-#define dot_q4_0(...) dot_u32(AP_T_Q4_0, __VA_ARGS__)
-#define dot_q4_1(...) dot_u32(AP_T_Q4_1, __VA_ARGS__)
-#define dot_q5_0(...) dot_u32(AP_T_Q5_0, __VA_ARGS__)
-#define dot_q5_1(...) dot_u32(AP_T_Q5_1, __VA_ARGS__)
-
-/* The mat-vec of these types, two weight rows against one activation row (as dot2_q8_0: two
- * memory streams per thread, the activation block loaded once for both). Each block's scale
- * comes from a broadcast load of a small stack array (a load-port op) instead of a lane
- * permute. */
-AP_INLINE AP_AVX2 void dot2_u32(const int type, int64_t nb, const uint8_t *w0, const uint8_t *w1,
-                                const uint8_t *p0, const uint8_t *p1, const act_t *a, float *out) {
-    const int64_t bsz = u32_bsz(type);
-    const int coff = u32_coff(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *xq = a->q;
-    const float *xd = a->d, *xc = a->c;
-    __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m128 corr0 = _mm_setzero_ps(), corr1 = _mm_setzero_ps();
-    float s0[4], s1[4];
-#define U32_DOT(BLK, XV) \
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u32_quants(type, BLK), XV), ones))
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        _mm_prefetch((const char *)(p0 + b * bsz), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p0 + b * bsz + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + b * bsz), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + b * bsz + 64), _MM_HINT_T0);
-        if (bsz > 18) { /* 4 blocks of 80..96 bytes may touch a third line */
-            _mm_prefetch((const char *)(p0 + b * bsz + 4 * bsz - 1), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p1 + b * bsz + 4 * bsz - 1), _MM_HINT_T0);
-        }
-        const __m128 xd4 = _mm_loadu_ps(xd + b), xc4 = _mm_loadu_ps(xc + b);
-        const __m128 dw0 = ld_f16x4(w0 + b * bsz, bsz), dw1 = ld_f16x4(w1 + b * bsz, bsz);
-        const __m128 cw0 = coff ? ld_f16x4(w0 + b * bsz + coff, bsz) : dw0;
-        const __m128 cw1 = coff ? ld_f16x4(w1 + b * bsz + coff, bsz) : dw1;
-        _mm_storeu_ps(s0, _mm_mul_ps(dw0, xd4));
-        _mm_storeu_ps(s1, _mm_mul_ps(dw1, xd4));
-        corr0 = _mm_fmadd_ps(cw0, xc4, corr0);
-        corr1 = _mm_fmadd_ps(cw1, xc4, corr1);
-        for (int j = 0; j < 4; j++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
-            const __m256 p0v = U32_DOT(w0 + (b + j) * bsz, xv);
-            const __m256 p1v = U32_DOT(w1 + (b + j) * bsz, xv);
-            acc0[j & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(s0 + j), p0v, acc0[j & 1]);
-            acc1[j & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(s1 + j), p1v, acc1[j & 1]);
-        }
-    }
-    float t0 = 0.0f, t1 = 0.0f;
-    for (; b < nb; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const float d0 = ld_f16_x(w0 + b * bsz), d1 = ld_f16_x(w1 + b * bsz);
-        const float c0 = coff ? ld_f16_x(w0 + b * bsz + coff) : d0;
-        const float c1 = coff ? ld_f16_x(w1 + b * bsz + coff) : d1;
-        const __m256 p0v = U32_DOT(w0 + b * bsz, xv), p1v = U32_DOT(w1 + b * bsz, xv);
-        acc0[0] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0v, acc0[0]);
-        acc1[0] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[b]), p1v, acc1[0]);
-        t0 += c0 * xc[b];
-        t1 += c1 * xc[b];
-    }
-#undef U32_DOT
-    corr0 = _mm_add_ps(corr0, _mm_movehl_ps(corr0, corr0));
-    corr1 = _mm_add_ps(corr1, _mm_movehl_ps(corr1, corr1));
-    const float c0 = _mm_cvtss_f32(_mm_add_ss(corr0, _mm_movehdup_ps(corr0))) + t0;
-    const float c1 = _mm_cvtss_f32(_mm_add_ss(corr1, _mm_movehdup_ps(corr1))) + t1;
-    out[0] = hsum_ps(_mm256_add_ps(acc0[0], acc0[1])) + u32_cmul(type) * c0;
-    out[1] = hsum_ps(_mm256_add_ps(acc1[0], acc1[1])) + u32_cmul(type) * c1;
-}
-
-#define dot2_q4_0(...) dot2_u32(AP_T_Q4_0, __VA_ARGS__)
-#define dot2_q4_1(...) dot2_u32(AP_T_Q4_1, __VA_ARGS__)
-#define dot2_q5_0(...) dot2_u32(AP_T_Q5_0, __VA_ARGS__)
-#define dot2_q5_1(...) dot2_u32(AP_T_Q5_1, __VA_ARGS__)
-
 /* The 32-element block types with signed quants, value d * q: Q8_0 (int8 quants after d) and
  * IQ4_NL (the nibbles of Q4_0's layout indexing kvalues_iq4nl, looked up with vpshufb). Called
  * with a constant type, these fold. */
@@ -708,117 +587,93 @@ AP_INLINE AP_AVX2 __m256i s32_quants(int type, const uint8_t *blk) {
     return _mm256_shuffle_epi8(table, q4_unpack(blk + 2));
 }
 
-/* signed x signed via vpmaddubsw as |w| (unsigned) times x carrying w's sign (|w| <= 127, so
- * the pair sums stay within int16) */
-AP_INLINE AP_AVX2 void dot_s32(const int type, const int nr, int64_t nb, const uint8_t *w,
-                               const act_t *a, int64_t r0, float *out) {
-    const int64_t bsz = s32_bsz(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *xq[NR_MAX];
-    const float *xd[NR_MAX];
-    __m256 acc[NR_MAX][2];
-    for (int r = 0; r < nr; r++) {
-        xq[r] = a->q + (r0 + r) * a->K;
-        xd[r] = a->d + (r0 + r) * a->nd;
-        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    }
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const uint8_t *blk = w + b * bsz;
-        const __m128 dw = ld_f16x4(blk, bsz);
-        __m256 sc[NR_MAX];
-        for (int r = 0; r < nr; r++)
-            sc[r] = _mm256_castps128_ps256(_mm_mul_ps(dw, _mm_loadu_ps(xd[r] + b)));
-        for (int j = 0; j < 4; j++) {
-            const __m256i qv = s32_quants(type, blk + bsz * j);
-            const __m256i aw = _mm256_sign_epi8(qv, qv);
-            const __m256i idx = _mm256_set1_epi32(j);
-            for (int r = 0; r < nr; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + (b + j) * QK));
-                const __m256i s =
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, qv)), ones);
-                acc[r][j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc[r], idx),
-                                                _mm256_cvtepi32_ps(s), acc[r][j & 1]);
-            }
-        }
-    }
-    for (; b < nb; b++) {
-        const uint8_t *blk = w + b * bsz;
-        const float dw = ld_f16_x(blk);
-        const __m256i qv = s32_quants(type, blk);
-        const __m256i aw = _mm256_sign_epi8(qv, qv);
-        for (int r = 0; r < nr; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + b * QK));
-            const __m256i s =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, qv)), ones);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(s),
-                                        acc[r][0]);
-        }
-    }
-    for (int r = 0; r < nr; r++) out[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+/* With more activation rows than one pass takes (N > NR_MAX), walk W in blocks of rows that
+ * stay in L2 (~96 KiB) and run every group of NR_MAX activation rows over a block, so neither
+ * W nor x is streamed from memory more than once. */
+static inline int64_t row_block(int64_t N, int64_t rows, int64_t row_bytes) {
+    if (N <= NR_MAX) return rows > 0 ? rows : 1;
+    const int64_t mb = (96 * 1024) / (row_bytes > 0 ? row_bytes : 1);
+    return mb < 1 ? 1 : mb;
 }
 
-#define dot_q8_0(...) dot_s32(AP_T_Q8_0, __VA_ARGS__)
-#define dot_iq4_nl(...) dot_s32(AP_T_IQ4_NL, __VA_ARGS__)
-
-/* Q8_0 (IQ4_NL) mat-vec, two weight rows against one activation row: two memory streams per
- * thread keep more DRAM reads in flight (see DEF_DOT_FLOAT_2W); 4096x14336 measured ~+10% (2 threads,
- * noisy machine). The K-quants are bound by int8 arithmetic at n=1, not memory; Q4_0 was too
- * until dot2_q4_0 (4096x14336, 2 threads, alternating builds: 1.09-1.20 ms against 1.35-1.47). */
-AP_INLINE AP_AVX2 void dot2_s32(const int type, int64_t nb, const uint8_t *w0, const uint8_t *w1,
-                                const uint8_t *p0, const uint8_t *p1, const act_t *a, float *out) {
-    const int64_t bsz = s32_bsz(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *xq = a->q;
-    const float *xd = a->d;
-    __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#define Q8_DOT(QV, XV) \
-    _mm256_cvtepi32_ps(_mm256_madd_epi16( \
-        _mm256_maddubs_epi16(_mm256_sign_epi8(QV, QV), _mm256_sign_epi8(XV, QV)), ones))
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        /* the next pair's bytes at the same offset: short rows (K = 2048: 2 KiB) end before the
-         * hardware prefetcher has ramped up on them; 4 blocks per row per step: 136 bytes
-         * (Q8_0), 3 lines, or 72 (IQ4_NL), 2 */
-        _mm_prefetch((const char *)(p0 + b * bsz), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p0 + b * bsz + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + b * bsz), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + b * bsz + 64), _MM_HINT_T0);
-        if (bsz > 32) {
-            _mm_prefetch((const char *)(p0 + b * bsz + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p1 + b * bsz + 128), _MM_HINT_T0);
-        }
-        const __m128 xd4 = _mm_loadu_ps(xd + b);
-        const __m256 sc0 = _mm256_castps128_ps256(_mm_mul_ps(ld_f16x4(w0 + b * bsz, bsz), xd4));
-        const __m256 sc1 = _mm256_castps128_ps256(_mm_mul_ps(ld_f16x4(w1 + b * bsz, bsz), xd4));
-        for (int j = 0; j < 4; j++) {
-            const __m256i idx = _mm256_set1_epi32(j);
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
-            const __m256i q0 = s32_quants(type, w0 + (b + j) * bsz);
-            const __m256i q1 = s32_quants(type, w1 + (b + j) * bsz);
-            acc0[j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc0, idx), Q8_DOT(q0, xv),
-                                          acc0[j & 1]);
-            acc1[j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc1, idx), Q8_DOT(q1, xv),
-                                          acc1[j & 1]);
-        }
-    }
-    for (; b < nb; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const __m256i q0 = s32_quants(type, w0 + b * bsz);
-        const __m256i q1 = s32_quants(type, w1 + b * bsz);
-        acc0[0] = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16_x(w0 + b * bsz) * xd[b]), Q8_DOT(q0, xv),
-                                  acc0[0]);
-        acc1[0] = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16_x(w1 + b * bsz) * xd[b]), Q8_DOT(q1, xv),
-                                  acc1[0]);
-    }
-#undef Q8_DOT
-    out[0] = hsum_ps(_mm256_add_ps(acc0[0], acc0[1]));
-    out[1] = hsum_ps(_mm256_add_ps(acc1[0], acc1[1]));
+/* Ask for a whole row ahead of its use (to L2): rows of a few KiB end before the hardware
+ * prefetcher has ramped up on them. A prefetch never faults; callers stay inside the matrix. */
+#define PREFETCH_ROW_MAX 4096 /* longer rows: the hardware prefetcher does better alone */
+AP_INLINE AP_AVX2 void prefetch_row(const uint8_t *p, int64_t nbytes) {
+    for (int64_t o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
 }
 
-#define dot2_q8_0(...) dot2_s32(AP_T_Q8_0, __VA_ARGS__)
-#define dot2_iq4_nl(...) dot2_s32(AP_T_IQ4_NL, __VA_ARGS__)
+/* One function per type so each nr (1..NR_MAX) gets its own unrolled, register-resident copy. */
+#define DEF_ROWS_Q(TGT, NAME, DOT, BSZ, BLK)                                                   \
+    static TGT void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,                 \
+                         const act_t *a, int64_t N, float *y, int64_t ys) {                    \
+        const int64_t nb = a->K / (BLK), mb = row_block(N, m1 - m0, nb * (BSZ));               \
+        const int short_rows = nb * (BSZ) <= PREFETCH_ROW_MAX;                                 \
+        float res[NR_MAX];                                                                     \
+        for (int64_t mc = m0; mc < m1; mc += mb) {                                             \
+            const int64_t me = mc + mb < m1 ? mc + mb : m1;                                    \
+            for (int64_t r0 = 0; r0 < N; r0 += NR_MAX) {                                       \
+                const int64_t left = N - r0;                                                   \
+                const int nr = left < NR_MAX ? (int)left : NR_MAX;                             \
+                for (int64_t m = mc; m < me; m++) {                                            \
+                    const uint8_t *row = w + m * ws;                                           \
+                    if (short_rows && m + 2 < me) prefetch_row(w + (m + 2) * ws, nb * (BSZ));  \
+                    switch (nr) {                                                              \
+                    case 1: DOT(1, nb, row, a, r0, res); break;                                \
+                    case 2: DOT(2, nb, row, a, r0, res); break;                                \
+                    case 3: DOT(3, nb, row, a, r0, res); break;                                \
+                    default: DOT(4, nb, row, a, r0, res); break;                               \
+                    }                                                                          \
+                    for (int r = 0; r < nr; r++) y[(r0 + r) * ys + m] = res[r];                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+
+/* N == 1: rows in pairs (dot2_*), a lone row paired with itself, so every row sums in the same
+ * order whatever the thread split; DOT2 prefetches the next pair at the same offset */
+#define DEF_ROWS_Q_PAIRS(TGT, NAME, ROWS_N, DOT2)                                              \
+    static TGT void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,                 \
+                         const act_t *a, int64_t N, float *y, int64_t ys) {                    \
+        if (N != 1) {                                                                          \
+            ROWS_N(w, ws, m0, m1, a, N, y, ys);                                                \
+            return;                                                                            \
+        }                                                                                      \
+        float res[2];                                                                          \
+        for (int64_t m = m0; m < m1; m += 2) {                                                 \
+            const int64_t n0 = m + 2 < m1 ? m + 2 : m, n1 = m + 3 < m1 ? m + 3 : n0;           \
+            DOT2(a->K / QK, w + m * ws, w + (m + 1 < m1 ? m + 1 : m) * ws, w + n0 * ws,        \
+                 w + n1 * ws, a, res);                                                         \
+            y[m] = res[0];                                                                     \
+            if (m + 1 < m1) y[m + 1] = res[1];                                                 \
+        }                                                                                      \
+    }
+
+/* The kernels of the 32-element block types, once per integer-dot level: vpmaddubsw + vpmaddwd
+ * (AVX2), and vpdpbusd (AVX-VNNI), which sums the four u8 x s8 products of each int32 lane in one
+ * instruction. The operands stay in ranges where vpmaddubsw's int16 pair sums cannot saturate
+ * (see _kernels_q32.h), so both levels give the same integer sums. */
+typedef void (*rows_q_fn)(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, const act_t *a,
+                          int64_t N, float *y, int64_t ys);
+
+#define Q_TARGET AP_AVX2
+#define Q_NAME(n) n
+#define Q_DOT4(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#include "_kernels_q32.h"
+#undef Q_TARGET
+#undef Q_NAME
+#undef Q_DOT4
+
+#if AP_HAVE_VNNI
+#define Q_TARGET AP_AVX2_VNNI
+#define Q_NAME(n) n##_vnni
+#define Q_DOT4(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#include "_kernels_q32.h"
+#undef Q_TARGET
+#undef Q_NAME
+#undef Q_DOT4
+#endif
 
 /* Q4_K and Q5_K (the same but for a fifth bit, of sub-block j's element l in bit j of qh[l]):
  * 8 sub-blocks of 32 with 6-bit scales and mins, value d*sc*q - dmin*mn. Against Q8_K
@@ -1168,88 +1023,13 @@ DEF_DOT_FLOAT(dot_f32, ld8_f32, ld1_f32, 4)
 DEF_DOT_FLOAT(dot_f16, ld8_f16, ld1_f16, 2)
 DEF_DOT_FLOAT(dot_bf16, ld8_bf16, ld1_bf16, 2)
 
-/* With more activation rows than one pass takes (N > NR_MAX), walk W in blocks of rows that
- * stay in L2 (~96 KiB) and run every group of NR_MAX activation rows over a block, so neither
- * W nor x is streamed from memory more than once. */
-static inline int64_t row_block(int64_t N, int64_t rows, int64_t row_bytes) {
-    if (N <= NR_MAX) return rows > 0 ? rows : 1;
-    const int64_t mb = (96 * 1024) / (row_bytes > 0 ? row_bytes : 1);
-    return mb < 1 ? 1 : mb;
-}
 
-/* Ask for a whole row ahead of its use (to L2): rows of a few KiB end before the hardware
- * prefetcher has ramped up on them. A prefetch never faults; callers stay inside the matrix. */
-#define PREFETCH_ROW_MAX 4096 /* longer rows: the hardware prefetcher does better alone */
-AP_INLINE AP_AVX2 void prefetch_row(const uint8_t *p, int64_t nbytes) {
-    for (int64_t o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
-}
-
-/* One function per type so each nr (1..NR_MAX) gets its own unrolled, register-resident copy. */
-#define DEF_ROWS_Q(NAME, DOT, BSZ, BLK)                                                        \
-    static AP_AVX2 void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,             \
-                             const act_t *a, int64_t N, float *y, int64_t ys) {                \
-        const int64_t nb = a->K / (BLK), mb = row_block(N, m1 - m0, nb * (BSZ));               \
-        const int short_rows = nb * (BSZ) <= PREFETCH_ROW_MAX;                                 \
-        float res[NR_MAX];                                                                     \
-        for (int64_t mc = m0; mc < m1; mc += mb) {                                             \
-            const int64_t me = mc + mb < m1 ? mc + mb : m1;                                    \
-            for (int64_t r0 = 0; r0 < N; r0 += NR_MAX) {                                       \
-                const int64_t left = N - r0;                                                   \
-                const int nr = left < NR_MAX ? (int)left : NR_MAX;                             \
-                for (int64_t m = mc; m < me; m++) {                                            \
-                    const uint8_t *row = w + m * ws;                                           \
-                    if (short_rows && m + 2 < me) prefetch_row(w + (m + 2) * ws, nb * (BSZ));  \
-                    switch (nr) {                                                              \
-                    case 1: DOT(1, nb, row, a, r0, res); break;                                \
-                    case 2: DOT(2, nb, row, a, r0, res); break;                                \
-                    case 3: DOT(3, nb, row, a, r0, res); break;                                \
-                    default: DOT(4, nb, row, a, r0, res); break;                               \
-                    }                                                                          \
-                    for (int r = 0; r < nr; r++) y[(r0 + r) * ys + m] = res[r];                \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-    }
-
-DEF_ROWS_Q(rows_q4_0_n, dot_q4_0, 18, QK)
-
-/* N == 1: rows in pairs (dot2_*), a lone row paired with itself, so every row sums in the same
- * order whatever the thread split; DOT2 prefetches the next pair at the same offset */
-#define DEF_ROWS_Q_PAIRS(NAME, ROWS_N, DOT2)                                                   \
-    static AP_AVX2 void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1,             \
-                             const act_t *a, int64_t N, float *y, int64_t ys) {                \
-        if (N != 1) {                                                                          \
-            ROWS_N(w, ws, m0, m1, a, N, y, ys);                                                \
-            return;                                                                            \
-        }                                                                                      \
-        float res[2];                                                                          \
-        for (int64_t m = m0; m < m1; m += 2) {                                                 \
-            const int64_t n0 = m + 2 < m1 ? m + 2 : m, n1 = m + 3 < m1 ? m + 3 : n0;           \
-            DOT2(a->K / QK, w + m * ws, w + (m + 1 < m1 ? m + 1 : m) * ws, w + n0 * ws,        \
-                 w + n1 * ws, a, res);                                                         \
-            y[m] = res[0];                                                                     \
-            if (m + 1 < m1) y[m + 1] = res[1];                                                 \
-        }                                                                                      \
-    }
-
-DEF_ROWS_Q_PAIRS(rows_q4_0, rows_q4_0_n, dot2_q4_0)
-DEF_ROWS_Q(rows_q4_1_n, dot_q4_1, 20, QK)
-DEF_ROWS_Q_PAIRS(rows_q4_1, rows_q4_1_n, dot2_q4_1)
-DEF_ROWS_Q(rows_q5_0_n, dot_q5_0, 22, QK)
-DEF_ROWS_Q_PAIRS(rows_q5_0, rows_q5_0_n, dot2_q5_0)
-DEF_ROWS_Q(rows_q5_1_n, dot_q5_1, 24, QK)
-DEF_ROWS_Q_PAIRS(rows_q5_1, rows_q5_1_n, dot2_q5_1)
-DEF_ROWS_Q(rows_q8_0_n, dot_q8_0, 34, QK)
-DEF_ROWS_Q_PAIRS(rows_q8_0, rows_q8_0_n, dot2_q8_0)
-DEF_ROWS_Q(rows_iq4_nl_n, dot_iq4_nl, 18, QK)
-DEF_ROWS_Q_PAIRS(rows_iq4_nl, rows_iq4_nl_n, dot2_iq4_nl)
-
-DEF_ROWS_Q(rows_q2_K, dot_q2_K, 84, QKK)
-DEF_ROWS_Q(rows_q3_K, dot_q3_K, 110, QKK)
-DEF_ROWS_Q(rows_q4_K, dot_q4_K, 144, QKK)
-DEF_ROWS_Q(rows_q5_K, dot_q5_K, 176, QKK)
-DEF_ROWS_Q(rows_q6_K, dot_q6_K, 210, QKK)
-DEF_ROWS_Q(rows_iq4_xs, dot_iq4_xs, 136, QKK)
+DEF_ROWS_Q(AP_AVX2, rows_q2_K, dot_q2_K, 84, QKK)
+DEF_ROWS_Q(AP_AVX2, rows_q3_K, dot_q3_K, 110, QKK)
+DEF_ROWS_Q(AP_AVX2, rows_q4_K, dot_q4_K, 144, QKK)
+DEF_ROWS_Q(AP_AVX2, rows_q5_K, dot_q5_K, 176, QKK)
+DEF_ROWS_Q(AP_AVX2, rows_q6_K, dot_q6_K, 210, QKK)
+DEF_ROWS_Q(AP_AVX2, rows_iq4_xs, dot_iq4_xs, 136, QKK)
 
 #define DEF_ROWS_F(NAME, DOT, DOT2, ESZ)                                                       \
     static AP_AVX2 void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, int64_t K,  \
@@ -1410,9 +1190,22 @@ static int cpu_has_avx2(void) {
            __builtin_cpu_supports("f16c");
 }
 
+/* AVX-VNNI: CPUID leaf 7 subleaf 1, EAX bit 4 (the VEX-encoded vpdpbusd on ymm registers). Its
+ * register state is AVX's, which cpu_has_avx2 has checked the OS saves (XCR0). */
+static int cpu_has_avx2_vnni(void) {
+#if AP_HAVE_VNNI
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!cpu_has_avx2() || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return 0;
+    return (eax >> 4) & 1u;
+#else
+    return 0;
+#endif
+}
+
 #else /* not x86 */
 
 static int cpu_has_avx2(void) { return 0; }
+static int cpu_has_avx2_vnni(void) { return 0; }
 
 #endif
 
@@ -1422,14 +1215,22 @@ static int cpu_has_avx2(void) { return 0; }
 
 __attribute__((constructor)) static void ap_init(void) {
     for (uint32_t h = 0; h < 65536; h++) g_f16[h] = f16_to_f32_sw((uint16_t)h);
-    /* the Python boundary (kernels.py) applies ACCELPLANE_CPU_ISA right after loading */
-    g_isa = cpu_has_avx2() ? AP_ISA_AVX2 : AP_ISA_PORTABLE;
+    /* the best level this CPU has; the Python boundary (kernels.py) applies ACCELPLANE_CPU_ISA
+     * right after loading */
+    ap_set_isa(AP_ISA_AVX2_VNNI);
 }
 
 int ap_cpu_has_avx2(void) { return cpu_has_avx2(); }
 
+int ap_cpu_has_avx2_vnni(void) { return cpu_has_avx2_vnni(); }
+
 int ap_set_isa(int isa) {
-    g_isa = (isa == AP_ISA_AVX2 && cpu_has_avx2()) ? AP_ISA_AVX2 : AP_ISA_PORTABLE;
+    if (isa == AP_ISA_AVX2_VNNI && cpu_has_avx2_vnni())
+        g_isa = AP_ISA_AVX2_VNNI;
+    else if ((isa == AP_ISA_AVX2_VNNI || isa == AP_ISA_AVX2) && cpu_has_avx2())
+        g_isa = AP_ISA_AVX2;
+    else
+        g_isa = AP_ISA_PORTABLE;
     return g_isa;
 }
 
@@ -1479,24 +1280,27 @@ typedef struct {
 
 static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
 #if AP_X86
-    if (isa == AP_ISA_AVX2) {
+    if (isa >= AP_ISA_AVX2) { /* the VNNI level: its own 32-block kernels, AVX2's for the rest */
+#if AP_HAVE_VNNI
+        const rows_q_fn q32 = isa == AP_ISA_AVX2_VNNI ? rows_q32_vnni(c->type) : rows_q32(c->type);
+#else
+        const rows_q_fn q32 = rows_q32(c->type);
+#endif
+        if (q32) {
+            q32(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys);
+            return;
+        }
         switch (c->type) {
         case AP_T_F32: rows_f32(c->w, c->ws, m0, m1, c->K, c->x, c->xs, c->N, c->y, c->ys); return;
         case AP_T_F16: rows_f16(c->w, c->ws, m0, m1, c->K, c->x, c->xs, c->N, c->y, c->ys); return;
         case AP_T_BF16:
             rows_bf16(c->w, c->ws, m0, m1, c->K, c->x, c->xs, c->N, c->y, c->ys);
             return;
-        case AP_T_Q4_0: rows_q4_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
-        case AP_T_Q4_1: rows_q4_1(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
-        case AP_T_Q5_0: rows_q5_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
-        case AP_T_Q5_1: rows_q5_1(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
-        case AP_T_Q8_0: rows_q8_0(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q2_K: rows_q2_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q3_K: rows_q3_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q4_K: rows_q4_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q5_K: rows_q5_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_Q6_K: rows_q6_K(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
-        case AP_T_IQ4_NL: rows_iq4_nl(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         case AP_T_IQ4_XS: rows_iq4_xs(c->w, c->ws, m0, m1, c->a, c->N, c->y, c->ys); return;
         default: break;
         }
@@ -1562,7 +1366,7 @@ static int mm_groups(int type, const uint8_t *w, int64_t ws, int64_t M, int64_t 
 #if AP_X86
     act_t a;
     const int k_quant = act_kind(type) == ACT_QK;
-    const int quant_x = isa == AP_ISA_AVX2 && act_kind(type) != ACT_FLOAT;
+    const int quant_x = isa >= AP_ISA_AVX2 && act_kind(type) != ACT_FLOAT;
     c.a = quant_x ? &a : NULL;
     if (quant_x) {
         a.K = K;
@@ -1673,7 +1477,7 @@ int ap_dequantize(int type, const void *w_, int64_t ws, int64_t w_size, int64_t 
     const uint8_t *w = (const uint8_t *)w_;
     deq_fn deq = deq_portable(type);
 #if AP_X86
-    if (g_isa == AP_ISA_AVX2) deq = deq_avx2(type);
+    if (g_isa >= AP_ISA_AVX2) deq = deq_avx2(type);
 #endif
     const int nt = pick_threads(nthreads, R, (double)R * (double)K);
     const int64_t chunk = pick_chunk(R, nt);

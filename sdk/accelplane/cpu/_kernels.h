@@ -28,6 +28,7 @@
 
 #define AP_ISA_PORTABLE 0
 #define AP_ISA_AVX2 1 /* AVX2 + FMA + F16C */
+#define AP_ISA_AVX2_VNNI 2 /* AP_ISA_AVX2's code, int8 dot products with AVX-VNNI's vpdpbusd */
 
 #define AP_OK 0
 #define AP_EINVAL -1 /* a size/stride that cannot be right (negative, K not a block multiple) */
@@ -37,7 +38,11 @@
 
 /* 1 when the CPU (and OS) support the AVX2+FMA+F16C path. */
 int ap_cpu_has_avx2(void);
-/* Select the code path (AP_ISA_*); an unsupported request falls back. Returns the one in use. */
+/* 1 when the CPU (and OS) support the AVX2 path and AVX-VNNI, and the build has that path. */
+int ap_cpu_has_avx2_vnni(void);
+/* Select the code path (AP_ISA_*): the levels are ordered, each a superset of the one below;
+ * an unsupported request falls back to the best supported level below it. Returns the one in
+ * use. */
 int ap_set_isa(int isa);
 int ap_get_isa(void);
 /* OpenMP's default thread count (omp_get_max_threads). */

@@ -22,7 +22,7 @@
 #define AP_WORKER(name, params, args)                                                              \
     static __attribute__((target("avx2,fma,f16c"))) void name##_avx2 params { name args; }         \
     static void name##_base params { name args; }                                                  \
-    static void (*name##_pick(void)) params { return ap_get_isa() == AP_ISA_AVX2 ? name##_avx2 : name##_base; }
+    static void (*name##_pick(void)) params { return ap_get_isa() >= AP_ISA_AVX2 ? name##_avx2 : name##_base; }
 #else
 #define AP_WORKER(name, params, args)                                                              \
     static void name##_base params { name args; }                                                  \

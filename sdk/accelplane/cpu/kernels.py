@@ -7,14 +7,18 @@ extents again as a backstop.
 ``mul_mat`` picks the strategy per call:
 
 * small N (activation rows): the direct kernel, which streams W once and dots each row against
-  all N activation rows (int8 activation dot products on AVX2, like ggml);
+  all N activation rows (int8 activation dot products on AVX2, like ggml; with AVX-VNNI's
+  vpdpbusd where the CPU has it);
 * large N: dequantize W in row tiles to float32 and multiply with numpy/BLAS sgemm, which is
   compute-efficient once the dequantization is amortized over enough rows of x.
 
 The crossover N per type was measured with ``scripts/bench_cpu_kernels.py``.
 
-Environment: ``ACCELPLANE_CPU_ISA=portable`` forces the portable C path (``set_isa`` changes it
-at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count (else ``os.cpu_count()``).
+Code paths, in order: ``portable`` (C), ``avx2`` (AVX2+FMA+F16C) and ``avx2-vnni`` (the AVX2 code,
+its int8 dot products of the 32-element block types with AVX-VNNI); the best the CPU has is the
+default. Environment: ``ACCELPLANE_CPU_ISA`` (``auto``, ``avx2-vnni``, ``avx2``, ``portable``) picks
+one (``set_isa`` changes it at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count
+(else ``os.cpu_count()``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = [
     "gelu_erf",
     "get_isa",
     "has_avx2",
+    "has_avx2_vnni",
     "mul_mat",
     "mul_mat_id",
     "blas_wins",
@@ -99,7 +104,8 @@ _PORTABLE_CROSSOVER_N: Final = 2
 # descheduled on a busy machine. 32 MiB bounds the temporary.
 _TILE_BYTES = 32 << 20
 
-_ISA_NAMES: Final = {0: "portable", 1: "avx2"}
+_ISA_NAMES: Final = {0: "portable", 1: "avx2", 2: "avx2-vnni"}  # AP_ISA_* of _kernels.h
+_ISA_CODES: Final = {"": 2, "auto": 2, **{name: code for code, name in _ISA_NAMES.items()}}
 _CPU_COUNT: Final = os.cpu_count() or 1  # cached: os.cpu_count() reads sysfs, ~5 us a call
 _ERRORS: Final = {
     -1: (ShapeError, "invalid size or stride"),
@@ -117,23 +123,27 @@ def has_avx2() -> bool:
     return bool(_lib.ap_cpu_has_avx2())
 
 
-def set_isa(isa: str) -> str:
-    """Select the code path: ``"auto"`` (best available), ``"avx2"`` or ``"portable"``.
+def has_avx2_vnni() -> bool:
+    """True when this CPU (and this build) runs the ``"avx2-vnni"`` path: AVX2+FMA+F16C and AVX-VNNI."""
+    return bool(_lib.ap_cpu_has_avx2_vnni())
 
-    Returns the path now in use (``"avx2"`` asked on a CPU without it gives ``"portable"``).
+
+def set_isa(isa: str) -> str:
+    """Select the code path: ``"auto"`` (the best available), ``"avx2-vnni"``, ``"avx2"`` or
+    ``"portable"``.
+
+    A path the CPU lacks falls back to the best one below it (``"avx2-vnni"`` to ``"avx2"``, that to
+    ``"portable"``). Returns the path now in use. Raises ConfigError for any other name.
     """
-    name = isa.strip().lower()
-    if name in ("", "auto", "avx2"):
-        code = 1
-    elif name == "portable":
-        code = 0
-    else:
-        raise ConfigError(f"unknown CPU kernel ISA {isa!r}; expected 'auto', 'avx2' or 'portable'")
+    code = _ISA_CODES.get(isa.strip().lower())
+    if code is None:
+        expected = ", ".join(repr(n) for n in ("auto", "avx2-vnni", "avx2", "portable"))
+        raise ConfigError(f"unknown CPU kernel ISA {isa!r}; expected one of {expected}")
     return _ISA_NAMES[_lib.ap_set_isa(code)]
 
 
 def get_isa() -> str:
-    """The code path in use: ``"avx2"`` or ``"portable"``."""
+    """The code path in use: ``"avx2-vnni"``, ``"avx2"`` or ``"portable"``."""
     return _ISA_NAMES[_lib.ap_get_isa()]
 
 
@@ -392,7 +402,7 @@ def mul_mat_id(
 
 def blas_wins(t: GGMLType, n: int) -> bool:
     """N activation rows from which dequantize + sgemm beats the direct kernel."""
-    return n >= (_CROSSOVER_N[t] if _lib.ap_get_isa() == 1 else _PORTABLE_CROSSOVER_N)
+    return n >= (_CROSSOVER_N[t] if _lib.ap_get_isa() >= 1 else _PORTABLE_CROSSOVER_N)
 
 
 def _direct_args(t: GGMLType, rows: _Rows, x: np.ndarray, y: np.ndarray, nt: int) -> tuple:
