@@ -660,19 +660,23 @@ typedef void (*rows_q_fn)(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, 
 #define Q_TARGET AP_AVX2
 #define Q_NAME(n) n
 #define Q_DOT4(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define Q_DOT4_WIDE 0
 #include "_kernels_q32.h"
 #undef Q_TARGET
 #undef Q_NAME
 #undef Q_DOT4
+#undef Q_DOT4_WIDE
 
 #if AP_HAVE_VNNI
 #define Q_TARGET AP_AVX2_VNNI
 #define Q_NAME(n) n##_vnni
 #define Q_DOT4(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define Q_DOT4_WIDE 1
 #include "_kernels_q32.h"
 #undef Q_TARGET
 #undef Q_NAME
 #undef Q_DOT4
+#undef Q_DOT4_WIDE
 #endif
 
 /* Q4_K and Q5_K (the same but for a fifth bit, of sub-block j's element l in bit j of qh[l]):

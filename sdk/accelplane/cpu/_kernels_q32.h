@@ -3,11 +3,32 @@
  * include guard. The includer defines
  *   Q_TARGET      the function attribute of the path (AP_AVX2, AP_AVX2_VNNI),
  *   Q_NAME(n)     the path's name for the function n (distinct per inclusion),
- *   Q_DOT4(u, s)  the eight int32 sums of four u8 x s8 byte products of two __m256i.
- * The operands keep every pair of products within int16 (u <= 31 against |s| <= 127, or
- * |u| <= 128 against |s| <= 127 for the signed types), so vpmaddubsw never saturates and every
- * Q_DOT4 gives the same sums. Defines Q_NAME(rows_q32)(type): the row loop of a type, or NULL.
+ *   Q_DOT4(u, s)  the eight int32 sums of four u8 x s8 byte products of two __m256i,
+ *   Q_DOT4_WIDE   1 when Q_DOT4 takes any u8 without saturating (vpdpbusd), else 0.
+ * Otherwise the operands keep every pair of products within int16 (u <= 31 against |s| <= 127,
+ * or |u| <= 128 against |s| <= 127 for the signed types), so vpmaddubsw never saturates. Every
+ * path gives the same bits. Defines Q_NAME(rows_q32)(type): the row loop of a type, or NULL.
  */
+
+/* A block's quants as Q_DOT4's unsigned operand. With Q_DOT4_WIDE (a Q_DOT4 that takes any u8
+ * without saturating) the 4-bit types skip the shift of their high nibbles: the high half keeps
+ * them in place, 16 times their value, so its lanes sum 16 times the products, and u32_unscale
+ * scales the accumulated floats back. A power of two: the same bits as the shifted nibbles give
+ * (the scales are products of two f16 values, so nothing comes near float underflow). */
+AP_INLINE Q_TARGET __m256i Q_NAME(u32_dot_quants)(int type, const uint8_t *blk) {
+    if (Q_DOT4_WIDE && (type == AP_T_Q4_0 || type == AP_T_Q4_1)) {
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (type == AP_T_Q4_0 ? 2 : 4)));
+        return _mm256_and_si256(_mm256_broadcastsi128_si256(qs),
+                                _mm256_setr_m128i(_mm_set1_epi8(0x0F), _mm_set1_epi8((char)0xF0)));
+    }
+    return u32_quants(type, blk);
+}
+
+AP_INLINE Q_TARGET __m256 Q_NAME(u32_unscale)(int type, __m256 acc) {
+    if (Q_DOT4_WIDE && (type == AP_T_Q4_0 || type == AP_T_Q4_1))
+        return _mm256_mul_ps(acc, _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
+    return acc;
+}
 
 /* q (unsigned, the u8 operand of Q_DOT4) against nr activation rows; d dx of 4 blocks at a time from
  * one vcvtph2ps, the correction accumulated apart and applied once */
@@ -37,7 +58,7 @@ AP_INLINE Q_TARGET void Q_NAME(dot_u32)(const int type, const int nr, int64_t nb
             corr[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(xc[r] + b), corr[r]);
         }
         for (int j = 0; j < 4; j++) {
-            const __m256i qv = u32_quants(type, blk + bsz * j);
+            const __m256i qv = Q_NAME(u32_dot_quants)(type, blk + bsz * j);
             const __m256i idx = _mm256_set1_epi32(j);
             for (int r = 0; r < nr; r++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + (b + j) * QK));
@@ -51,7 +72,7 @@ AP_INLINE Q_TARGET void Q_NAME(dot_u32)(const int type, const int nr, int64_t nb
     for (; b < nb; b++) {
         const uint8_t *blk = w + b * bsz;
         const float dw = ld_f16_x(blk), cw = coff ? ld_f16_x(blk + coff) : dw;
-        const __m256i qv = u32_quants(type, blk);
+        const __m256i qv = Q_NAME(u32_dot_quants)(type, blk);
         for (int r = 0; r < nr; r++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + b * QK));
             const __m256i s = Q_DOT4(qv, xv);
@@ -63,7 +84,7 @@ AP_INLINE Q_TARGET void Q_NAME(dot_u32)(const int type, const int nr, int64_t nb
     for (int r = 0; r < nr; r++) {
         __m128 c = _mm_add_ps(corr[r], _mm_movehl_ps(corr[r], corr[r]));
         c = _mm_add_ss(c, _mm_movehdup_ps(c));
-        out[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])) +
+        out[r] = hsum_ps(Q_NAME(u32_unscale)(type, _mm256_add_ps(acc[r][0], acc[r][1]))) +
                  u32_cmul(type) * (_mm_cvtss_f32(c) + tail[r]);
     }
 }
@@ -88,7 +109,7 @@ AP_INLINE Q_TARGET void Q_NAME(dot2_u32)(const int type, int64_t nb, const uint8
     __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     __m128 corr0 = _mm_setzero_ps(), corr1 = _mm_setzero_ps();
     float s0[4], s1[4];
-#define U32_DOT(BLK, XV) _mm256_cvtepi32_ps(Q_DOT4(u32_quants(type, BLK), XV))
+#define U32_DOT(BLK, XV) _mm256_cvtepi32_ps(Q_DOT4(Q_NAME(u32_dot_quants)(type, BLK), XV))
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
         _mm_prefetch((const char *)(p0 + b * bsz), _MM_HINT_T0);
@@ -132,8 +153,8 @@ AP_INLINE Q_TARGET void Q_NAME(dot2_u32)(const int type, int64_t nb, const uint8
     corr1 = _mm_add_ps(corr1, _mm_movehl_ps(corr1, corr1));
     const float c0 = _mm_cvtss_f32(_mm_add_ss(corr0, _mm_movehdup_ps(corr0))) + t0;
     const float c1 = _mm_cvtss_f32(_mm_add_ss(corr1, _mm_movehdup_ps(corr1))) + t1;
-    out[0] = hsum_ps(_mm256_add_ps(acc0[0], acc0[1])) + u32_cmul(type) * c0;
-    out[1] = hsum_ps(_mm256_add_ps(acc1[0], acc1[1])) + u32_cmul(type) * c1;
+    out[0] = hsum_ps(Q_NAME(u32_unscale)(type, _mm256_add_ps(acc0[0], acc0[1]))) + u32_cmul(type) * c0;
+    out[1] = hsum_ps(Q_NAME(u32_unscale)(type, _mm256_add_ps(acc1[0], acc1[1]))) + u32_cmul(type) * c1;
 }
 
 #define dot2_q4_0(...) Q_NAME(dot2_u32)(AP_T_Q4_0, __VA_ARGS__)
