@@ -157,6 +157,47 @@ def test_mul_mat_id_groups(t: GGMLType, sizes: tuple[int, ...], isa: str) -> Non
             check_product(out[rows], made[e][1], x[rows], isa, t)
 
 
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0], ids=str)
+def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType) -> None:
+    """The CPU plugin's MUL_MAT_ID with one expert used by enough rows for dequantize + BLAS
+    and the others by a few: the big one apart, the rest in one grouped call, every (token,
+    slot) against the float64 product of its expert."""
+    import accelplane as ap
+    from accelplane.core.graph import Context
+    from accelplane.runtime.alloc import alloc_tensors
+
+    rng = np.random.default_rng([int(t), 5])
+    n_exp, m, k, n_tok, n_used = 4, 24, 64, 200, 2
+    if not kernels.blas_wins(t, n_tok) or kernels.blas_wins(t, n_tok // 2):
+        pytest.skip("this code path's crossover leaves no expert on one side of it")
+    made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
+    ctx = Context()
+    w = ctx.new_tensor_ne(t, k, m, n_exp, name="w")
+    x = ctx.new_tensor_ne(T.F32, k, n_used, n_tok, name="x")
+    ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
+    y = ctx.mul_mat_id(w, x, ids)
+    graph = ctx.graph(y)
+    dev = ap.get_registry().device("CPU")
+    buf = alloc_tensors([w, x, ids, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        w.set_bytes(np.stack([a for a, _ in made]).reshape(-1).view(np.uint8))
+        xv = rng.standard_normal((n_tok, n_used, k)).astype(np.float32)
+        iv = np.zeros((n_tok, n_used), np.int32)  # slot 0: expert 0 for every token
+        iv[:, 1] = rng.integers(1, n_exp, n_tok)
+        iv[:3, 1] = 0  # expert 0 twice in no token; a few rows for the others
+        iv[:3, 0] = [1, 2, 3]
+        x.set(xv)
+        ids.set(iv)
+        be.compute(graph)
+        got = y.get().reshape(n_tok, n_used, m)
+    finally:
+        be.free()
+        buf.free()
+    want = np.einsum("tumk,tuk->tum", np.stack([f for _, f in made])[iv], xv.astype(np.float64))
+    assert nmse(got, want) < NMSE_MAX
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_mul_mat_id_any_grouping(data) -> None:

@@ -419,15 +419,24 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
         tok, used = np.divmod(order, n_used)
         x = np.ascontiguousarray(bv[0, tok, used % n_b1], dtype=F32)
         out = np.empty((len(order), as_.ne[1]), F32)
-        if not kernels.blas_wins(wt, int(counts.max(initial=0))):  # every expert in one kernel call
+        big = np.array([kernels.blas_wins(wt, int(c)) for c in counts], bool)
+        if not big.any():  # every expert in one kernel call
             kernels.mul_mat_id(wt, av[0], x, out, experts, bounds)
-        else:  # a group that dequantize + BLAS does faster: each expert's product apart
-            for g, e in enumerate(experts):
-                rows = slice(bounds[g], bounds[g + 1])
+        else:
+            # the groups that dequantize + BLAS does faster each apart, the others still in one
+            # call (sharing the threads) on their rows gathered together
+            for g in np.flatnonzero(big):
+                e, rows = experts[g], slice(bounds[g], bounds[g + 1])
                 if wt == GGMLType.F32:
                     np.matmul(x[rows], av[0, e].T, out=out[rows])
                 else:
                     kernels.mul_mat(wt, av[0, e], x[rows], out[rows])
+            if not big.all():
+                small = np.repeat(~big, counts)
+                part = np.empty((int(small.sum()), as_.ne[1]), F32)
+                kernels.mul_mat_id(wt, av[0], x[small], part, experts[~big],
+                                   np.append(0, np.cumsum(counts[~big])))  # fmt: skip
+                out[small] = part
         dv[0, tok, used] = out
 
     return step
