@@ -412,31 +412,30 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
         idx = iv[0, 0]  # [tokens, n_used]
         if idx.min(initial=0) < 0 or idx.max(initial=0) >= as_.ne[2]:
             raise ComputeError(f"MUL_MAT_ID {t.name}: expert id out of range 0..{as_.ne[2] - 1}")
-        # the (token, slot) pairs grouped by expert: the rows of each expert's product
-        order = np.argsort(idx.reshape(-1), kind="stable")
-        experts, starts, counts = np.unique(idx.reshape(-1)[order], return_index=True, return_counts=True)
-        bounds = np.append(starts, len(order))
+        # the (token, slot) pairs grouped by expert: the rows of each expert's product. Experts
+        # with enough rows that dequantize + BLAS multiplies them faster come last, each apart;
+        # the others, a prefix of the rows, in one grouped call that shares the threads
+        flat = idx.reshape(-1)
+        n_exp = as_.ne[2]
+        per = np.bincount(flat, minlength=n_exp)
+        big = np.array([c > 0 and kernels.blas_wins(wt, int(c)) for c in per], bool)
+        key = flat + big[flat] * n_exp
+        order = np.argsort(key, kind="stable")
+        keys, starts = np.unique(key[order], return_index=True)
+        experts, bounds = keys % n_exp, np.append(starts, len(order))
+        n_small = int(np.count_nonzero(keys < n_exp))
         tok, used = np.divmod(order, n_used)
         x = np.ascontiguousarray(bv[0, tok, used % n_b1], dtype=F32)
         out = np.empty((len(order), as_.ne[1]), F32)
-        big = np.array([kernels.blas_wins(wt, int(c)) for c in counts], bool)
-        if not big.any():  # every expert in one kernel call
-            kernels.mul_mat_id(wt, av[0], x, out, experts, bounds)
-        else:
-            # the groups that dequantize + BLAS does faster each apart, the others still in one
-            # call (sharing the threads) on their rows gathered together
-            for g in np.flatnonzero(big):
-                e, rows = experts[g], slice(bounds[g], bounds[g + 1])
-                if wt == GGMLType.F32:
-                    np.matmul(x[rows], av[0, e].T, out=out[rows])
-                else:
-                    kernels.mul_mat(wt, av[0, e], x[rows], out[rows])
-            if not big.all():
-                small = np.repeat(~big, counts)
-                part = np.empty((int(small.sum()), as_.ne[1]), F32)
-                kernels.mul_mat_id(wt, av[0], x[small], part, experts[~big],
-                                   np.append(0, np.cumsum(counts[~big])))  # fmt: skip
-                out[small] = part
+        if n_small:
+            r = bounds[n_small]
+            kernels.mul_mat_id(wt, av[0], x[:r], out[:r], experts[:n_small], bounds[: n_small + 1])
+        for g in range(n_small, len(experts)):
+            e, rows = experts[g], slice(bounds[g], bounds[g + 1])
+            if wt == GGMLType.F32:
+                np.matmul(x[rows], av[0, e].T, out=out[rows])
+            else:
+                kernels.mul_mat(wt, av[0, e], x[rows], out[rows])
         dv[0, tok, used] = out
 
     return step
