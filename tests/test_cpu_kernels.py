@@ -198,6 +198,99 @@ def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType) -> None:
     assert nmse(got, want) < NMSE_MAX
 
 
+@pytest.mark.parametrize("n_b1", [1, 3], ids=["shared_x", "x_per_slot"])
+def test_plugin_mul_mat_id_decode_reuses_its_rows(n_b1: int, isa: str) -> None:
+    """A decode's MUL_MAT_ID (one token, rows kept between computes): three computes with new
+    expert ids (one expert twice in a token among them), each against the float64 product of
+    every slot's expert, with x read from one row for every slot or its own row per slot."""
+    import accelplane as ap
+    from accelplane.core.graph import Context
+    from accelplane.runtime.alloc import alloc_tensors
+
+    rng = np.random.default_rng(n_b1)
+    t, n_exp, m, k, n_used = T.Q4_0, 6, 20, 64, 3
+    made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
+    ctx = Context()
+    w = ctx.new_tensor_ne(t, k, m, n_exp, name="w")
+    x = ctx.new_tensor_ne(T.F32, k, n_b1, 1, name="x")
+    ids = ctx.new_tensor_ne(T.I32, n_used, 1, name="ids")
+    y = ctx.mul_mat_id(w, x, ids)
+    graph = ctx.graph(y)
+    dev = ap.get_registry().device("CPU")
+    buf = alloc_tensors([w, x, ids, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    wf = np.stack([f for _, f in made])
+    try:
+        w.set_bytes(np.stack([a for a, _ in made]).reshape(-1).view(np.uint8))
+        for sel in ([4, 0, 2], [1, 1, 5], [5, 3, 0]):
+            xv = rng.standard_normal((1, n_b1, k)).astype(np.float32)
+            iv = np.array([sel], np.int32)
+            x.set(xv)
+            ids.set(iv)
+            be.compute(graph)
+            got = y.get().reshape(n_used, m)
+            for u, e in enumerate(sel):
+                check_product(got[u : u + 1], wf[e], xv[0, u % n_b1][None], isa, t)
+    finally:
+        be.free()
+        buf.free()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_mul_mat_id_ids_any_routing(data) -> None:
+    """The ids form of MUL_MAT_ID: any ids (repeats within a token, unused experts), x shared by
+    the slots or one row per slot, strided x and out; every (token, slot) against the float64
+    product of its expert, ids re-read at each call."""
+    t = data.draw(st.sampled_from([T.Q4_0, T.Q8_0, T.Q4_K, T.F32]), label="type")
+    n_exp = data.draw(st.integers(1, 5), label="experts")
+    n_tok, n_used = data.draw(st.integers(1, 4), label="tokens"), data.draw(st.integers(1, 4), label="used")
+    n_sl = data.draw(st.sampled_from([1, n_used]), label="x rows per token")
+    rng = np.random.default_rng([int(t), n_exp, n_tok, n_used, n_sl])
+    m, k = 7, k_values(t)[0]
+    made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
+    w = np.stack([a for a, _ in made])
+    x = rng.standard_normal((n_tok, n_sl, 2 * k)).astype(np.float32)[:, :, :k]  # strided rows
+    ids = np.zeros((n_tok, n_used), np.int32)
+    out = np.full((n_tok, n_used, m + 3), np.nan, np.float32)[:, :, :m]
+    call = kernels.prepare_mul_mat_id_ids(t, w, x, ids, out)
+    isa = kernels.get_isa()
+    for _ in range(2):
+        ids[...] = rng.integers(0, n_exp, ids.shape)
+        call()
+        for ti in range(n_tok):
+            for u in range(n_used):
+                check_product(out[ti, u][None], made[ids[ti, u]][1], x[ti, u % n_sl][None], isa, t)
+
+
+def test_mul_mat_id_ids_checks() -> None:
+    rng = np.random.default_rng(0)
+    w = np.stack([make_weights(T.Q8_0, 4, 64, rng)[0] for _ in range(3)])
+    x = rng.standard_normal((2, 1, 64)).astype(np.float32)
+    ids = np.zeros((2, 2), np.int32)
+    out = np.full((2, 2, 4), np.nan, np.float32)
+    call = kernels.prepare_mul_mat_id_ids(T.Q8_0, w, x, ids, out)
+    ids[1, 1] = 3  # expert 3 of 3: nothing written
+    with pytest.raises(OutOfRangeError):
+        call()
+    assert np.all(np.isnan(out))
+    ids[1, 1] = -1
+    with pytest.raises(OutOfRangeError):
+        call()
+    with pytest.raises(ShapeError):  # ids for 3 tokens, x for 2
+        kernels.prepare_mul_mat_id_ids(T.Q8_0, w, x, np.zeros((3, 2), np.int32),
+                                       np.zeros((3, 2, 4), np.float32))
+    with pytest.raises(ShapeError):  # out rows of the wrong width
+        kernels.prepare_mul_mat_id_ids(T.Q8_0, w, x, ids, np.zeros((2, 2, 5), np.float32))
+    with pytest.raises(TypeMismatchError):  # int64 ids
+        kernels.prepare_mul_mat_id_ids(T.Q8_0, w, x, ids.astype(np.int64), out)
+    with pytest.raises(ShapeError):  # out overlapping x
+        xx = np.zeros((2, 2, 64), np.float32)
+        kernels.prepare_mul_mat_id_ids(T.F32, np.zeros((2, 64, 64), np.float32), xx, ids, xx)
+    with pytest.raises(ShapeError):  # x's elements not contiguous
+        kernels.prepare_mul_mat_id_ids(T.Q8_0, w, np.zeros((2, 1, 128), np.float32)[:, :, ::2], ids, out)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_mul_mat_id_any_grouping(data) -> None:
@@ -689,3 +782,15 @@ def test_row_kernels_decline_other_layouts() -> None:
     assert kernels.prepare_norm(1, x[:, ::2], np.zeros((4, 4), np.float32), 1e-6) is None
     assert kernels.prepare_swiglu(x, x[:3], np.zeros((4, 8), np.float32)) is None
     assert kernels.prepare_rope(np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32), 8, False) is None
+
+
+@pytest.mark.parametrize(("env", "want"), [({"ACCELPLANE_CPU_SPIN": "123", "GOMP_SPINCOUNT": "7"}, "123"),
+                                          ({"GOMP_SPINCOUNT": "7"}, "7")])  # fmt: skip
+def test_cpu_spin_sets_the_openmp_spin_count(env: dict[str, str], want: str) -> None:
+    """ACCELPLANE_CPU_SPIN is what the OpenMP runtime reads when the kernels load; without it a
+    GOMP_SPINCOUNT the user set is kept."""
+    base = {k: v for k, v in os.environ.items() if k not in ("ACCELPLANE_CPU_SPIN", "GOMP_SPINCOUNT")}
+    code = "import os, accelplane.cpu.kernels; print(os.environ['GOMP_SPINCOUNT'])"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip() == want

@@ -356,6 +356,12 @@ MODEL_MERGE = flag(
 NTHREADS = integer(
     "ACCELPLANE_NTHREADS", None, "CPU plugin threads (default: one per CPU)", min=1, max=1024
 )
+CPU_SPIN = integer(
+    "ACCELPLANE_CPU_SPIN", None,
+    "how long idle CPU plugin threads spin before they sleep, in libgomp spin iterations (~100 a "
+    "microsecond; sets GOMP_SPINCOUNT; default 10000 on up to 4 CPUs, 1000000 on more)",
+    min=0,
+)  # fmt: skip
 CPU_ISA = choice(
     "ACCELPLANE_CPU_ISA", "auto", ("auto", "avx2-vnni", "avx2", "portable"),
     "the CPU plugin's kernel code path (auto: the best the CPU has; a missing one falls back; "

@@ -1462,6 +1462,96 @@ int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_si
     return rc;
 }
 
+int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
+                      int64_t K, const float *x, int64_t x_tok, int64_t x_slot, int64_t x_slots, int64_t x_size,
+                      const int32_t *ids, int64_t ids_stride, int64_t ids_size, int64_t T, int64_t U, float *y,
+                      int64_t y_tok, int64_t y_slot, int64_t y_size, int nthreads) {
+    int64_t blk, bsz, N;
+    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    if (M < 0 || K < 0 || E < 1 || T < 0 || U < 0 || x_slots < 1 || K % blk) return AP_EINVAL;
+    if (es < 0 || ws < 0 || x_tok < 0 || x_slot < 0 || ids_stride < 0 || y_tok < 0 || y_slot < 0)
+        return AP_EINVAL;
+    if (__builtin_mul_overflow(T, U, &N)) return AP_EINVAL;
+    if (N == 0 || M == 0) return AP_OK;
+    /* the last element each operand's strides reach, against its size */
+    const int64_t row_bytes = K / blk * bsz, ew = extent(M, ws, row_bytes);
+    const int64_t xl = (T - 1) * x_tok + (x_slots - 1) * x_slot + K, il = (T - 1) * ids_stride + U;
+    const int64_t yl = (T - 1) * y_tok + (U - 1) * y_slot + M;
+    if (ew < 0 || ew > w_size || xl > x_size || il > ids_size || yl > y_size) return AP_ERANGE;
+    if (!w_ || !x || !ids || !y) return AP_EINVAL;
+    /* one workspace: counts and group starts per expert, the rows' order, the gathered x and y */
+    int64_t *cnt = calloc((size_t)(2 * E + 1 + N), sizeof(int64_t));
+    float *xg = malloc((size_t)(N * (K + M)) * sizeof(float) + 64);
+    if (!cnt || !xg) {
+        free(cnt);
+        free(xg);
+        return AP_ENOMEM;
+    }
+    int64_t *gstart = cnt + E, *order = gstart + E + 1;
+    int rc = AP_OK;
+    for (int64_t t = 0; t < T && rc == AP_OK; t++)
+        for (int64_t u = 0; u < U; u++) {
+            const int32_t e = ids[t * ids_stride + u];
+            if (e < 0 || e >= E) {
+                rc = AP_ERANGE;
+                break;
+            }
+            cnt[e]++;
+        }
+    if (rc != AP_OK) {
+        free(cnt);
+        free(xg);
+        return rc;
+    }
+    /* counting sort by expert (stable: slot order within an expert) */
+    int64_t G = 0;
+    for (int64_t e = 0, acc = 0; e < E; e++) {
+        gstart[e] = acc;
+        acc += cnt[e];
+        G += cnt[e] > 0;
+    }
+    gstart[E] = N;
+    for (int64_t n = 0; n < N; n++) {
+        const int32_t e = ids[(n / U) * ids_stride + n % U];
+        order[gstart[e]++] = n;
+    }
+    float *yg = xg + N * K;
+    for (int64_t i = 0; i < N; i++) {
+        const int64_t t = order[i] / U, u = order[i] % U;
+        memcpy(xg + i * K, x + t * x_tok + (u % x_slots) * x_slot, (size_t)K * sizeof(float));
+    }
+    /* the groups: experts in use, their W offsets and row ranges */
+    int64_t *gw = malloc((size_t)(2 * G + 1) * sizeof(int64_t));
+    if (!gw) {
+        free(cnt);
+        free(xg);
+        return AP_ENOMEM;
+    }
+    int64_t *gs = gw + G, g = 0;
+    for (int64_t e = 0, at = 0; e < E; e++) {
+        if (!cnt[e]) continue;
+        int64_t off;
+        if (__builtin_mul_overflow((int64_t)e, es, &off) || off > w_size - ew) {
+            rc = AP_ERANGE;
+            break;
+        }
+        gw[g] = off;
+        gs[g++] = at;
+        at += cnt[e];
+    }
+    gs[G] = N;
+    if (rc == AP_OK) rc = mm_groups(type, (const uint8_t *)w_, ws, M, K, xg, K, N, yg, M, gw, gs, G, nthreads);
+    if (rc == AP_OK)
+        for (int64_t i = 0; i < N; i++) {
+            const int64_t t = order[i] / U, u = order[i] % U;
+            memcpy(y + t * y_tok + u * y_slot, yg + i * M, (size_t)M * sizeof(float));
+        }
+    free(gw);
+    free(cnt);
+    free(xg);
+    return rc;
+}
+
 int ap_dequantize(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, int64_t K,
                   const int64_t *rows, int64_t R, float *y, int64_t ys, int64_t y_size,
                   int nthreads) {

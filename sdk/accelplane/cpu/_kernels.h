@@ -65,6 +65,18 @@ int ap_mul_mat_id(int type, const void *w, int64_t expert_stride, int64_t w_stri
                   int64_t y_stride, int64_t y_size, const int32_t *experts, const int64_t *starts, int64_t G,
                   int nthreads);
 
+/* MUL_MAT_ID from the expert ids themselves (ggml's form, the grouping done here): for token
+ * t < T and slot u < U, e = ids[t * ids_stride + u] in [0, E) and
+ * y[t * y_tok + u * y_slot + m] = sum_k dequant(W_e[m, k]) * x[t * x_tok + (u % x_slots) * x_slot + k].
+ * The T * U rows are grouped by expert (in slot order within one) and multiplied as ap_mul_mat_id
+ * does. Strides and sizes in elements (x, y floats; ids int32 values). An id out of range gives
+ * AP_ERANGE before anything is written. */
+int ap_mul_mat_id_ids(int type, const void *w, int64_t expert_stride, int64_t w_stride, int64_t w_size,
+                      int64_t E, int64_t M, int64_t K, const float *x, int64_t x_tok, int64_t x_slot,
+                      int64_t x_slots, int64_t x_size, const int32_t *ids, int64_t ids_stride, int64_t ids_size,
+                      int64_t T, int64_t U, float *y, int64_t y_tok, int64_t y_slot, int64_t y_size,
+                      int nthreads);
+
 /* Dequantize rows of W to float32: y[i * y_stride + k] = dequant(W[r_i, k]) for i < R where
  * r_i = rows ? rows[i] : i. Rows index W's M rows (bounds-checked). */
 int ap_dequantize(int type, const void *w, int64_t w_stride, int64_t w_size, int64_t M, int64_t K,

@@ -37,11 +37,17 @@ from accelplane.errors import ComputeError, ConfigError, OutOfRangeError, ShapeE
 # machine (measured: 13x slower decode at load 4.5 on 2 cores); sleep instead, unless the user
 # chose otherwise. Must be set before the OpenMP runtime starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ...but spin a little first (libgomp spin iterations, ~0.1-0.3 ms here), so back-to-back kernel
-# calls and in-region barriers find the other threads awake: a futex wake of a sleeping vCPU
-# costs tens of us. 4096x4096 Q4_0 mat-vecs in a loop, load ~1.4, median per call: passive
-# 600-690 us, passive + 10000 spins 500-530 us, fully active (default spin 300000) 530-550 us.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# ...but spin first, so back-to-back kernel calls and in-region barriers find the other threads
+# awake: a futex wake of a sleeping vCPU costs tens of us. On 2 cores a short spin (~0.1 ms):
+# 4096x4096 Q4_0 mat-vecs in a loop, load ~1.4, median per call: passive 600-690 us, passive +
+# 10000 spins 500-530 us, fully active 530-550 us. With more cores, ~10 ms, longer than a device's
+# share of a layer between two host expert products (qwen3moe, experts in host memory, 16 cores
+# beside an H200: decode 48 -> 64 tokens/s).
+_SPIN = env.CPU_SPIN.get()
+if _SPIN is not None:
+    os.environ["GOMP_SPINCOUNT"] = str(_SPIN)
+else:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000" if (os.cpu_count() or 1) <= 4 else "1000000")
 
 try:
     from accelplane.cpu._kernels import ffi as _ffi
@@ -62,6 +68,7 @@ __all__ = [
     "has_avx2_vnni",
     "mul_mat",
     "mul_mat_id",
+    "prepare_mul_mat_id_ids",
     "blas_wins",
     "set_isa",
 ]
@@ -398,6 +405,73 @@ def mul_mat_id(
     if y is not out:
         out[...] = y
     return out
+
+
+def _elem_strides(a: np.ndarray, what: str) -> tuple[int, ...]:
+    """a's strides in elements, every one >= 0 and the last axis unit (or of one element)."""
+    st = a.strides
+    if any(s < 0 or s % a.itemsize for s in st) or (a.shape[-1] > 1 and st[-1] != a.itemsize):
+        raise ShapeError(f"{what} needs non-negative strides and a contiguous last axis, got strides {st}")
+    return tuple(s // a.itemsize for s in st)
+
+
+def prepare_mul_mat_id_ids(
+    wtype: GGMLType | str | int, w: np.ndarray, x: np.ndarray, ids: np.ndarray, out: np.ndarray,
+    nthreads: int | None = None,
+) -> Callable[[], None]:
+    """MUL_MAT_ID as ggml states it, as a call to repeat on the same memory (a plan's step): for
+    token t and slot u, ``out[t, u] = dequant(w[ids[t, u]]) @ x[t, u % S]``, the rows grouped by
+    expert in C, ids read at every call (an id out of range raises OutOfRangeError).
+
+    ``w``: [E, M, row_bytes] uint8 (or [E, M, K] of a float type's dtype). ``x``: float32
+    [T, S, K] (S = 1: one row for every slot). ``ids``: int32 [T, U]. ``out``: float32 [T, U, M],
+    not overlapping the others. Operands are validated and the C arguments built once."""
+    t = _wtype(wtype)
+    nt = _threads(nthreads)
+    for a, name, dt, nd in ((w, "w", None, 3), (x, "x", np.float32, 3), (ids, "ids", np.int32, 2),
+                            (out, "out", np.float32, 3)):  # fmt: skip
+        if not isinstance(a, np.ndarray):
+            raise TypeMismatchError(f"{name} must be a numpy array, got {type(a).__name__}")
+        if dt is not None and a.dtype != dt:
+            raise TypeMismatchError(f"{name} must be {dt.__name__}, got {a.dtype}")
+        if a.ndim != nd:
+            raise ShapeError(f"{name} must be {nd}-D, got shape {a.shape}")
+    n_exp = w.shape[0]
+    n_tok, n_sl, k = x.shape
+    rows = _Rows(t, w[0], k, "w[0]") if n_exp else None
+    if rows is None:
+        raise ShapeError("w has no experts")
+    m = rows.m
+    if ids.shape[0] != n_tok or out.shape != (n_tok, ids.shape[1], m) or n_sl < 1:
+        raise ShapeError(f"x {x.shape}, ids {ids.shape} and out {out.shape} disagree with w [{n_exp}, {m}]")
+    if not out.flags.writeable or any(np.may_share_memory(out, a) for a in (w, x, ids)):
+        raise ShapeError("out must be writable and not overlap w, x or ids")
+    if w.strides[0] < 0:
+        raise ShapeError(f"w's expert stride must be >= 0, got {w.strides[0]}")
+    xs, (is_, _), ys = _elem_strides(x, "x"), _elem_strides(ids, "ids"), _elem_strides(out, "out")
+    e_stride = w.strides[0] if n_exp > 1 else 0
+    size = (n_exp - 1) * e_stride + rows.size
+    n_used = ids.shape[1]
+
+    def span(a: np.ndarray) -> int:  # elements from a's first to one past its last
+        last = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=True))
+        return last // a.itemsize + 1 if a.size else 0
+
+    def first(a: np.ndarray, ctype: str, writable: bool = False) -> object:
+        return _ffi.from_buffer(ctype, a if a.flags.c_contiguous else a[(slice(0, 1),) * a.ndim],
+                                require_writable=writable)  # fmt: skip
+
+    args = (int(t), first(w, "uint8_t[]"), e_stride, rows.stride, size, n_exp, m, k,
+            first(x, "float[]"), xs[0], xs[1], n_sl, span(x), first(ids, "int32_t[]"), is_, span(ids),
+            n_tok, n_used, first(out, "float[]", True), ys[0], ys[1], span(out), nt)  # fmt: skip
+    fn = _lib.ap_mul_mat_id_ids
+
+    def call() -> None:
+        rc = fn(*args)
+        if rc:
+            _raise(rc, f"mul_mat_id {t.name} [{n_exp}x{m}x{k}], ids [{n_tok}x{n_used}]")
+
+    return call
 
 
 def blas_wins(t: GGMLType, n: int) -> bool:

@@ -406,17 +406,23 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
     as_, b, ids = t.src
     av, bv, iv, dv = view(as_), view(b), view(ids), view(t)
     wt = as_.type
-    n_b1, n_used = b.ne[1], ids.ne[0]
+    n_exp, n_b1, n_used = as_.ne[2], b.ne[1], ids.ne[0]
+    n_rows = ids.ne[0] * ids.ne[1]
+    if n_rows == 0:
+        return lambda: None
+    if b.type == GGMLType.F32 and not kernels.blas_wins(wt, n_rows):
+        # no expert can get enough rows for dequantize + BLAS (a decode): one C call that
+        # groups the rows itself
+        return kernels.prepare_mul_mat_id_ids(wt, av[0], bv[0], iv[0, 0], dv[0])
 
     def step() -> None:
         idx = iv[0, 0]  # [tokens, n_used]
-        if idx.min(initial=0) < 0 or idx.max(initial=0) >= as_.ne[2]:
-            raise ComputeError(f"MUL_MAT_ID {t.name}: expert id out of range 0..{as_.ne[2] - 1}")
+        if idx.min(initial=0) < 0 or idx.max(initial=0) >= n_exp:
+            raise ComputeError(f"MUL_MAT_ID {t.name}: expert id out of range 0..{n_exp - 1}")
         # the (token, slot) pairs grouped by expert: the rows of each expert's product. Experts
         # with enough rows that dequantize + BLAS multiplies them faster come last, each apart;
         # the others, a prefix of the rows, in one grouped call that shares the threads
         flat = idx.reshape(-1)
-        n_exp = as_.ne[2]
         per = np.bincount(flat, minlength=n_exp)
         big = np.array([c > 0 and kernels.blas_wins(wt, int(c)) for c in per], bool)
         key = flat + big[flat] * n_exp

@@ -44,6 +44,9 @@ class ExpertSlots:
     n_slots: dict[int, int] = field(default_factory=dict)  # backend -> slots
     slot_bytes: dict[int, int] = field(default_factory=dict)  # backend -> bytes per slot
     pools: tuple[int, ...] = ()  # uids of the pool buffers the copies were placed in
+    # (split index, input) of every expert input, in split order, on devices with events: what
+    # prefetch scans (a decode whose experts the CPU computes has none); built on first use
+    scan: list[tuple[int, SplitInput]] | None = None
 
 
 def is_expert_input(inp: SplitInput) -> bool:
@@ -201,35 +204,36 @@ class ExpertUploads:
         batches use nearly every expert and whose slot's last reader is queued before split k."""
         s = self.s
         budget = s.prefetch_experts - len(self.pending)
-        for sp in splits[k + 1 :]:
+        if es.scan is None:
+            es.scan = [(i, inp) for i, sp in enumerate(splits) if s.backends[sp.backend].device.has_events
+                       for inp in sp.inputs if is_expert_input(inp)]  # fmt: skip
+        for i, inp in es.scan:
             if budget <= 0:
                 return
-            dev = s.backends[sp.backend].device
-            if not dev.has_events:
+            if i <= k or id(inp) in self.pending:
                 continue
+            sp = splits[i]
+            dev = s.backends[sp.backend].device
             n_slots, order = es.n_slots.get(sp.backend), es.split_of.get(sp.backend)
-            for inp in sp.inputs:
-                if not is_expert_input(inp) or id(inp) in self.pending or budget <= 0:
-                    continue
-                j = es.ordinal[id(inp)]
-                if j >= n_slots and order[j - n_slots] >= k:
-                    return  # its slot is still to be read by split k or later: stop here
-                if expected_share(inp) < PREFETCH_SHARE:
-                    continue
-                pf = self.pf_backends.get(sp.backend)
-                if pf is None:
-                    pf = self.pf_backends[sp.backend] = dev.new_backend()
-                free = self.free_events.get((sp.backend, c, es.slot[id(inp)]))
-                if free is not None:
-                    free.wait(pf)
-                tensor_copy_async(s.backends[inp.src_backend], pf, inp.src, inp.copies[c], sync=s._sync)
-                ev = self.ready.get(id(inp))
-                if ev is None:
-                    ev = self.ready[id(inp)] = dev.new_event()
-                ev.record(pf)
-                self.pending[id(inp)] = (ev, sp.backend)
-                s.stats.prefetched += 1
-                budget -= 1
+            j = es.ordinal[id(inp)]
+            if j >= n_slots and order[j - n_slots] >= k:
+                return  # its slot is still to be read by split k or later: stop here
+            if expected_share(inp) < PREFETCH_SHARE:
+                continue
+            pf = self.pf_backends.get(sp.backend)
+            if pf is None:
+                pf = self.pf_backends[sp.backend] = dev.new_backend()
+            free = self.free_events.get((sp.backend, c, es.slot[id(inp)]))
+            if free is not None:
+                free.wait(pf)
+            tensor_copy_async(s.backends[inp.src_backend], pf, inp.src, inp.copies[c], sync=s._sync)
+            ev = self.ready.get(id(inp))
+            if ev is None:
+                ev = self.ready[id(inp)] = dev.new_event()
+            ev.record(pf)
+            self.pending[id(inp)] = (ev, sp.backend)
+            s.stats.prefetched += 1
+            budget -= 1
 
     def free(self) -> None:
         for e in (*self.free_events.values(), *self.ready.values()):
