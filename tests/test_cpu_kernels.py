@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,13 @@ gguf_quants = pytest.importorskip("gguf.quants")
 import gguf  # noqa: E402
 from accelplane.core.types import GGMLType  # noqa: E402
 from accelplane.cpu import kernels  # noqa: E402
-from accelplane.errors import ConfigError, OutOfRangeError, ShapeError, TypeMismatchError  # noqa: E402
+from accelplane.errors import (  # noqa: E402
+    ComputeError,
+    ConfigError,
+    OutOfRangeError,
+    ShapeError,
+    TypeMismatchError,
+)
 
 T = GGMLType
 QUANT = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
@@ -157,83 +164,77 @@ def test_mul_mat_id_groups(t: GGMLType, sizes: tuple[int, ...], isa: str) -> Non
             check_product(out[rows], made[e][1], x[rows], isa, t)
 
 
-@pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0], ids=str)
-def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType) -> None:
-    """The CPU plugin's MUL_MAT_ID with one expert used by enough rows for dequantize + BLAS
-    and the others by a few: the big one apart, the rest in one grouped call, every (token,
-    slot) against the float64 product of its expert."""
+@contextmanager
+def cpu_mul_mat_id(t: GGMLType, made: list, n_b1: int, n_tok: int, n_used: int) -> Iterator:
+    """A MUL_MAT_ID graph on the CPU plugin over the experts ``made`` (make_weights' pairs),
+    x of [n_tok, n_b1, K]: yields compute(x, ids) -> y [n_tok, n_used, M], the same plan each call."""
     import accelplane as ap
     from accelplane.core.graph import Context
     from accelplane.runtime.alloc import alloc_tensors
 
-    rng = np.random.default_rng([int(t), 5])
-    n_exp, m, k, n_tok, n_used = 4, 24, 64, 200, 2
-    if not kernels.blas_wins(t, n_tok) or kernels.blas_wins(t, n_tok // 2):
-        pytest.skip("this code path's crossover leaves no expert on one side of it")
-    made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
+    m, k = made[0][1].shape
     ctx = Context()
-    w = ctx.new_tensor_ne(t, k, m, n_exp, name="w")
-    x = ctx.new_tensor_ne(T.F32, k, n_used, n_tok, name="x")
+    w = ctx.new_tensor_ne(t, k, m, len(made), name="w")
+    x = ctx.new_tensor_ne(T.F32, k, n_b1, n_tok, name="x")
     ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
     y = ctx.mul_mat_id(w, x, ids)
     graph = ctx.graph(y)
     dev = ap.get_registry().device("CPU")
     buf = alloc_tensors([w, x, ids, *graph.nodes], dev.buffer_type)
     be = dev.new_backend()
-    try:
-        w.set_bytes(np.stack([a for a, _ in made]).reshape(-1).view(np.uint8))
-        xv = rng.standard_normal((n_tok, n_used, k)).astype(np.float32)
-        iv = np.zeros((n_tok, n_used), np.int32)  # slot 0: expert 0 for every token
-        iv[:, 1] = rng.integers(1, n_exp, n_tok)
-        iv[:3, 1] = 0  # expert 0 twice in no token; a few rows for the others
-        iv[:3, 0] = [1, 2, 3]
+
+    def compute(xv: np.ndarray, iv: np.ndarray) -> np.ndarray:
         x.set(xv)
         ids.set(iv)
         be.compute(graph)
-        got = y.get().reshape(n_tok, n_used, m)
+        return y.get().reshape(n_tok, n_used, m)
+
+    try:
+        w.set_bytes(np.stack([a for a, _ in made]).reshape(-1).view(np.uint8))
+        yield compute
     finally:
         be.free()
         buf.free()
+
+
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0], ids=str)
+def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType) -> None:
+    """The CPU plugin's MUL_MAT_ID with one expert used by enough rows for dequantize + BLAS
+    and the others by a few: the big one apart, the rest in one grouped call, every (token,
+    slot) against the float64 product of its expert."""
+    rng = np.random.default_rng([int(t), 5])
+    n_exp, m, k, n_tok, n_used = 4, 24, 64, 200, 2
+    if not kernels.blas_wins(t, n_tok) or kernels.blas_wins(t, n_tok // 2):
+        pytest.skip("this code path's crossover leaves no expert on one side of it")
+    made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
+    xv = rng.standard_normal((n_tok, n_used, k)).astype(np.float32)
+    iv = np.zeros((n_tok, n_used), np.int32)  # slot 0: expert 0 for every token
+    iv[:, 1] = rng.integers(1, n_exp, n_tok)
+    iv[:3, 1] = 0  # expert 0 twice in no token; a few rows for the others
+    iv[:3, 0] = [1, 2, 3]
+    with cpu_mul_mat_id(t, made, n_used, n_tok, n_used) as compute:
+        got = compute(xv, iv)
     want = np.einsum("tumk,tuk->tum", np.stack([f for _, f in made])[iv], xv.astype(np.float64))
     assert nmse(got, want) < NMSE_MAX
 
 
 @pytest.mark.parametrize("n_b1", [1, 3], ids=["shared_x", "x_per_slot"])
-def test_plugin_mul_mat_id_decode_reuses_its_rows(n_b1: int, isa: str) -> None:
-    """A decode's MUL_MAT_ID (one token, rows kept between computes): three computes with new
-    expert ids (one expert twice in a token among them), each against the float64 product of
-    every slot's expert, with x read from one row for every slot or its own row per slot."""
-    import accelplane as ap
-    from accelplane.core.graph import Context
-    from accelplane.runtime.alloc import alloc_tensors
-
+def test_plugin_mul_mat_id_decode(n_b1: int, isa: str) -> None:
+    """A decode's MUL_MAT_ID (one token: the ids form, grouped in C): three computes of one plan
+    with new expert ids (one expert twice in a token among them), each against the float64
+    product of every slot's expert, x one row for every slot or its own row per slot; an id out
+    of range is a ComputeError, as on the prefill path."""
     rng = np.random.default_rng(n_b1)
     t, n_exp, m, k, n_used = T.Q4_0, 6, 20, 64, 3
     made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
-    ctx = Context()
-    w = ctx.new_tensor_ne(t, k, m, n_exp, name="w")
-    x = ctx.new_tensor_ne(T.F32, k, n_b1, 1, name="x")
-    ids = ctx.new_tensor_ne(T.I32, n_used, 1, name="ids")
-    y = ctx.mul_mat_id(w, x, ids)
-    graph = ctx.graph(y)
-    dev = ap.get_registry().device("CPU")
-    buf = alloc_tensors([w, x, ids, *graph.nodes], dev.buffer_type)
-    be = dev.new_backend()
-    wf = np.stack([f for _, f in made])
-    try:
-        w.set_bytes(np.stack([a for a, _ in made]).reshape(-1).view(np.uint8))
+    with cpu_mul_mat_id(t, made, n_b1, 1, n_used) as compute:
         for sel in ([4, 0, 2], [1, 1, 5], [5, 3, 0]):
             xv = rng.standard_normal((1, n_b1, k)).astype(np.float32)
-            iv = np.array([sel], np.int32)
-            x.set(xv)
-            ids.set(iv)
-            be.compute(graph)
-            got = y.get().reshape(n_used, m)
+            got = compute(xv, np.array([sel], np.int32))[0]
             for u, e in enumerate(sel):
-                check_product(got[u : u + 1], wf[e], xv[0, u % n_b1][None], isa, t)
-    finally:
-        be.free()
-        buf.free()
+                check_product(got[u : u + 1], made[e][1], xv[0, u % n_b1][None], isa, t)
+        with pytest.raises(ComputeError, match="expert id out of range"):
+            compute(xv, np.array([[0, n_exp, 1]], np.int32))
 
 
 @settings(max_examples=40, deadline=None)

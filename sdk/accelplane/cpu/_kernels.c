@@ -1473,81 +1473,57 @@ int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t 
         return AP_EINVAL;
     if (__builtin_mul_overflow(T, U, &N)) return AP_EINVAL;
     if (N == 0 || M == 0) return AP_OK;
-    /* the last element each operand's strides reach, against its size */
-    const int64_t row_bytes = K / blk * bsz, ew = extent(M, ws, row_bytes);
+    /* the last element x's, ids' and y's strides reach, against their sizes (W's: ap_mul_mat_id) */
     const int64_t xl = (T - 1) * x_tok + (x_slots - 1) * x_slot + K, il = (T - 1) * ids_stride + U;
     const int64_t yl = (T - 1) * y_tok + (U - 1) * y_slot + M;
-    if (ew < 0 || ew > w_size || xl > x_size || il > ids_size || yl > y_size) return AP_ERANGE;
+    if (xl > x_size || il > ids_size || yl > y_size) return AP_ERANGE;
     if (!w_ || !x || !ids || !y) return AP_EINVAL;
-    /* one workspace: counts and group starts per expert, the rows' order, the gathered x and y */
-    int64_t *cnt = calloc((size_t)(2 * E + 1 + N), sizeof(int64_t));
-    float *xg = malloc((size_t)(N * (K + M)) * sizeof(float) + 64);
-    if (!cnt || !xg) {
+    /* one workspace: per expert its row count and next place, the groups (expert, start), the
+     * rows' order; then the gathered x and y rows */
+    int64_t *cnt = calloc((size_t)(2 * E + 1 + 2 * N), sizeof(int64_t));
+    int32_t *gex = malloc((size_t)(N > 0 ? N : 1) * sizeof(int32_t));
+    float *xg = malloc((size_t)(N * (K + M)) * sizeof(float));
+    if (!cnt || !gex || !xg) {
         free(cnt);
+        free(gex);
         free(xg);
         return AP_ENOMEM;
     }
-    int64_t *gstart = cnt + E, *order = gstart + E + 1;
+    int64_t *next = cnt + E, *gs = next + E, *order = gs + N + 1, G = 0;
     int rc = AP_OK;
-    for (int64_t t = 0; t < T && rc == AP_OK; t++)
-        for (int64_t u = 0; u < U; u++) {
-            const int32_t e = ids[t * ids_stride + u];
-            if (e < 0 || e >= E) {
-                rc = AP_ERANGE;
-                break;
-            }
-            cnt[e]++;
-        }
-    if (rc != AP_OK) {
-        free(cnt);
-        free(xg);
-        return rc;
-    }
-    /* counting sort by expert (stable: slot order within an expert) */
-    int64_t G = 0;
-    for (int64_t e = 0, acc = 0; e < E; e++) {
-        gstart[e] = acc;
-        acc += cnt[e];
-        G += cnt[e] > 0;
-    }
-    gstart[E] = N;
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = 0; n < N && rc == AP_OK; n++) {
         const int32_t e = ids[(n / U) * ids_stride + n % U];
-        order[gstart[e]++] = n;
-    }
-    float *yg = xg + N * K;
-    for (int64_t i = 0; i < N; i++) {
-        const int64_t t = order[i] / U, u = order[i] % U;
-        memcpy(xg + i * K, x + t * x_tok + (u % x_slots) * x_slot, (size_t)K * sizeof(float));
-    }
-    /* the groups: experts in use, their W offsets and row ranges */
-    int64_t *gw = malloc((size_t)(2 * G + 1) * sizeof(int64_t));
-    if (!gw) {
-        free(cnt);
-        free(xg);
-        return AP_ENOMEM;
-    }
-    int64_t *gs = gw + G, g = 0;
-    for (int64_t e = 0, at = 0; e < E; e++) {
-        if (!cnt[e]) continue;
-        int64_t off;
-        if (__builtin_mul_overflow((int64_t)e, es, &off) || off > w_size - ew) {
+        if (e < 0 || e >= E)
             rc = AP_ERANGE;
-            break;
-        }
-        gw[g] = off;
-        gs[g++] = at;
-        at += cnt[e];
+        else
+            cnt[e]++;
     }
-    gs[G] = N;
-    if (rc == AP_OK) rc = mm_groups(type, (const uint8_t *)w_, ws, M, K, xg, K, N, yg, M, gw, gs, G, nthreads);
-    if (rc == AP_OK)
+    if (rc == AP_OK) {
+        /* counting sort by expert (stable: token and slot order within one) */
+        for (int64_t e = 0, at = 0; e < E; e++) {
+            next[e] = at;
+            if (cnt[e]) {
+                gex[G] = (int32_t)e;
+                gs[G++] = at;
+            }
+            at += cnt[e];
+        }
+        gs[G] = N;
+        for (int64_t n = 0; n < N; n++) order[next[ids[(n / U) * ids_stride + n % U]]++] = n;
+        float *yg = xg + N * K;
         for (int64_t i = 0; i < N; i++) {
+            const int64_t t = order[i] / U, u = order[i] % U;
+            memcpy(xg + i * K, x + t * x_tok + (u % x_slots) * x_slot, (size_t)K * sizeof(float));
+        }
+        rc = ap_mul_mat_id(type, w_, es, ws, w_size, E, M, K, xg, K, N * K, N, yg, M, N * M, gex, gs, G,
+                           nthreads);
+        for (int64_t i = 0; i < N && rc == AP_OK; i++) {
             const int64_t t = order[i] / U, u = order[i] % U;
             memcpy(y + t * y_tok + u * y_slot, yg + i * M, (size_t)M * sizeof(float));
         }
-    free(gw);
+    }
     free(cnt);
+    free(gex);
     free(xg);
     return rc;
 }

@@ -26,7 +26,7 @@ from accelplane.core.ops import (
 )
 from accelplane.core.tensor import Tensor, strided_view
 from accelplane.core.types import GGMLType, quantize
-from accelplane.errors import ComputeError
+from accelplane.errors import ComputeError, OutOfRangeError
 
 F32 = np.float32
 Step = Callable[[], None]
@@ -410,15 +410,24 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
     n_rows = ids.ne[0] * ids.ne[1]
     if n_rows == 0:
         return lambda: None
+    bad_id = f"MUL_MAT_ID {t.name}: expert id out of range 0..{n_exp - 1}"
     if b.type == GGMLType.F32 and not kernels.blas_wins(wt, n_rows):
         # no expert can get enough rows for dequantize + BLAS (a decode): one C call that
         # groups the rows itself
-        return kernels.prepare_mul_mat_id_ids(wt, av[0], bv[0], iv[0, 0], dv[0])
+        call = kernels.prepare_mul_mat_id_ids(wt, av[0], bv[0], iv[0, 0], dv[0])
+
+        def grouped() -> None:
+            try:
+                call()
+            except OutOfRangeError as e:  # the operands were validated: an id
+                raise ComputeError(bad_id) from e
+
+        return grouped
 
     def step() -> None:
         idx = iv[0, 0]  # [tokens, n_used]
         if idx.min(initial=0) < 0 or idx.max(initial=0) >= n_exp:
-            raise ComputeError(f"MUL_MAT_ID {t.name}: expert id out of range 0..{n_exp - 1}")
+            raise ComputeError(bad_id)
         # the (token, slot) pairs grouped by expert: the rows of each expert's product. Experts
         # with enough rows that dequantize + BLAS multiplies them faster come last, each apart;
         # the others, a prefix of the rows, in one grouped call that shares the threads

@@ -19,6 +19,7 @@ the split that reads it waits for the copy (an event), all device-side.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,9 +45,10 @@ class ExpertSlots:
     n_slots: dict[int, int] = field(default_factory=dict)  # backend -> slots
     slot_bytes: dict[int, int] = field(default_factory=dict)  # backend -> bytes per slot
     pools: tuple[int, ...] = ()  # uids of the pool buffers the copies were placed in
-    # (split index, input) of every expert input, in split order, on devices with events: what
+    # every expert input on a device with events and its split's index, in split order: what
     # prefetch scans (a decode whose experts the CPU computes has none); built on first use
-    scan: list[tuple[int, SplitInput]] | None = None
+    scan: list[SplitInput] | None = None
+    scan_split: list[int] = field(default_factory=list)
 
 
 def is_expert_input(inp: SplitInput) -> bool:
@@ -205,12 +207,14 @@ class ExpertUploads:
         s = self.s
         budget = s.prefetch_experts - len(self.pending)
         if es.scan is None:
-            es.scan = [(i, inp) for i, sp in enumerate(splits) if s.backends[sp.backend].device.has_events
-                       for inp in sp.inputs if is_expert_input(inp)]  # fmt: skip
-        for i, inp in es.scan:
+            found = [(i, inp) for i, sp in enumerate(splits) if s.backends[sp.backend].device.has_events
+                     for inp in sp.inputs if is_expert_input(inp)]  # fmt: skip
+            es.scan, es.scan_split = [inp for _, inp in found], [i for i, _ in found]
+        for n in range(bisect_right(es.scan_split, k), len(es.scan)):
+            inp, i = es.scan[n], es.scan_split[n]
             if budget <= 0:
                 return
-            if i <= k or id(inp) in self.pending:
+            if id(inp) in self.pending:
                 continue
             sp = splits[i]
             dev = s.backends[sp.backend].device
