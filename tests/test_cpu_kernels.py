@@ -118,7 +118,7 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "avx2" and not kernels.has_avx2():
         pytest.skip("CPU has no AVX2+FMA+F16C")
     if request.param == "avx2-vnni" and not kernels.has_avx2_vnni():
-        pytest.skip("CPU has no AVX-VNNI")
+        pytest.skip("CPU has no AVX-VNNI or AVX512-VNNI")
     before = kernels.get_isa()
     assert kernels.set_isa(request.param) == request.param
     yield request.param
@@ -165,9 +165,12 @@ def test_mul_mat_id_groups(t: GGMLType, sizes: tuple[int, ...], isa: str) -> Non
 
 
 @contextmanager
-def cpu_mul_mat_id(t: GGMLType, made: list, n_b1: int, n_tok: int, n_used: int) -> Iterator:
+def cpu_mul_mat_id(
+    t: GGMLType, made: list, n_b1: int, n_tok: int, n_used: int, repack: bool = False
+) -> Iterator:
     """A MUL_MAT_ID graph on the CPU plugin over the experts ``made`` (make_weights' pairs),
-    x of [n_tok, n_b1, K]: yields compute(x, ids) -> y [n_tok, n_used, M], the same plan each call."""
+    x of [n_tok, n_b1, K]: yields compute(x, ids) -> y [n_tok, n_used, M], the same plan each call;
+    with ``repack`` the experts live in the plugin's repack buffer (the x8 layout)."""
     import accelplane as ap
     from accelplane.core.graph import Context
     from accelplane.runtime.alloc import alloc_tensors
@@ -180,7 +183,8 @@ def cpu_mul_mat_id(t: GGMLType, made: list, n_b1: int, n_tok: int, n_used: int) 
     y = ctx.mul_mat_id(w, x, ids)
     graph = ctx.graph(y)
     dev = ap.get_registry().device("CPU")
-    buf = alloc_tensors([w, x, ids, *graph.nodes], dev.buffer_type)
+    buf = alloc_tensors([x, ids, *graph.nodes], dev.buffer_type)
+    wbuf = alloc_tensors([w], dev.extra_buffer_types[0] if repack else dev.buffer_type)
     be = dev.new_backend()
 
     def compute(xv: np.ndarray, iv: np.ndarray) -> np.ndarray:
@@ -195,16 +199,19 @@ def cpu_mul_mat_id(t: GGMLType, made: list, n_b1: int, n_tok: int, n_used: int) 
     finally:
         be.free()
         buf.free()
+        wbuf.free()
 
 
+@pytest.mark.parametrize("repack", [False, True], ids=["plain", "repack"])
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0], ids=str)
-def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType) -> None:
+def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType, repack: bool) -> None:
     """The CPU plugin's MUL_MAT_ID with one expert used by enough rows for dequantize + BLAS
     and the others by a few: the big one apart, the rest in one grouped call, every (token,
     slot) against the float64 product of its expert."""
     rng = np.random.default_rng([int(t), 5])
     n_exp, m, k, n_tok, n_used = 4, 24, 64, 200, 2
-    if not kernels.blas_wins(t, n_tok) or kernels.blas_wins(t, n_tok // 2):
+    layout = "x8" if repack else "ggml"
+    if not kernels.blas_wins(t, n_tok, layout) or kernels.blas_wins(t, n_tok // 2, layout):
         pytest.skip("this code path's crossover leaves no expert on one side of it")
     made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
     xv = rng.standard_normal((n_tok, n_used, k)).astype(np.float32)
@@ -212,14 +219,15 @@ def test_plugin_mul_mat_id_splits_big_and_small_experts(t: GGMLType) -> None:
     iv[:, 1] = rng.integers(1, n_exp, n_tok)
     iv[:3, 1] = 0  # expert 0 twice in no token; a few rows for the others
     iv[:3, 0] = [1, 2, 3]
-    with cpu_mul_mat_id(t, made, n_used, n_tok, n_used) as compute:
+    with cpu_mul_mat_id(t, made, n_used, n_tok, n_used, repack) as compute:
         got = compute(xv, iv)
     want = np.einsum("tumk,tuk->tum", np.stack([f for _, f in made])[iv], xv.astype(np.float64))
     assert nmse(got, want) < NMSE_MAX
 
 
+@pytest.mark.parametrize("repack", [False, True], ids=["plain", "repack"])
 @pytest.mark.parametrize("n_b1", [1, 3], ids=["shared_x", "x_per_slot"])
-def test_plugin_mul_mat_id_decode(n_b1: int, isa: str) -> None:
+def test_plugin_mul_mat_id_decode(n_b1: int, repack: bool, isa: str) -> None:
     """A decode's MUL_MAT_ID (one token: the ids form, grouped in C): three computes of one plan
     with new expert ids (one expert twice in a token among them), each against the float64
     product of every slot's expert, x one row for every slot or its own row per slot; an id out
@@ -227,7 +235,7 @@ def test_plugin_mul_mat_id_decode(n_b1: int, isa: str) -> None:
     rng = np.random.default_rng(n_b1)
     t, n_exp, m, k, n_used = T.Q4_0, 6, 20, 64, 3
     made = [make_weights(t, m, k, rng) for _ in range(n_exp)]
-    with cpu_mul_mat_id(t, made, n_b1, 1, n_used) as compute:
+    with cpu_mul_mat_id(t, made, n_b1, 1, n_used, repack) as compute:
         for sel in ([4, 0, 2], [1, 1, 5], [5, 3, 0]):
             xv = rng.standard_normal((1, n_b1, k)).astype(np.float32)
             got = compute(xv, np.array([sel], np.int32))[0]
@@ -471,7 +479,7 @@ def test_avx2_vnni_gives_avx2s_bits(t: GGMLType) -> None:
     reach vpmaddubsw's int16 saturation (Q8_0's -128 quants against |x| = 127 included), so the
     two paths agree bit for bit, on random weights and on all-extreme quants."""
     if not kernels.has_avx2_vnni():
-        pytest.skip("CPU has no AVX-VNNI")
+        pytest.skip("CPU has no AVX-VNNI or AVX512-VNNI")
     rng = np.random.default_rng([int(t), 23])
     k, m = k_values(t)[1] * 4, 24
     w, wf = make_weights(t, m, k, rng)
@@ -516,6 +524,189 @@ def test_dequantize(t: GGMLType, isa: str) -> None:
     got = kernels.dequantize(t, w, obuf[:, 1 : 1 + k], rows=rows)
     np.testing.assert_allclose(got, wf[rows], rtol=1e-6, atol=tol)
     assert np.all(np.isnan(obuf[:, 0])) and np.all(np.isnan(obuf[:, 1 + k :]))
+
+
+# --- the x8 layout and the repack buffer ----------------------------------------------------
+X8 = [T.Q4_0, T.Q8_0]
+
+
+def x8_oracle(t: GGMLType, rows: np.ndarray) -> np.ndarray:
+    """The x8 bytes of ggml-layout rows [M, row_bytes], as the layout is specified: per group of
+    8 rows and block, the 8 f16 scales, then word c (4 quant bytes) of row r at word c * 8 + r;
+    the M % 8 last rows unchanged."""
+    m, rb = rows.shape
+    bsz = t.type_size
+    out = rows.copy()
+    for g in range(m // 8):
+        blocks = rows[8 * g : 8 * g + 8].reshape(8, rb // bsz, bsz)
+        packed = np.concatenate([blocks[:, :, :2].transpose(1, 0, 2).reshape(-1, 16),
+                                 blocks[:, :, 2:].reshape(8, -1, (bsz - 2) // 4, 4).transpose(1, 2, 0, 3)
+                                 .reshape(-1, 8 * (bsz - 2))], axis=1)  # fmt: skip
+        out[8 * g : 8 * g + 8] = packed.reshape(8, rb)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_x8_convert_is_the_layout_and_exact_both_ways(data) -> None:
+    t = data.draw(st.sampled_from(X8))
+    m, nb = data.draw(st.integers(1, 27)), data.draw(st.integers(1, 5))
+    raw = np.frombuffer(data.draw(st.binary(min_size=m * nb * t.type_size, max_size=m * nb * t.type_size)),
+                        np.uint8).reshape(m, -1)  # fmt: skip
+    packed = kernels.x8_convert(t, raw, np.empty_like(raw), True)
+    np.testing.assert_array_equal(packed, x8_oracle(t, raw))
+    np.testing.assert_array_equal(kernels.x8_convert(t, packed, np.empty_like(raw), False), raw)
+
+
+def test_x8_convert_checks() -> None:
+    w = make_weights(T.Q4_0, 16, 64, np.random.default_rng(0))[0]
+    with pytest.raises(TypeMismatchError, match="no x8 layout"):
+        kernels.x8_convert(T.Q4_K, w, np.empty_like(w), True)
+    with pytest.raises(ShapeError):
+        kernels.x8_convert(T.Q4_0, w, w, True)  # overlap
+    with pytest.raises(ShapeError):
+        kernels.x8_convert(T.Q4_0, w, np.empty((15, w.shape[1]), np.uint8), True)
+    with pytest.raises(TypeMismatchError, match="no x8 layout"):
+        q5 = make_weights(T.Q5_0, 16, 64, np.random.default_rng(1))[0]
+        kernels.mul_mat(T.Q5_0, q5, np.zeros((1, 64), np.float32), np.zeros((1, 16), np.float32),
+                        layout="x8")
+    with pytest.raises(ShapeError, match="contiguous"):
+        kernels.mul_mat(T.Q4_0, w[::2], np.zeros((1, 64), np.float32), np.zeros((1, 8), np.float32),
+                        layout="x8")
+    with pytest.raises(ConfigError):
+        kernels.mul_mat(T.Q4_0, w, np.zeros((1, 64), np.float32), np.zeros((1, 16), np.float32),
+                        layout="tiles")  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["auto", "blas"])
+@pytest.mark.parametrize("n", [1, 3, 7, 64])
+@pytest.mark.parametrize("m", [8, 21, 64])
+@pytest.mark.parametrize("t", X8, ids=str)
+def test_mul_mat_x8(t: GGMLType, m: int, n: int, strategy: str, isa: str) -> None:
+    """Products from x8 weights (whole groups, a tail of plain rows) against the float64 oracle
+    of the ggml-layout rows they were made from, on each code path, the direct kernel and
+    dequantize + BLAS; several threads' chunks end on groups."""
+    rng = np.random.default_rng([int(t), m, n])
+    k = 32 * 7
+    w, wf = make_weights(t, m, k, rng)
+    p = kernels.x8_convert(t, w, np.empty_like(w), True)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    out = np.full((n, m), np.nan, np.float32)
+    kernels.mul_mat(t, p, x, out, strategy=strategy, layout="x8")  # type: ignore[arg-type]
+    check_product(out, wf, x, isa, t)
+    call = kernels.prepare_mul_mat(t, p, x, out2 := np.full((n, m), np.nan, np.float32), 1, layout="x8")
+    call()
+    check_product(out2, wf, x, isa, t)
+
+
+@pytest.mark.parametrize("t", X8, ids=str)
+def test_dequantize_x8(t: GGMLType, isa: str) -> None:
+    """x8 rows dequantize to exactly what their ggml-layout rows do (rows picked and all)."""
+    rng = np.random.default_rng([int(t), 3])
+    w, _ = make_weights(t, 19, 96, rng)
+    p = kernels.x8_convert(t, w, np.empty_like(w), True)
+    want = kernels.dequantize(t, w, np.empty((19, 96), np.float32))
+    np.testing.assert_array_equal(kernels.dequantize(t, p, np.empty((19, 96), np.float32), layout="x8"), want)
+    rows = np.array([18, 0, 7, 8, 16, 3], np.int64)
+    got = kernels.dequantize(t, p, np.empty((6, 96), np.float32), rows=rows, layout="x8")
+    np.testing.assert_array_equal(got, want[rows])
+
+
+def _repack_buffer_tensors(t: GGMLType, ne: tuple[int, ...]):
+    import accelplane as ap
+    from accelplane.core.graph import Context
+    from accelplane.runtime.alloc import alloc_tensors
+
+    dev = ap.get_registry().device("CPU")
+    ctx = Context()
+    w = ctx.new_tensor_ne(t, *ne, name="w")
+    (buft,) = dev.extra_buffer_types
+    assert buft.name == "CPU_REPACK" and not buft.is_host and dev.supports_buft(buft)
+    return dev, ctx, w, alloc_tensors([w], buft)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_repack_buffer_round_trips_any_byte_range(data) -> None:
+    """Partial writes and reads of an x8 tensor (2-D, or planes of M % 8 != 0 rows) at any byte
+    range, memsets too, read back as ggml's layout: always what a plain array holds."""
+    t = data.draw(st.sampled_from(X8))
+    ne = data.draw(st.sampled_from([(64, 20), (32, 13, 3), (96, 8, 2)]))
+    _, _, w, buf = _repack_buffer_tensors(t, ne)
+    try:
+        n = w.nbytes
+        shadow = np.frombuffer(data.draw(st.binary(min_size=n, max_size=n)), np.uint8).copy()
+        w.set_bytes(shadow)
+        for _ in range(data.draw(st.integers(1, 4))):
+            a = data.draw(st.integers(0, n - 1))
+            b = data.draw(st.integers(a + 1, n))
+            if data.draw(st.booleans()):
+                chunk = np.frombuffer(data.draw(st.binary(min_size=b - a, max_size=b - a)), np.uint8)
+                buf.set_tensor(w, chunk, a, b - a)
+                shadow[a:b] = chunk
+            else:
+                v = data.draw(st.integers(0, 255))
+                buf.memset_tensor(w, v, a, b - a)
+                shadow[a:b] = v
+            lo = data.draw(st.integers(0, n - 1))
+            part = np.empty(n - lo, np.uint8)
+            buf.get_tensor(w, part, lo, n - lo)
+            np.testing.assert_array_equal(part, shadow[lo:])
+        assert w.extra is not None  # stored as x8: the round trip went through the layout
+        np.testing.assert_array_equal(w.get_bytes(), shadow)
+    finally:
+        buf.free()
+
+
+@pytest.mark.parametrize("t", X8, ids=str)
+def test_repack_buffer_in_graphs(t: GGMLType, isa: str) -> None:
+    """Weights in the repack buffer as the CPU plugin computes on them: MUL_MAT of the whole
+    matrix and of row views (on groups: the x8 kernel; off them: through a ggml-layout copy),
+    GET_ROWS (a copy), each against the float64 oracle of the rows written; a rewrite of the
+    weights between computes is seen; a graph op writing into the buffer is refused."""
+    from accelplane.runtime.alloc import alloc_tensors
+
+    rng = np.random.default_rng(int(t))
+    m, k, n = 29, 64, 3
+    wb, wf = make_weights(t, m, k, rng)
+    dev, ctx, w, buf = _repack_buffer_tensors(t, (k, m))
+    x = ctx.new_tensor_ne(T.F32, k, n, name="x")
+    ids = ctx.new_tensor_ne(T.I32, 4, name="ids")
+    rb = w.nb[1]
+    views = {(0, m): w, (8, 21): ctx.view(w, (k, 13), None, 8 * rb),
+             (16, 24): ctx.view(w, (k, 8), None, 16 * rb),
+             (3, 11): ctx.view(w, (k, 8), None, 3 * rb)}  # fmt: skip
+    outs = {key: ctx.mul_mat(v, x) for key, v in views.items()}
+    rows = ctx.get_rows(w, ids)
+    graph = ctx.graph(*outs.values(), rows)
+    hbuf = alloc_tensors([x, ids, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        for _rewrite in range(2):
+            w.set_bytes(wb.reshape(-1))
+            xv = rng.standard_normal((n, k)).astype(np.float32)
+            x.set(xv)
+            idv = np.array([28, 0, 9, 9], np.int32)
+            ids.set(idv)
+            be.compute(graph)
+            for (r0, r1), o in outs.items():
+                check_product(o.get().reshape(n, r1 - r0), wf[r0:r1], xv, isa, t)
+            np.testing.assert_allclose(rows.get().reshape(4, k), wf[idv], rtol=1e-6, atol=1e-7)
+            np.testing.assert_array_equal(w.get_bytes(), wb.reshape(-1))
+            wb, wf = make_weights(t, m, k, rng)
+        bad = ctx.graph(ctx.set_rows(w, ctx.get_rows(w, ids), ids))
+        new = [n for n in bad.nodes if n.buffer is None and n.view_src is None]
+        extra = alloc_tensors(new, dev.buffer_type)
+        try:
+            with pytest.raises(ComputeError, match="CPU_REPACK"):
+                be.compute(bad)
+        finally:
+            if extra is not None:
+                extra.free()
+    finally:
+        be.free()
+        hbuf.free()
+        buf.free()
 
 
 # --- configuration -------------------------------------------------------------------------

@@ -286,6 +286,24 @@ def test_device_memory_exports_a_host_copy(adev):
     assert np.array_equal(v2, v.T) and v2.flags.c_contiguous
 
 
+def test_cpu_repack_memory_exports_a_host_copy(cpu):
+    """The CPU's repack buffer type is not host memory (its bytes are not ggml's layout): an F32
+    tensor in it exports as a copy of its values, and a Q4_0 one is refused like any block type."""
+    (buft,) = [b for b in cpu.extra_buffer_types if b.name == "CPU_REPACK"]
+    v = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ctx = Context()
+    t = ctx.new_tensor(T.F32, (3, 4), "t")
+    q = ctx.new_tensor(T.Q4_0, (8, 32), "q")
+    buf = alloc_tensors([t, q], buft)
+    t.set(v)
+    a = np.from_dlpack(t)
+    assert np.array_equal(a, v) and not np.shares_memory(a, buf.ctx)
+    with pytest.raises(DLPackError, match="without a copy"):
+        np.from_dlpack(t, copy=False)
+    with pytest.raises(DLPackError):
+        q.__dlpack__()
+
+
 def test_export_waits_for_queued_work(adev):
     """The array API: host memory is synchronized by the producer. A graph queued on a late
     stream is done before the values are read (without the wait they would be the inputs')."""

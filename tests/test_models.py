@@ -651,6 +651,35 @@ def test_merged_projections(reg, models):
     assert _nmse(out[0], out[1]) < 1e-10
 
 
+def test_cpu_matrices_in_the_repack_buffer(reg, models, monkeypatch):
+    """On the CPU the Q8_0 model's matrices (all but the embeddings) live in the CPU's repack
+    buffer in the x8 layout, and everything else in host memory; ACCELPLANE_MODEL_REPACK=0 keeps
+    them all in host memory as in the file. Both give the same logits (prefill and decode) and
+    the same weight bytes back."""
+    cpu = reg.device("CPU")
+    tokens = np.random.default_rng(4).integers(0, TINY["n_vocab"], 12)
+    out = []
+    for repack in ("1", "0"):
+        monkeypatch.setenv("ACCELPLANE_MODEL_REPACK", repack)
+        m = LlamaModel.from_gguf(models["q8_0"], [cpu], n_ctx=32, kv_pad=16)
+        try:
+            where = {name: t.buffer.buft.name for name, t in m.w.items()}
+            matrices = {n for n, t in m.w.items() if t.ne[1] > 1 and n != "token_embd.weight"}
+            assert matrices and "token_embd.weight" in m.w
+            if repack == "1":
+                assert {where[n] for n in matrices} == {"CPU_REPACK"}
+                assert all(m.w[n].data_owner.extra is not None for n in matrices)
+                assert {where[n] for n in set(m.w) - matrices} == {"CPU"}
+            else:
+                assert set(where.values()) == {"CPU"}
+            got = [m.eval(tokens[:6], all_logits=True).logits] + [m.eval([t]).logits for t in tokens[6:]]
+            out.append((np.concatenate(got), {n: m.w[n].get_bytes() for n in sorted(matrices)}))
+        finally:
+            m.free()
+    assert _nmse(out[0][0], out[1][0]) < 1e-10
+    assert all(np.array_equal(out[0][1][n], out[1][1][n]) for n in out[0][1])
+
+
 def test_merge_skips_groups_of_mixed_types(reg, models):
     """A V projection of another type than Q and K (as in llama.cpp's Q4_K_M files) leaves that
     layer's Q/K/V unmerged; gate/up of one type still merge; the logits equal merge=False."""

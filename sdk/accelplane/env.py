@@ -350,6 +350,11 @@ MODEL_POLICY = choice(
 MODEL_MERGE = flag(
     "ACCELPLANE_MODEL_MERGE", True, "the decoder model merges Q/K/V and gate/up into one matrix each"
 )
+MODEL_REPACK = flag(
+    "ACCELPLANE_MODEL_REPACK", True,
+    "the decoder model keeps its CPU matrices in the CPU's repack buffer type, whose layout multiplies "
+    "faster (llama-bench --repack; 0: host memory as in the file)",
+)  # fmt: skip
 
 
 # --- the CPU plugin (accelplane.cpu) -------------------------------------------------------------

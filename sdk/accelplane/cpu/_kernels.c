@@ -1,9 +1,9 @@
 /* accelplane CPU kernels (see _kernels.h).
  *
  * Three code paths, chosen at run time (no -march flags at build time, so one wheel runs anywhere):
- *  - AVX2+FMA+F16C with AVX-VNNI: the AVX2 path, its 32-element block types' dot products
- *    (_kernels_q32.h) compiled a second time with vpdpbusd in place of vpmaddubsw + vpmaddwd
- *    (the same integer sums, one instruction instead of two).
+ *  - AVX2+FMA+F16C with AVX-VNNI or AVX512-VNNI+VL: the AVX2 path, its 32-element block types'
+ *    dot products (_kernels_q32.h) compiled again with vpdpbusd in place of vpmaddubsw +
+ *    vpmaddwd (the same integer sums, one instruction instead of two).
  *  - AVX2+FMA+F16C, compiled per function with __attribute__((target)). Quantized weights are
  *    dotted against activations quantized to int8 (like ggml: Q8 blocks of 32 for the 32-element
  *    block types, 256-blocks with per-16 sums for the K-quants and IQ4_XS) with vpmaddubsw. Measured on Zen 3, one
@@ -34,11 +34,14 @@
 #define AP_X86 0
 #endif
 
-/* The AVX-VNNI path needs a compiler that knows the avxvnni target (GCC 11, clang 13); with an
- * older one the level is simply never available. */
+/* The VNNI level needs a compiler that knows the avxvnni target (GCC 11, clang 13); with an
+ * older one the level is simply never available. Its vpdpbusd on ymm registers is AVX-VNNI's
+ * (VEX) or AVX512-VNNI's with AVX512VL (EVEX: Zen 4, Xeons since Cascade Lake), one compilation
+ * each: the EVEX one may use any AVX-512VL encoding, which a CPU without AVX-512 lacks. */
 #if AP_X86 && (defined(__clang__) ? __clang_major__ >= 13 : __GNUC__ >= 11)
 #define AP_HAVE_VNNI 1
 #define AP_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define AP_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #else
 #define AP_HAVE_VNNI 0
 #endif
@@ -49,6 +52,7 @@
 #define QKK 256
 
 static int g_isa = AP_ISA_PORTABLE;
+static int g_vnni_evex; /* AP_ISA_AVX2_VNNI runs the AVX512-VNNI (EVEX) compilation */
 static float g_f16[65536]; /* f16 bits -> f32: the portable path's converter */
 
 /* ---------------------------------------------------------------------------------------------
@@ -141,6 +145,61 @@ static int type_info(int type, int64_t *blk, int64_t *bsz) {
     case AP_T_IQ4_XS: *blk = 256; *bsz = 136; return 1;
     default: return 0;
     }
+}
+
+/* --- the x8 weight layout ---------------------------------------------------------------------
+ * Q4_0 and Q8_0 matrices may be stored with 8 rows interleaved per block: group g (rows 8g..8g+7)
+ * fills the bytes rows 8g..8g+7 fill in ggml's layout; block b of the group is the 8 rows' f16
+ * scales, then their quant bytes in 4-byte words, word c of row r at word c * 8 + r (Q4_0: 4
+ * vectors of 32 bytes; low nibbles are elements 4v..4v+3, high ones 16+4v..; Q8_0: 8 vectors).
+ * The M % 8 rows after the last group stay as they are. So a group-aligned row range is itself
+ * an x8 matrix, and the conversion is a byte permutation (exact for any bytes). */
+#define X8_Q4_0 (8 * 18)
+#define X8_Q8_0 (8 * 34)
+
+int ap_x8_supported(int type) { return type == AP_T_Q4_0 || type == AP_T_Q8_0; }
+
+/* ggml-layout bytes of row r (< M / 8 * 8) of an x8 matrix (rows rb bytes apart) into out */
+static void x8_row(int64_t bsz, const uint8_t *w, int64_t rb, int64_t r, uint8_t *out) {
+    const int64_t nb = rb / bsz, nw = (bsz - 2) / 4, lane = r % 8;
+    const uint8_t *g = w + (r - lane) * rb;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * 8 * bsz;
+        uint8_t *o = out + b * bsz;
+        memcpy(o, p + 2 * lane, 2);
+        for (int64_t c = 0; c < nw; c++) memcpy(o + 2 + 4 * c, p + 16 + 4 * (c * 8 + lane), 4);
+    }
+}
+
+int ap_x8_convert(int type, int to_x8, const void *src_, void *dst_, int64_t M, int64_t K, int64_t size) {
+    int64_t blk, bsz;
+    if (!ap_x8_supported(type) || !type_info(type, &blk, &bsz)) return AP_ETYPE;
+    if (M < 0 || K < 0 || K % blk) return AP_EINVAL;
+    const int64_t rb = K / blk * bsz, nb = K / blk, nw = (bsz - 2) / 4;
+    int64_t need;
+    if (__builtin_mul_overflow(M, rb, &need) || need > size) return AP_ERANGE;
+    if (!src_ || !dst_ || src_ == dst_) return AP_EINVAL;
+    const uint8_t *src = (const uint8_t *)src_;
+    uint8_t *dst = (uint8_t *)dst_;
+    const int64_t full = M / 8 * 8;
+#pragma omp parallel for schedule(static) if (full * rb > (1 << 22))
+    for (int64_t g = 0; g < full / 8; g++) {
+        const int64_t base = g * 8 * rb;
+        for (int64_t lane = 0; lane < 8; lane++) {
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t po = base + b * 8 * bsz, lo = base + lane * rb + b * bsz;
+                uint8_t *d = to_x8 ? dst + po + 2 * lane : dst + lo;
+                const uint8_t *sp = to_x8 ? src + lo : src + po + 2 * lane;
+                memcpy(d, sp, 2);
+                for (int64_t c = 0; c < nw; c++) {
+                    const int64_t pw = po + 16 + 4 * (c * 8 + lane), lw = lo + 2 + 4 * c;
+                    memcpy(dst + (to_x8 ? pw : lw), src + (to_x8 ? lw : pw), 4);
+                }
+            }
+        }
+    }
+    memcpy(dst + full * rb, src + full * rb, (size_t)((M - full) * rb));
+    return AP_OK;
 }
 
 /* How the AVX2 path quantizes the activations a weight type is dotted with: not at all (float
@@ -660,22 +719,35 @@ typedef void (*rows_q_fn)(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, 
 #define Q_TARGET AP_AVX2
 #define Q_NAME(n) n
 #define Q_DOT4(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define Q_DPADD(acc, u, s) _mm256_add_epi32(acc, Q_DOT4(u, s))
 #define Q_DOT4_WIDE 0
 #include "_kernels_q32.h"
 #undef Q_TARGET
 #undef Q_NAME
 #undef Q_DOT4
+#undef Q_DPADD
 #undef Q_DOT4_WIDE
 
 #if AP_HAVE_VNNI
 #define Q_TARGET AP_AVX2_VNNI
 #define Q_NAME(n) n##_vnni
 #define Q_DOT4(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define Q_DPADD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #define Q_DOT4_WIDE 1
 #include "_kernels_q32.h"
 #undef Q_TARGET
 #undef Q_NAME
 #undef Q_DOT4
+#undef Q_DPADD
+#define Q_TARGET AP_AVX512_VNNI
+#define Q_NAME(n) n##_vnni512
+#define Q_DOT4(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define Q_DPADD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#include "_kernels_q32.h"
+#undef Q_TARGET
+#undef Q_NAME
+#undef Q_DOT4
+#undef Q_DPADD
 #undef Q_DOT4_WIDE
 #endif
 
@@ -1196,7 +1268,7 @@ static int cpu_has_avx2(void) {
 
 /* AVX-VNNI: CPUID leaf 7 subleaf 1, EAX bit 4 (the VEX-encoded vpdpbusd on ymm registers). Its
  * register state is AVX's, which cpu_has_avx2 has checked the OS saves (XCR0). */
-static int cpu_has_avx2_vnni(void) {
+static int cpu_has_vex_vnni(void) {
 #if AP_HAVE_VNNI
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!cpu_has_avx2() || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return 0;
@@ -1206,10 +1278,23 @@ static int cpu_has_avx2_vnni(void) {
 #endif
 }
 
+/* AVX512-VNNI with AVX512VL (libgcc's and compiler-rt's checks include the OS's AVX-512 state) */
+static int cpu_has_evex_vnni(void) {
+#if AP_HAVE_VNNI
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+static int cpu_has_avx2_vnni(void) { return cpu_has_vex_vnni() || cpu_has_evex_vnni(); }
+
 #else /* not x86 */
 
 static int cpu_has_avx2(void) { return 0; }
 static int cpu_has_avx2_vnni(void) { return 0; }
+static int cpu_has_vex_vnni(void) { return 0; }
 
 #endif
 
@@ -1229,6 +1314,7 @@ int ap_cpu_has_avx2(void) { return cpu_has_avx2(); }
 int ap_cpu_has_avx2_vnni(void) { return cpu_has_avx2_vnni(); }
 
 int ap_set_isa(int isa) {
+    g_vnni_evex = !cpu_has_vex_vnni(); /* VEX where both: no AVX-512 frequency licence */
     if (isa == AP_ISA_AVX2_VNNI && cpu_has_avx2_vnni())
         g_isa = AP_ISA_AVX2_VNNI;
     else if ((isa == AP_ISA_AVX2_VNNI || isa == AP_ISA_AVX2) && cpu_has_avx2())
@@ -1273,8 +1359,9 @@ static int64_t pick_chunk(int64_t rows, int nt) {
 
 typedef struct {
     int type;
+    int x8; /* w is in the x8 layout (of M rows) */
     const uint8_t *w;
-    int64_t ws, K, N, xs, ys;
+    int64_t ws, M, K, N, xs, ys;
     const float *x;
     float *y;
 #if AP_X86
@@ -1282,11 +1369,52 @@ typedef struct {
 #endif
 } mm_ctx;
 
+/* rows [m0, m1) of an x8 matrix on the portable path: each group row's blocks put back in
+ * ggml's layout one at a time, dequantized and dotted in double; the tail rows as plain ones */
+static void mm_range_x8_portable(const mm_ctx *c, int64_t m0, int64_t m1) {
+    int64_t blk, bsz;
+    type_info(c->type, &blk, &bsz);
+    const deq_fn deq = deq_portable(c->type);
+    const int64_t full = c->M / 8 * 8, mg = m1 < full ? m1 : full, nb = c->K / blk, nw = (bsz - 2) / 4;
+    uint8_t one[34];
+    float v[32];
+    for (int64_t m = m0; m < mg; m++) {
+        const uint8_t *g = c->w + (m - m % 8) * c->ws;
+        for (int64_t n = 0; n < c->N; n++) {
+            double acc = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *p = g + b * 8 * bsz;
+                memcpy(one, p + 2 * (m % 8), 2);
+                for (int64_t w = 0; w < nw; w++) memcpy(one + 2 + 4 * w, p + 16 + 4 * (w * 8 + m % 8), 4);
+                deq(one, 1, v);
+                const float *xr = c->x + n * c->xs + b * 32;
+                for (int j = 0; j < 32; j++) acc += (double)v[j] * xr[j];
+            }
+            c->y[n * c->ys + m] = (float)acc;
+        }
+    }
+    if (m1 > full)
+        mm_rows_portable(c->type, c->w, c->ws, m0 > full ? m0 : full, m1, c->K, c->x, c->xs, c->N, c->y, c->ys);
+}
+
 static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
 #if AP_X86
+    if (isa >= AP_ISA_AVX2 && c->x8) {
+#if AP_HAVE_VNNI
+        if (isa == AP_ISA_AVX2_VNNI) {
+            (g_vnni_evex ? rows_x8_vnni512 : rows_x8_vnni)(c->type, c->w, c->ws, c->M, m0, m1, c->a, c->N,
+                                                            c->y, c->ys);
+            return;
+        }
+#endif
+        rows_x8(c->type, c->w, c->ws, c->M, m0, m1, c->a, c->N, c->y, c->ys);
+        return;
+    }
     if (isa >= AP_ISA_AVX2) { /* the VNNI level: its own 32-block kernels, AVX2's for the rest */
 #if AP_HAVE_VNNI
-        const rows_q_fn q32 = isa == AP_ISA_AVX2_VNNI ? rows_q32_vnni(c->type) : rows_q32(c->type);
+        const rows_q_fn q32 = isa != AP_ISA_AVX2_VNNI ? rows_q32(c->type)
+                              : g_vnni_evex          ? rows_q32_vnni512(c->type)
+                                                     : rows_q32_vnni(c->type);
 #else
         const rows_q_fn q32 = rows_q32(c->type);
 #endif
@@ -1311,6 +1439,10 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
     }
 #endif
     (void)isa;
+    if (c->x8) {
+        mm_range_x8_portable(c, m0, m1);
+        return;
+    }
     mm_rows_portable(c->type, c->w, c->ws, m0, m1, c->K, c->x, c->xs, c->N, c->y, c->ys);
 }
 
@@ -1344,7 +1476,7 @@ static void mm_item(const mm_ctx *base, int isa, const int64_t *gw, const int64_
  * at w + gw[g] (rows ws bytes apart) into the same rows of y (MUL_MAT: one group; MUL_MAT_ID:
  * one per used expert). The caller has checked every size and offset. Activation rows are
  * quantized once for all groups; the (group, row chunk) items are shared among the threads. */
-static int mm_groups(int type, const uint8_t *w, int64_t ws, int64_t M, int64_t K, const float *x,
+static int mm_groups(int type, int x8, const uint8_t *w, int64_t ws, int64_t M, int64_t K, const float *x,
                      int64_t xs, int64_t N, float *y, int64_t ys, const int64_t *gw, const int64_t *gs,
                      int64_t G, int nthreads) {
     if (K == 0) {
@@ -1353,13 +1485,17 @@ static int mm_groups(int type, const uint8_t *w, int64_t ws, int64_t M, int64_t 
     }
     const int nt = pick_threads(nthreads, M * G, (double)M * (double)K * (double)N);
     /* chunks of the M rows, ~8 per thread over all groups */
-    const int64_t chunk = pick_chunk(M * G, nt), nch = (M + chunk - 1) / chunk, items = nch * G;
+    int64_t chunk = pick_chunk(M * G, nt);
+    if (x8) chunk = (chunk + 7) / 8 * 8; /* chunks start on a group */
+    const int64_t nch = (M + chunk - 1) / chunk, items = nch * G;
     const int isa = g_isa;
     mm_ctx c;
     memset(&c, 0, sizeof c);
     c.type = type;
+    c.x8 = x8;
     c.w = w;
     c.ws = ws;
+    c.M = M;
     c.K = K;
     c.N = N;
     c.xs = xs;
@@ -1411,28 +1547,39 @@ static int mm_groups(int type, const uint8_t *w, int64_t ws, int64_t M, int64_t 
     return AP_OK;
 }
 
+/* Splits AP_LAYOUT_X8 off a type argument: the x8 flag, or -1 when the type has no x8 layout. */
+static int take_layout(int *type) {
+    const int x8 = (*type & AP_LAYOUT_X8) != 0;
+    *type &= ~AP_LAYOUT_X8;
+    return x8 && !ap_x8_supported(*type) ? -1 : x8;
+}
+
 int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, int64_t K,
                const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
                int64_t y_size, int nthreads) {
     int64_t blk, bsz;
-    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    const int x8 = take_layout(&type);
+    if (x8 < 0 || !type_info(type, &blk, &bsz)) return AP_ETYPE;
     if (M < 0 || N < 0 || K < 0 || K % blk) return AP_EINVAL;
     if (M == 0 || N == 0) return AP_OK;
     if (ws < 0 || xs < 0 || (N > 1 && ys < M)) return AP_EINVAL; /* ys < M: rows of y overlap */
     const int64_t row_bytes = K / blk * bsz;
+    if (x8 && ws != row_bytes && M > 1) return AP_EINVAL; /* x8 groups are whole rows apart */
     const int64_t ew = extent(M, ws, row_bytes), ex = extent(N, xs, K), ey = extent(N, ys, M);
     if (ew < 0 || ex < 0 || ey < 0 || ew > w_size || ex > x_size || ey > y_size)
         return AP_ERANGE;
     if (!w_ || !x || !y) return AP_EINVAL;
     const int64_t gw = 0, gs[2] = {0, N};
-    return mm_groups(type, (const uint8_t *)w_, ws, M, K, x, xs, N, y, ys, &gw, gs, 1, nthreads);
+    return mm_groups(type, x8, (const uint8_t *)w_, x8 ? row_bytes : ws, M, K, x, xs, N, y, ys, &gw, gs, 1,
+                     nthreads);
 }
 
 int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
                   int64_t K, const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
                   int64_t y_size, const int32_t *experts, const int64_t *starts, int64_t G, int nthreads) {
     int64_t blk, bsz;
-    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    const int x8 = take_layout(&type);
+    if (x8 < 0 || !type_info(type, &blk, &bsz)) return AP_ETYPE;
     if (M < 0 || N < 0 || K < 0 || E < 0 || G < 0 || K % blk) return AP_EINVAL;
     if (es < 0 || ws < 0 || xs < 0 || (N > 1 && ys < M)) return AP_EINVAL;
     if (!starts || (G > 0 && !experts) || starts[0] != 0 || starts[G] != N) return AP_EINVAL;
@@ -1440,6 +1587,8 @@ int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_si
         if (starts[g + 1] < starts[g]) return AP_EINVAL;
     if (M == 0 || N == 0) return AP_OK;
     const int64_t row_bytes = K / blk * bsz;
+    if (x8 && ws != row_bytes && M > 1) return AP_EINVAL;
+    if (x8) ws = row_bytes;
     const int64_t ew = extent(M, ws, row_bytes), ex = extent(N, xs, K), ey = extent(N, ys, M);
     if (ew < 0 || ex < 0 || ey < 0 || ex > x_size || ey > y_size) return AP_ERANGE;
     int64_t *gw = malloc((size_t)(G > 0 ? G : 1) * sizeof(int64_t));
@@ -1457,7 +1606,7 @@ int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_si
         free(gw);
         return AP_EINVAL;
     }
-    const int rc = mm_groups(type, (const uint8_t *)w_, ws, M, K, x, xs, N, y, ys, gw, starts, G, nthreads);
+    const int rc = mm_groups(type, x8, (const uint8_t *)w_, ws, M, K, x, xs, N, y, ys, gw, starts, G, nthreads);
     free(gw);
     return rc;
 }
@@ -1467,7 +1616,8 @@ int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t 
                       const int32_t *ids, int64_t ids_stride, int64_t ids_size, int64_t T, int64_t U, float *y,
                       int64_t y_tok, int64_t y_slot, int64_t y_size, int nthreads) {
     int64_t blk, bsz, N;
-    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    int plain = type;
+    if (take_layout(&plain) < 0 || !type_info(plain, &blk, &bsz)) return AP_ETYPE;
     if (M < 0 || K < 0 || E < 1 || T < 0 || U < 0 || x_slots < 1 || K % blk) return AP_EINVAL;
     if (es < 0 || ws < 0 || x_tok < 0 || x_slot < 0 || ids_stride < 0 || y_tok < 0 || y_slot < 0)
         return AP_EINVAL;
@@ -1532,11 +1682,14 @@ int ap_dequantize(int type, const void *w_, int64_t ws, int64_t w_size, int64_t 
                   const int64_t *rows, int64_t R, float *y, int64_t ys, int64_t y_size,
                   int nthreads) {
     int64_t blk, bsz;
-    if (!type_info(type, &blk, &bsz)) return AP_ETYPE;
+    const int x8 = take_layout(&type);
+    if (x8 < 0 || !type_info(type, &blk, &bsz)) return AP_ETYPE;
     if (M < 0 || R < 0 || K < 0 || K % blk) return AP_EINVAL;
     if (R == 0 || K == 0) return AP_OK;
     if (ws < 0 || (R > 1 && ys < K)) return AP_EINVAL;
     const int64_t row_bytes = K / blk * bsz;
+    if (x8 && ws != row_bytes && M > 1) return AP_EINVAL;
+    if (x8) ws = row_bytes;
     const int64_t ew = extent(M, ws, row_bytes), ey = extent(R, ys, K);
     if (ew < 0 || ey < 0 || ew > w_size || ey > y_size) return AP_ERANGE;
     if (!rows && R > M) return AP_ERANGE;
@@ -1551,6 +1704,31 @@ int ap_dequantize(int type, const void *w_, int64_t ws, int64_t w_size, int64_t 
 #endif
     const int nt = pick_threads(nthreads, R, (double)R * (double)K);
     const int64_t chunk = pick_chunk(R, nt);
+    if (x8) { /* rows of the groups put back in ggml's layout first (the tail is plain already) */
+        const int64_t full = M / 8 * 8;
+        int rc = AP_OK;
+#pragma omp parallel num_threads(nt)
+        {
+            uint8_t *row = malloc((size_t)row_bytes);
+            if (!row) {
+#pragma omp atomic write
+                rc = AP_ENOMEM;
+            }
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t i = 0; i < R; i++) {
+                const int64_t r = rows ? rows[i] : i;
+                if (!row) continue;
+                if (r < full) {
+                    x8_row(bsz, w, ws, r, row);
+                    deq(row, K / blk, y + i * ys);
+                } else {
+                    deq(w + r * ws, K / blk, y + i * ys);
+                }
+            }
+            free(row);
+        }
+        return rc;
+    }
     if (nt == 1) {
         for (int64_t i = 0; i < R; i++) deq(w + (rows ? rows[i] : i) * ws, K / blk, y + i * ys);
         return AP_OK;

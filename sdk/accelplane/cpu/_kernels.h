@@ -26,9 +26,14 @@
 #define AP_T_IQ4_XS 23
 #define AP_T_BF16 30
 
+/* A flag on the type argument of the products and ap_dequantize: W (Q4_0 or Q8_0 only; rows
+ * exactly a row apart) is in the x8 layout (_kernels.c: 8 rows interleaved per block, the M % 8
+ * last rows as in ggml's), made by ap_x8_convert. */
+#define AP_LAYOUT_X8 0x100
+
 #define AP_ISA_PORTABLE 0
 #define AP_ISA_AVX2 1 /* AVX2 + FMA + F16C */
-#define AP_ISA_AVX2_VNNI 2 /* AP_ISA_AVX2's code, int8 dot products with AVX-VNNI's vpdpbusd */
+#define AP_ISA_AVX2_VNNI 2 /* AP_ISA_AVX2's code, int8 dot products with vpdpbusd (AVX-VNNI or AVX512-VNNI+VL) */
 
 #define AP_OK 0
 #define AP_EINVAL -1 /* a size/stride that cannot be right (negative, K not a block multiple) */
@@ -76,6 +81,13 @@ int ap_mul_mat_id_ids(int type, const void *w, int64_t expert_stride, int64_t w_
                       int64_t x_slots, int64_t x_size, const int32_t *ids, int64_t ids_stride, int64_t ids_size,
                       int64_t T, int64_t U, float *y, int64_t y_tok, int64_t y_slot, int64_t y_size,
                       int nthreads);
+
+/* 1 when the type has an x8 layout. */
+int ap_x8_supported(int type);
+/* Rows [0, M) of one K-wide matrix of type (row bytes K / 32 * bsz, both buffers at least
+ * M * row bytes = size bytes, not overlapping) between ggml's layout and x8: to_x8 1 packs
+ * src into dst, 0 unpacks. A byte permutation, exact for any bytes. */
+int ap_x8_convert(int type, int to_x8, const void *src, void *dst, int64_t M, int64_t K, int64_t size);
 
 /* Dequantize rows of W to float32: y[i * y_stride + k] = dequant(W[r_i, k]) for i < R where
  * r_i = rows ? rows[i] : i. Rows index W's M rows (bounds-checked). */

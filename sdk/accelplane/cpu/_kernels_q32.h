@@ -1,9 +1,10 @@
 /* The int8 dot kernels of the 32-element block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and
  * their row loops, included by _kernels.c once per integer-dot code path; deliberately without an
  * include guard. The includer defines
- *   Q_TARGET      the function attribute of the path (AP_AVX2, AP_AVX2_VNNI),
+ *   Q_TARGET      the function attribute of the path (AP_AVX2, AP_AVX2_VNNI, AP_AVX512_VNNI),
  *   Q_NAME(n)     the path's name for the function n (distinct per inclusion),
  *   Q_DOT4(u, s)  the eight int32 sums of four u8 x s8 byte products of two __m256i,
+ *   Q_DPADD(acc, u, s)  acc + Q_DOT4(u, s) (one vpdpbusd on the VNNI paths),
  *   Q_DOT4_WIDE   1 when Q_DOT4 takes any u8 without saturating (vpdpbusd), else 0.
  * Otherwise the operands keep every pair of products within int16 (u <= 31 against |s| <= 127,
  * or |u| <= 128 against |s| <= 127 for the signed types), so vpmaddubsw never saturates. Every
@@ -269,6 +270,85 @@ AP_INLINE Q_TARGET void Q_NAME(dot2_s32)(const int type, int64_t nb, const uint8
 
 #define dot2_q8_0(...) Q_NAME(dot2_s32)(AP_T_Q8_0, __VA_ARGS__)
 #define dot2_iq4_nl(...) Q_NAME(dot2_s32)(AP_T_IQ4_NL, __VA_ARGS__)
+
+static rows_q_fn Q_NAME(rows_q32)(int type);
+
+/* The x8 layout (x8_pack): 8 weight rows interleaved per block, so one vector holds 4
+ * consecutive K elements of each of the 8 rows and one broadcast of 4 activation bytes dots
+ * all 8 rows at once; a block's 8 scales convert with one vcvtph2ps and scale all 8 sums with
+ * one FMA. Per activation row and block, out[r] (8 rows) += d (dx isum - cmul c): the work of
+ * a block for 8 rows is what the plain layout spends on 2-3. */
+AP_INLINE Q_TARGET void Q_NAME(dot_x8)(const int type, const int nr, int64_t nb, const uint8_t *g,
+                                      const act_t *a, int64_t r0, __m256 *out) {
+    const int q8 = type == AP_T_Q8_0;
+    const int64_t gbsz = q8 ? X8_Q8_0 : X8_Q4_0;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int8_t *xq[NR_MAX];
+    const float *xd[NR_MAX], *xc[NR_MAX];
+    for (int r = 0; r < nr; r++) {
+        xq[r] = a->q + (r0 + r) * a->K;
+        xd[r] = a->d + (r0 + r) * a->nd;
+        xc[r] = a->c + (r0 + r) * a->nd;
+        out[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * gbsz; /* one sequential stream: the hardware prefetcher's */
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256i isum[NR_MAX];
+        for (int r = 0; r < nr; r++) isum[r] = _mm256_setzero_si256();
+        if (q8) {
+            for (int s = 0; s < 8; s++) {
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * s));
+                const __m256i aw = _mm256_sign_epi8(qv, qv);
+                for (int r = 0; r < nr; r++) {
+                    const __m256i xv = _mm256_set1_epi32((int)ld_u32((const uint8_t *)(xq[r] + b * QK + 4 * s)));
+                    isum[r] = Q_DPADD(isum[r], aw, _mm256_sign_epi8(xv, qv));
+                }
+            }
+        } else {
+            for (int v = 0; v < 4; v++) {
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * v));
+                const __m256i lo = _mm256_and_si256(qb, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *xb = (const uint8_t *)(xq[r] + b * QK + 4 * v);
+                    const __m256i xl = _mm256_set1_epi32((int)ld_u32(xb));
+                    const __m256i xh = _mm256_set1_epi32((int)ld_u32(xb + 16));
+                    isum[r] = Q_DPADD(Q_DPADD(isum[r], lo, xl), hi, xh);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const __m256 f = _mm256_cvtepi32_ps(isum[r]);
+            const __m256 t = q8 ? _mm256_mul_ps(f, _mm256_set1_ps(xd[r][b]))
+                                : _mm256_fmadd_ps(f, _mm256_set1_ps(xd[r][b]), _mm256_set1_ps(-8.0f * xc[r][b]));
+            out[r] = _mm256_fmadd_ps(dw, t, out[r]);
+        }
+    }
+}
+
+/* Rows [m0, m1) of an x8 matrix of M rows (m0 a multiple of 8): whole groups through dot_x8,
+ * the plain tail rows (M % 8, after the last group) through the plain kernel. */
+static Q_TARGET void Q_NAME(rows_x8)(int type, const uint8_t *w, int64_t ws, int64_t M, int64_t m0,
+                                     int64_t m1, const act_t *a, int64_t N, float *y, int64_t ys) {
+    const int64_t nb = a->K / QK, full = M / 8 * 8, mg = m1 < full ? m1 : full;
+    for (int64_t m = m0; m < mg; m += 8) {
+        const uint8_t *g = w + m * ws;
+        for (int64_t r0 = 0; r0 < N; r0 += NR_MAX) {
+            const int nr = N - r0 < NR_MAX ? (int)(N - r0) : NR_MAX;
+            __m256 res[NR_MAX];
+            switch (nr) {
+            case 1: Q_NAME(dot_x8)(type, 1, nb, g, a, r0, res); break;
+            case 2: Q_NAME(dot_x8)(type, 2, nb, g, a, r0, res); break;
+            case 3: Q_NAME(dot_x8)(type, 3, nb, g, a, r0, res); break;
+            default: Q_NAME(dot_x8)(type, 4, nb, g, a, r0, res); break;
+            }
+            for (int r = 0; r < nr; r++) _mm256_storeu_ps(y + (r0 + r) * ys + m, res[r]);
+        }
+    }
+    const int64_t t0 = m0 > full ? m0 : full;
+    if (t0 < m1) Q_NAME(rows_q32)(type)(w, ws, t0, m1, a, N, y, ys);
+}
 
 DEF_ROWS_Q(Q_TARGET, Q_NAME(rows_q4_0_n), dot_q4_0, 18, QK)
 DEF_ROWS_Q_PAIRS(Q_TARGET, Q_NAME(rows_q4_0), Q_NAME(rows_q4_0_n), dot2_q4_0)

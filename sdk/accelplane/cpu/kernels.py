@@ -7,15 +7,16 @@ extents again as a backstop.
 ``mul_mat`` picks the strategy per call:
 
 * small N (activation rows): the direct kernel, which streams W once and dots each row against
-  all N activation rows (int8 activation dot products on AVX2, like ggml; with AVX-VNNI's
-  vpdpbusd where the CPU has it);
+  all N activation rows (int8 activation dot products on AVX2, like ggml; with vpdpbusd where
+  the CPU has AVX-VNNI or AVX512-VNNI);
 * large N: dequantize W in row tiles to float32 and multiply with numpy/BLAS sgemm, which is
   compute-efficient once the dequantization is amortized over enough rows of x.
 
 The crossover N per type was measured with ``scripts/bench_cpu_kernels.py``.
 
 Code paths, in order: ``portable`` (C), ``avx2`` (AVX2+FMA+F16C) and ``avx2-vnni`` (the AVX2 code,
-its int8 dot products of the 32-element block types with AVX-VNNI); the best the CPU has is the
+its int8 dot products of the 32-element block types with vpdpbusd on ymm registers, AVX-VNNI's or
+AVX512-VNNI+VL's); the best the CPU has is the
 default. Environment: ``ACCELPLANE_CPU_ISA`` (``auto``, ``avx2-vnni``, ``avx2``, ``portable``) picks
 one (``set_isa`` changes it at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count
 (else ``os.cpu_count()``).
@@ -71,6 +72,8 @@ __all__ = [
     "prepare_mul_mat_id_ids",
     "blas_wins",
     "set_isa",
+    "X8_TYPES",
+    "x8_convert",
 ]
 
 T = GGMLType
@@ -111,6 +114,17 @@ _PORTABLE_CROSSOVER_N: Final = 2
 # descheduled on a busy machine. 32 MiB bounds the temporary.
 _TILE_BYTES = 32 << 20
 
+# the types with an x8 layout (_kernels.c: 8 weight rows interleaved per block), and the flag
+# that says so on the kernels' type argument (AP_LAYOUT_X8)
+X8_TYPES: Final = frozenset(t for t in (T.Q4_0, T.Q8_0) if _lib.ap_x8_supported(int(t)))
+_LAYOUT_X8: Final = 0x100
+
+
+def _x8_names() -> str:
+    return ", ".join(sorted(t.name for t in X8_TYPES))
+
+Layout = Literal["ggml", "x8"]
+
 _ISA_NAMES: Final = {0: "portable", 1: "avx2", 2: "avx2-vnni"}  # AP_ISA_* of _kernels.h
 _ISA_CODES: Final = {"": 2, "auto": 2, **{name: code for code, name in _ISA_NAMES.items()}}
 _CPU_COUNT: Final = os.cpu_count() or 1  # cached: os.cpu_count() reads sysfs, ~5 us a call
@@ -131,7 +145,8 @@ def has_avx2() -> bool:
 
 
 def has_avx2_vnni() -> bool:
-    """True when this CPU (and this build) runs the ``"avx2-vnni"`` path: AVX2+FMA+F16C and AVX-VNNI."""
+    """True when this CPU (and this build) runs the ``"avx2-vnni"`` path: AVX2+FMA+F16C and AVX-VNNI
+    or AVX512-VNNI+VL."""
     return bool(_lib.ap_cpu_has_avx2_vnni())
 
 
@@ -212,9 +227,9 @@ def _float_dtype_ok(t: GGMLType, dt: np.dtype) -> bool:
 class _Rows:
     """A validated weight matrix: M rows of K elements of type t, row r at base + r * stride."""
 
-    __slots__ = ("arr", "k", "m", "ptr", "size", "stride", "t")
+    __slots__ = ("arr", "k", "m", "ptr", "size", "stride", "t", "x8")
 
-    def __init__(self, t: GGMLType, w: object, k: int | None, what: str) -> None:
+    def __init__(self, t: GGMLType, w: object, k: int | None, what: str, layout: Layout = "ggml") -> None:
         if not isinstance(w, np.ndarray):
             raise TypeMismatchError(f"{what} must be a numpy array, got {type(w).__name__}")
         if w.ndim != 2:
@@ -244,10 +259,22 @@ class _Rows:
         if (m > 1 and m_stride < 0) or (inner > 1 and e_stride != w.itemsize):
             msg = f"{what} must have contiguous rows, row stride >= 0; got strides {w.strides}"
             raise ShapeError(msg)
+        if layout not in ("ggml", "x8"):
+            raise ConfigError(f"layout must be 'ggml' or 'x8', got {layout!r}")
+        self.x8 = layout == "x8"
+        if self.x8 and t not in X8_TYPES:
+            raise TypeMismatchError(f"{what}: {t.name} has no x8 layout (only {_x8_names()})")
+        if self.x8 and m > 1 and m_stride != inner:
+            raise ShapeError(f"{what}: x8 rows must be contiguous (row stride {m_stride}, row {inner} bytes)")
         self.t, self.arr, self.m, self.k = t, w, m, row_k
         self.stride = m_stride if m > 1 else 0
         self.size = _extent(w)
         self.ptr = _ptr(w, "uint8_t[]") if self.size else _ffi.NULL
+
+    @property
+    def code(self) -> int:
+        """The kernels' type argument: the type id, with AP_LAYOUT_X8 for x8 rows."""
+        return int(self.t) | (_LAYOUT_X8 if self.x8 else 0)
 
 
 def _as_x(x: object, what: str = "x") -> np.ndarray:
@@ -315,6 +342,7 @@ def mul_mat(
     out: np.ndarray,
     nthreads: int | None = None,
     strategy: Literal["auto", "direct", "blas"] = "auto",
+    layout: Layout = "ggml",
 ) -> np.ndarray:
     """out[n, m] = sum_k dequant(w[m, k]) * x[n, k] (ggml's MUL_MAT of one 2-D slice).
 
@@ -322,11 +350,12 @@ def mul_mat(
     float types a [M, K] array of that dtype (float32 / float16 / bfloat16 or uint16 bits).
     ``x``: float32 [N, K]. ``out``: float32 [N, M], may be a strided view. Returns ``out``.
     ``strategy`` forces the direct kernel or dequantize + BLAS (for tests and benchmarks).
+    ``layout="x8"``: w's bytes are in the x8 layout (:func:`x8_convert`; Q4_0 and Q8_0).
     """
     t = _wtype(wtype)
     x = _as_x(x)
     n, k = x.shape
-    rows = _Rows(t, w, k, "w")
+    rows = _Rows(t, w, k, "w", layout)
     m = rows.m
     out = _check_out(out, (n, m))
     if n == 0 or m == 0:
@@ -338,7 +367,7 @@ def mul_mat(
     if strategy not in ("auto", "direct", "blas"):
         raise ValueError(f"unknown strategy {strategy!r}")
     if strategy == "auto":
-        strategy = "blas" if blas_wins(t, n) else "direct"
+        strategy = "blas" if blas_wins(t, n, layout) else "direct"
     if strategy == "blas":
         # BLAS needs a unit inner stride in out; numpy's fallback loop would be ~100x slower
         y = out if out.strides[1] == 4 or m == 1 else np.empty((n, m), np.float32)
@@ -363,6 +392,7 @@ def mul_mat_id(
     experts: np.ndarray,
     starts: np.ndarray,
     nthreads: int | None = None,
+    layout: Layout = "ggml",
 ) -> np.ndarray:
     """Grouped products, MUL_MAT_ID's work in one call: out[n] = dequant(w[e]) @ x[n] for the
     rows n in [starts[g], starts[g + 1]) with e = experts[g] (the direct kernel, activation rows
@@ -380,7 +410,7 @@ def mul_mat_id(
     n, k = x.shape
     if w.shape[0] == 0:
         raise ShapeError("w has no experts")
-    rows = _Rows(t, w[0], k, "w[0]")
+    rows = _Rows(t, w[0], k, "w[0]", layout)
     m = rows.m
     out = _check_out(out, (n, m))
     ex = np.ascontiguousarray(experts, dtype=np.int32)
@@ -395,7 +425,7 @@ def mul_mat_id(
         return out
     y = out if _direct_out(out, x, w) else np.empty((n, m), np.float32)
     base = w if w.flags.c_contiguous else w[:1, :1, :1]
-    rc = _lib.ap_mul_mat_id(int(t), _ffi.from_buffer("uint8_t[]", base), e_stride, rows.stride, size,
+    rc = _lib.ap_mul_mat_id(rows.code, _ffi.from_buffer("uint8_t[]", base), e_stride, rows.stride, size,
                             w.shape[0], m, k, _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
                             _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4,
                             _ffi.from_buffer("int32_t[]", ex), _ffi.from_buffer("int64_t[]", st), ex.size,
@@ -417,7 +447,7 @@ def _elem_strides(a: np.ndarray, what: str) -> tuple[int, ...]:
 
 def prepare_mul_mat_id_ids(
     wtype: GGMLType | str | int, w: np.ndarray, x: np.ndarray, ids: np.ndarray, out: np.ndarray,
-    nthreads: int | None = None,
+    nthreads: int | None = None, layout: Layout = "ggml",
 ) -> Callable[[], None]:
     """MUL_MAT_ID as ggml states it, as a call to repeat on the same memory (a plan's step): for
     token t and slot u, ``out[t, u] = dequant(w[ids[t, u]]) @ x[t, u % S]``, the rows grouped by
@@ -438,7 +468,7 @@ def prepare_mul_mat_id_ids(
             raise ShapeError(f"{name} must be {nd}-D, got shape {a.shape}")
     n_exp = w.shape[0]
     n_tok, n_sl, k = x.shape
-    rows = _Rows(t, w[0], k, "w[0]") if n_exp else None
+    rows = _Rows(t, w[0], k, "w[0]", layout) if n_exp else None
     if rows is None:
         raise ShapeError("w has no experts")
     m = rows.m
@@ -461,7 +491,7 @@ def prepare_mul_mat_id_ids(
         return _ffi.from_buffer(ctype, a if a.flags.c_contiguous else a[(slice(0, 1),) * a.ndim],
                                 require_writable=writable)  # fmt: skip
 
-    args = (int(t), first(w, "uint8_t[]"), e_stride, rows.stride, size, n_exp, m, k,
+    args = (rows.code, first(w, "uint8_t[]"), e_stride, rows.stride, size, n_exp, m, k,
             first(x, "float[]"), xs[0], xs[1], n_sl, span(x), first(ids, "int32_t[]"), is_, span(ids),
             n_tok, n_used, first(out, "float[]", True), ys[0], ys[1], span(out), nt)  # fmt: skip
     fn = _lib.ap_mul_mat_id_ids
@@ -474,21 +504,27 @@ def prepare_mul_mat_id_ids(
     return call
 
 
-def blas_wins(t: GGMLType, n: int) -> bool:
-    """N activation rows from which dequantize + sgemm beats the direct kernel."""
-    return n >= (_CROSSOVER_N[t] if _lib.ap_get_isa() >= 1 else _PORTABLE_CROSSOVER_N)
+def blas_wins(t: GGMLType, n: int, layout: Layout = "ggml") -> bool:
+    """Whether dequantize + sgemm beats the direct kernel for N activation rows. Never for x8
+    rows on the AVX2 levels: 2 Zen 4 threads, Q4_0 / Q8_0 at N=512 (M, K of 2048 and 5632), ran
+    the x8 kernel at 324-340 / 235-295 GFLOPS with vpdpbusd and 138-177 / 122-194 without,
+    dequantize + sgemm at 149-169 / 119-162."""
+    if _lib.ap_get_isa() < 1:
+        return n >= _PORTABLE_CROSSOVER_N
+    return layout != "x8" and n >= _CROSSOVER_N[t]
 
 
 def _direct_args(t: GGMLType, rows: _Rows, x: np.ndarray, y: np.ndarray, nt: int) -> tuple:
     """ap_mul_mat's arguments (pointers, strides and extents) for validated operands."""
     n, k = x.shape
-    return (int(t), rows.ptr, rows.stride, rows.size, rows.m, k,
+    return (rows.code, rows.ptr, rows.stride, rows.size, rows.m, k,
             _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
             _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4, nt)  # fmt: skip
 
 
 def prepare_mul_mat(
-    wtype: GGMLType | str | int, w: np.ndarray, x: np.ndarray, out: np.ndarray, nthreads: int | None = None
+    wtype: GGMLType | str | int, w: np.ndarray, x: np.ndarray, out: np.ndarray, nthreads: int | None = None,
+    layout: Layout = "ggml",
 ) -> Callable[[], None]:
     """``mul_mat(wtype, w, x, out)`` as a call to repeat on the same memory (a plan's step):
     the operands are validated, the strategy picked and the C arguments (pointers and byte
@@ -501,15 +537,15 @@ def prepare_mul_mat(
 
     def plain() -> None:
         xx = x if x.dtype == np.float32 else x.astype(np.float32)
-        mul_mat(t, w, xx, out, nt)
+        mul_mat(t, w, xx, out, nt, layout=layout)
 
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or _as_x(x) is not x:
         return plain
     n, k = x.shape
-    rows = _Rows(t, w, k, "w")
+    rows = _Rows(t, w, k, "w", layout)
     m = rows.m
     out = _check_out(out, (n, m))
-    if n == 0 or m == 0 or k == 0 or blas_wins(t, n) or not _direct_out(out, x, rows.arr):
+    if n == 0 or m == 0 or k == 0 or blas_wins(t, n, layout) or not _direct_out(out, x, rows.arr):
         return plain
     args = _direct_args(t, rows, x, out, nt)
     fn = _lib.ap_mul_mat
@@ -688,6 +724,8 @@ def _mul_mat_blas(rows: _Rows, x: np.ndarray, out: np.ndarray, nt: int) -> None:
             np.matmul(x, wf.T, out=out)
             return
     tile_rows = max(1, min(m, _TILE_BYTES // (4 * k)))
+    if rows.x8:  # a tile of whole groups is itself an x8 matrix
+        tile_rows = max(8, tile_rows // 8 * 8)
     buf = np.empty((tile_rows, k), np.float32)
     for m0 in range(0, m, tile_rows):
         m1 = min(m, m0 + tile_rows)
@@ -715,7 +753,7 @@ def _dequantize_rows(
         ptr, size, mrows = rows.ptr, rows.size, rows.m
         iptr = _ffi.from_buffer("int64_t[]", idx)
     rc = _lib.ap_dequantize(
-        int(rows.t), ptr, rows.stride, size, mrows, rows.k, iptr, count,
+        rows.code, ptr, rows.stride, size, mrows, rows.k, iptr, count,
         _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4, nt,
     )  # fmt: skip
     if rc:
@@ -728,14 +766,15 @@ def dequantize(
     out: np.ndarray,
     rows: np.ndarray | None = None,
     nthreads: int | None = None,
+    layout: Layout = "ggml",
 ) -> np.ndarray:
     """Dequantize rows of ``w`` to float32 (ggml's GET_ROWS when ``rows`` is given).
 
-    ``w`` as in :func:`mul_mat`; ``out``: float32 [R, K] where R = len(rows) or M.
+    ``w`` and ``layout`` as in :func:`mul_mat`; ``out``: float32 [R, K] where R = len(rows) or M.
     ``rows``: integer row indices into ``w`` (0 <= r < M). Returns ``out``.
     """
     t = _wtype(wtype)
-    wr = _Rows(t, w, None, "w")
+    wr = _Rows(t, w, None, "w", layout)
     idx: np.ndarray | None = None
     if rows is not None:
         idx = np.asarray(rows)
@@ -756,3 +795,27 @@ def dequantize(
     if y is not out:
         out[...] = y
     return out
+
+
+def x8_convert(wtype: GGMLType | str | int, src: np.ndarray, dst: np.ndarray, to_x8: bool) -> np.ndarray:
+    """The x8 layout of a Q4_0 / Q8_0 matrix (``to_x8``), or back to ggml's. ``src``, ``dst``:
+    uint8 [M, row_bytes], C-contiguous, the same shape, not overlapping. The conversion is a
+    permutation of the bytes (exact for any bytes: ``x8_convert(t, x8_convert(t, a, b, True), c,
+    False)`` equals ``a``). Returns ``dst``."""
+    t = _wtype(wtype)
+    if t not in X8_TYPES:
+        raise TypeMismatchError(f"{t.name} has no x8 layout (only {_x8_names()})")
+    for a, name in ((src, "src"), (dst, "dst")):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 2 or not a.flags.c_contiguous:
+            raise ShapeError(f"{name} must be a C-contiguous uint8 [rows, row_bytes] array")
+    if src.shape != dst.shape or src.shape[1] % t.type_size:
+        raise ShapeError(f"src {src.shape}, dst {dst.shape}: the same [rows, whole {t.name} blocks] expected")
+    if not dst.flags.writeable or np.may_share_memory(src, dst):
+        raise ShapeError("dst must be writable and not overlap src")
+    m, k = src.shape[0], src.shape[1] // t.type_size * t.blck_size
+    if src.size:
+        rc = _lib.ap_x8_convert(int(t), int(bool(to_x8)), _ffi.from_buffer("uint8_t[]", src),
+                                _ffi.from_buffer("uint8_t[]", dst, require_writable=True), m, k, src.size)
+        if rc:
+            _raise(rc, f"x8_convert {t.name} [{m}x{k}]")
+    return dst

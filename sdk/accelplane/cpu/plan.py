@@ -26,6 +26,7 @@ from accelplane.core.ops import (
 )
 from accelplane.core.tensor import Tensor, strided_view
 from accelplane.core.types import GGMLType, quantize
+from accelplane.cpu import repack
 from accelplane.errors import ComputeError, OutOfRangeError
 
 F32 = np.float32
@@ -363,17 +364,28 @@ def _rope(t: Tensor, view: View) -> Step:
 
 def _rows_2d(v: np.ndarray) -> np.ndarray | None:
     """A [ne3, ne2, ne1, ne0] view as one [ne3*ne2*ne1, ne0] view of the same memory, when its
-    outer strides allow (rows evenly spaced), else None."""
-    s = v.strides
-    if (v.shape[1] == 1 or s[1] == s[2] * v.shape[2]) and (v.shape[0] == 1 or s[0] == s[1] * v.shape[1]):
-        return np.lib.stride_tricks.as_strided(v, (v.shape[0] * v.shape[1] * v.shape[2], v.shape[3]),
-                                               (s[2], s[3]))  # fmt: skip
-    return None
+    rows are evenly spaced (axes of one element have no stride that matters), else None."""
+    outer = [(n, s) for n, s in zip(v.shape[:3], v.strides[:3], strict=True) if n > 1]
+    for (_, s0), (n1, s1) in zip(outer, outer[1:], strict=False):
+        if s0 != s1 * n1:
+            return None
+    n_rows = math.prod(n for n, _ in outer)
+    row_stride = outer[-1][1] if outer else v.strides[2]
+    return np.lib.stride_tricks.as_strided(v, (n_rows, v.shape[3]), (row_stride, v.strides[3]))
+
+
+def _weights(t: Tensor, view: View) -> tuple[np.ndarray, str]:
+    """A product's weight operand: its stored bytes and their layout for the kernels ("x8"
+    where the repack buffer keeps whole x8 matrices of it), else view(t) and ggml's layout."""
+    raw = getattr(view, "raw", None)
+    if raw is not None and repack.x8_rows(t):
+        return raw(t), "x8"
+    return view(t), "ggml"
 
 
 def _mul_mat(t: Tensor, view: View) -> Step:
     a, b = t.src
-    av, bv, dv = view(a), view(b), view(t)
+    (av, layout), bv, dv = _weights(a, view), view(b), view(t)
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
     wt = a.type
     jobs = [(av[i3 // r3, i2 // r2], bv[i3, i2], dv[i3, i2])
@@ -383,6 +395,14 @@ def _mul_mat(t: Tensor, view: View) -> Step:
         x2, o2 = _rows_2d(bv), _rows_2d(dv)
         if x2 is not None and o2 is not None:
             jobs = [(av[0, 0], x2, o2)]
+    elif r2 > 1:
+        # broadcast over ne2 (grouped-query attention's heads): the r2 batches that share a
+        # matrix as one product where their rows are evenly spaced (a decode's one row per head)
+        grouped = [(av[i3 // r3, g], _rows_2d(bv[i3 : i3 + 1, g * r2 : (g + 1) * r2]),
+                    _rows_2d(dv[i3 : i3 + 1, g * r2 : (g + 1) * r2]))
+                   for i3 in range(b.ne[3]) for g in range(a.ne[2])]  # fmt: skip
+        if all(x is not None and o is not None for _, x, o in grouped):
+            jobs = grouped
     if wt == GGMLType.F32 and b.type == GGMLType.F32:
         if len(jobs) > 1 and r2 == r3 == 1:  # same batch dims: numpy loops over them in C
             at = av.swapaxes(-1, -2)
@@ -394,7 +414,7 @@ def _mul_mat(t: Tensor, view: View) -> Step:
         return lambda: [np.matmul(x, w.T, out=o) for w, x, o in jobs] and None
     from accelplane.cpu import kernels
 
-    calls = [kernels.prepare_mul_mat(wt, w, x, o) for w, x, o in jobs]
+    calls = [kernels.prepare_mul_mat(wt, w, x, o, layout=layout) for w, x, o in jobs]
     if len(calls) == 1:
         return calls[0]
     return lambda: [c() for c in calls] and None
@@ -404,17 +424,17 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
     from accelplane.cpu import kernels
 
     as_, b, ids = t.src
-    av, bv, iv, dv = view(as_), view(b), view(ids), view(t)
+    (av, layout), bv, iv, dv = _weights(as_, view), view(b), view(ids), view(t)
     wt = as_.type
     n_exp, n_b1, n_used = as_.ne[2], b.ne[1], ids.ne[0]
     n_rows = ids.ne[0] * ids.ne[1]
     if n_rows == 0:
         return lambda: None
     bad_id = f"MUL_MAT_ID {t.name}: expert id out of range 0..{n_exp - 1}"
-    if b.type == GGMLType.F32 and not kernels.blas_wins(wt, n_rows):
+    if b.type == GGMLType.F32 and not kernels.blas_wins(wt, n_rows, layout):
         # no expert can get enough rows for dequantize + BLAS (a decode): one C call that
         # groups the rows itself
-        call = kernels.prepare_mul_mat_id_ids(wt, av[0], bv[0], iv[0, 0], dv[0])
+        call = kernels.prepare_mul_mat_id_ids(wt, av[0], bv[0], iv[0, 0], dv[0], layout=layout)
 
         def grouped() -> None:
             try:
@@ -433,7 +453,7 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
         # the others, a prefix of the rows, in one grouped call that shares the threads
         flat = idx.reshape(-1)
         per = np.bincount(flat, minlength=n_exp)
-        big = np.array([c > 0 and kernels.blas_wins(wt, int(c)) for c in per], bool)
+        big = np.array([c > 0 and kernels.blas_wins(wt, int(c), layout) for c in per], bool)
         key = flat + big[flat] * n_exp
         order = np.argsort(key, kind="stable")
         keys, starts = np.unique(key[order], return_index=True)
@@ -444,13 +464,14 @@ def _mul_mat_id(t: Tensor, view: View) -> Step:
         out = np.empty((len(order), as_.ne[1]), F32)
         if n_small:
             r = bounds[n_small]
-            kernels.mul_mat_id(wt, av[0], x[:r], out[:r], experts[:n_small], bounds[: n_small + 1])
+            kernels.mul_mat_id(wt, av[0], x[:r], out[:r], experts[:n_small], bounds[: n_small + 1],
+                               layout=layout)
         for g in range(n_small, len(experts)):
             e, rows = experts[g], slice(bounds[g], bounds[g + 1])
             if wt == GGMLType.F32:
                 np.matmul(x[rows], av[0, e].T, out=out[rows])
             else:
-                kernels.mul_mat(wt, av[0, e], x[rows], out[rows])
+                kernels.mul_mat(wt, av[0, e], x[rows], out[rows], layout=layout)
         dv[0, tok, used] = out
 
     return step
@@ -631,18 +652,41 @@ BUILDERS: dict[Op, Callable[[Tensor, View], Step]] = {
 }  # fmt: skip
 
 
+class _Views:
+    """The plan's View: numpy views of tensors' memory. A tensor the repack buffer keeps in the
+    x8 layout reads, through a view, a copy in ggml's layout that every run refreshes first
+    (``unpack``); ``raw`` gives its stored bytes to the builders that take x8 (_weights)."""
+
+    def __init__(self, memory: Callable[[object], np.ndarray] | None) -> None:
+        self.memory = memory
+        self.plain: dict[int, np.ndarray] = {}  # x8 owner uid -> its bytes in ggml's layout
+        self.unpack: list[Step] = []
+
+    def raw(self, t: Tensor) -> np.ndarray:
+        return host_view(t, self.memory)
+
+    def __call__(self, t: Tensor) -> np.ndarray:
+        o = repack.x8_owner(t)
+        if o is None:
+            return host_view(t, self.memory)
+        plain = self.plain.get(o.uid)
+        if plain is None:
+            plain = self.plain[o.uid] = np.empty(o.nbytes, np.uint8)
+            mem = o.buffer.ctx
+            self.unpack.append(lambda: repack.unpacked(o, mem, plain))
+        return strided_view(t, plain[t.offs - o.offs : t.offs - o.offs + t.nbytes])
+
+
 class Plan:
     """A graph bound to memory: ``steps`` replay it. Valid while the graph's layout version
     is unchanged (accelplane.runtime.plancache.PlanCache rebuilds it otherwise)."""
 
-    __slots__ = ("steps", "buffers", "nodes", "fused")
+    __slots__ = ("steps", "buffers", "nodes", "fused", "unpack")
 
     def __init__(self, graph, memory: Callable[[object], np.ndarray] | None = None) -> None:
         """``memory(buffer)``: the uint8 array of a buffer's bytes (default: host_array)."""
-
-        def view(t: Tensor) -> np.ndarray:
-            return host_view(t, memory)
-
+        view = _Views(memory)
+        self.unpack = view.unpack  # runs first, every run
         self.steps: list[Step] = []
         self.nodes: list[Tensor] = []  # the last node each step computes
         self.fused: list[tuple[str, ...]] = []  # the ops of each fused step (tests, debugging)
@@ -654,6 +698,10 @@ class Plan:
                 continue
             if n.op in VIEW_OPS:
                 continue
+            if repack.x8_owner(n) is not None:
+                raise ComputeError(
+                    f"{n.op.name} {n.name!r} writes into {repack.NAME} memory: that buffer holds weights"
+                )
             k, step = fused_step(graph.nodes, i, fusion, view)
             if step is not None:
                 covered = k - 1
@@ -665,6 +713,8 @@ class Plan:
             self.nodes.append(n)
 
     def run(self, callback=None) -> None:
+        for u in self.unpack:
+            u()
         if callback is None:
             for s in self.steps:
                 s()

@@ -3,7 +3,8 @@ elementwise), C kernels (cffi, accelplane.cpu._kernels) for quantized products.
 
 Registered through the ``accelplane.plugins`` entry point like any vendor plugin. The
 backend is synchronous: graph_compute returns when the work is done, so the async hooks and
-events are left to the SDK's fallbacks (docs/ordering.md).
+events are left to the SDK's fallbacks (docs/ordering.md). Besides host memory ("CPU") it offers
+the repack buffer type (accelplane.cpu.repack) for weights.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import numpy as np
 
 from accelplane.core.ops import RULES, Op
+from accelplane.cpu import repack
 from accelplane.errors import AllocationError
 from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.dlpack import HOST_MEMORY, host_bytes
@@ -63,10 +65,15 @@ def device_memory(device):
     return _mem()
 
 
+def _memory(buffer) -> np.ndarray:
+    """A buffer's bytes as the plans read them: host memory, or the repack buffer's array."""
+    return buffer.ctx if repack.is_repack(buffer) else buffer.host_array
+
+
 def _plan(graph):
     from accelplane.cpu.plan import Plan
 
-    return Plan(graph)
+    return Plan(graph, _memory)
 
 
 @hookimpl
@@ -80,6 +87,11 @@ def get_buffer_type(device):
 
 
 @hookimpl
+def get_extra_buffer_types(device):
+    return [BufferTypeSpec(repack.NAME)]
+
+
+@hookimpl
 def supports_op(device, op):
     # every op of the catalog, for every type combination the catalog's rules admit
     return op.op in _SUPPORTED
@@ -87,7 +99,7 @@ def supports_op(device, op):
 
 @hookimpl
 def supports_buft(device, buft):
-    return buft.is_host
+    return buft.is_host or (buft.name == repack.NAME and buft.device is device)
 
 
 @hookimpl
@@ -107,7 +119,7 @@ def buft_alignment(buft):
 
 @hookimpl
 def buft_is_host(buft):
-    return True
+    return buft.name != repack.NAME
 
 
 @hookimpl
@@ -121,19 +133,34 @@ def buffer_free(buffer):
 
 
 @hookimpl
+def buffer_init_tensor(buffer, tensor):
+    if repack.is_repack(buffer):
+        repack.init_tensor(tensor)
+
+
+@hookimpl
 def buffer_set_tensor(buffer, tensor, data, offset, size):
+    if repack.is_repack(buffer):
+        repack.write(buffer, tensor, data, offset, size)
+        return
     start = tensor.offs + offset
     buffer.ctx[start : start + size] = data[:size]
 
 
 @hookimpl
 def buffer_get_tensor(buffer, tensor, out, offset, size):
+    if repack.is_repack(buffer):
+        repack.read(buffer, tensor, out, offset, size)
+        return
     start = tensor.offs + offset
     out[:size] = buffer.ctx[start : start + size]
 
 
 @hookimpl
 def buffer_memset_tensor(buffer, tensor, value, offset, size):
+    if repack.is_repack(buffer):  # a byte range of ggml's layout: not the stored one
+        repack.write(buffer, tensor, np.full(size, value, np.uint8), offset, size)
+        return
     start = tensor.offs + offset
     buffer.ctx[start : start + size] = value
 

@@ -624,6 +624,7 @@ class DecoderModel:
         if merge is None:
             merge = env.MODEL_MERGE.get()
         self.merge = bool(merge) and self.meta is None
+        self.repack = env.MODEL_REPACK.get()
         self._build_weights(types or {})
 
     # --- weights and cache ---------------------------------------------------------------------
@@ -637,14 +638,24 @@ class DecoderModel:
         return self.layer_dev[spec.layer]
 
     def _buft_of(self, spec: WeightSpec) -> BufferType:
-        """Where a weight's bytes live: its device's memory; for experts kept in host memory
-        (cpu_moe), the layer device's pinned host buffers where it has them and the CPU computes
-        on them (what an asynchronous upload to the device needs), else the CPU's."""
+        """Where a weight's bytes live: its device's memory (a CPU's matrices: its repack buffer
+        type where it has one, MODEL_REPACK); for experts kept in host memory (cpu_moe), the layer
+        device's pinned host buffers where it has them and the CPU computes on them (what an
+        asynchronous upload to the device needs), else the CPU's host memory."""
         dev = self._device_of(spec)
         if dev is self.cpu and 0 <= spec.layer < self.cfg.n_layers and self.layer_dev[spec.layer] is not dev:
+            # host memory the layer's device may upload from (offloaded products of big batches)
             host = self.layer_dev[spec.layer].host_buffer_type
             if host is not None and host.is_host and self.cpu.supports_buft(host):
                 return host
+            return dev.buffer_type
+        matrix = len(spec.shape) >= 2 and spec.name != "token_embd.weight"
+        if self.repack and matrix and dev.type == DeviceType.CPU:
+            # the CPU's matrices (products only: the embeddings are also read by GET_ROWS) in its
+            # extra buffer type, as llama.cpp's CPU_REPACK; it keeps other types as they are
+            for buft in dev.extra_buffer_types:
+                if dev.supports_buft(buft):
+                    return buft
         return dev.buffer_type
 
     def _build_weights(self, types: Mapping[str, GGMLType | str | int]) -> None:
