@@ -986,3 +986,43 @@ def test_cpu_spin_sets_the_openmp_spin_count(env: dict[str, str], want: str) -> 
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                          check=True)  # fmt: skip
     assert out.stdout.strip() == want
+
+
+@pytest.mark.parametrize("n_set", [1, 3], ids=["one-row", "rows"])
+@pytest.mark.parametrize("t", [T.F32, T.F16], ids=str)
+def test_plugin_set_rows_checks_its_indices(t: GGMLType, n_set: int) -> None:
+    """SET_ROWS on the CPU plugin writes each source row at its index (one row: a decode's KV
+    cache write) and refuses an index outside the destination, negative ones included, with a
+    ComputeError, leaving the destination as it was."""
+    import accelplane as ap
+    from accelplane.core.graph import Context
+    from accelplane.runtime.alloc import alloc_tensors
+
+    dev = ap.device("CPU")
+    ctx = Context()
+    dst = ctx.new_tensor_ne(t, 16, 6, name="dst")
+    src = ctx.new_tensor_ne(T.F32, 16, n_set, name="src")
+    idx = ctx.new_tensor_ne(T.I32, n_set, name="idx")
+    graph = ctx.graph(ctx.set_rows(dst, src, idx))
+    buf = alloc_tensors([dst, src, idx, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    dt = np.float32 if t == T.F32 else np.float16
+    try:
+        before = np.arange(96, dtype=np.float32).reshape(6, 16)
+        dst.set(before.astype(dt))
+        sv = np.random.default_rng(n_set).standard_normal((n_set, 16)).astype(np.float32)
+        src.set(sv)
+        rows = np.array([4, 0, 5][:n_set], np.int32)
+        idx.set(rows)
+        be.compute(graph)
+        want = before.astype(dt).astype(np.float32)
+        want[rows] = sv.astype(dt).astype(np.float32)
+        np.testing.assert_array_equal(dst.get().reshape(6, 16), want)
+        for bad in (6, -1):
+            dst.set(before.astype(dt))
+            idx.set(np.array([bad, 0, 1][:n_set], np.int32))
+            with pytest.raises(ComputeError, match="out of range"):
+                be.compute(graph)
+            np.testing.assert_array_equal(dst.get().reshape(6, 16), before.astype(dt).astype(np.float32))
+    finally:
+        buf.free()

@@ -294,15 +294,20 @@ AP_INLINE Q_TARGET void Q_NAME(dot_x8)(const int type, const int nr, int64_t nb,
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = g + b * gbsz; /* one sequential stream: the hardware prefetcher's */
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        __m256i isum[NR_MAX];
-        for (int r = 0; r < nr; r++) isum[r] = _mm256_setzero_si256();
+        /* two sums per row, so that two chains of vpdpbusd (latency 4-5) run side by side */
+        __m256i isum[NR_MAX], isum2[NR_MAX];
+        for (int r = 0; r < nr; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
         if (q8) {
-            for (int s = 0; s < 8; s++) {
+            for (int s = 0; s < 8; s += 2) {
                 const __m256i qv = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * s));
-                const __m256i aw = _mm256_sign_epi8(qv, qv);
+                const __m256i qv2 = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * s));
+                const __m256i aw = _mm256_sign_epi8(qv, qv), aw2 = _mm256_sign_epi8(qv2, qv2);
                 for (int r = 0; r < nr; r++) {
-                    const __m256i xv = _mm256_set1_epi32((int)ld_u32((const uint8_t *)(xq[r] + b * QK + 4 * s)));
+                    const uint8_t *xb = (const uint8_t *)(xq[r] + b * QK + 4 * s);
+                    const __m256i xv = _mm256_set1_epi32((int)ld_u32(xb));
+                    const __m256i xv2 = _mm256_set1_epi32((int)ld_u32(xb + 4));
                     isum[r] = Q_DPADD(isum[r], aw, _mm256_sign_epi8(xv, qv));
+                    isum2[r] = Q_DPADD(isum2[r], aw2, _mm256_sign_epi8(xv2, qv2));
                 }
             }
         } else {
@@ -314,12 +319,13 @@ AP_INLINE Q_TARGET void Q_NAME(dot_x8)(const int type, const int nr, int64_t nb,
                     const uint8_t *xb = (const uint8_t *)(xq[r] + b * QK + 4 * v);
                     const __m256i xl = _mm256_set1_epi32((int)ld_u32(xb));
                     const __m256i xh = _mm256_set1_epi32((int)ld_u32(xb + 16));
-                    isum[r] = Q_DPADD(Q_DPADD(isum[r], lo, xl), hi, xh);
+                    isum[r] = Q_DPADD(isum[r], lo, xl);
+                    isum2[r] = Q_DPADD(isum2[r], hi, xh);
                 }
             }
         }
         for (int r = 0; r < nr; r++) {
-            const __m256 f = _mm256_cvtepi32_ps(isum[r]);
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum2[r]));
             const __m256 t = q8 ? _mm256_mul_ps(f, _mm256_set1_ps(xd[r][b]))
                                 : _mm256_fmadd_ps(f, _mm256_set1_ps(xd[r][b]), _mm256_set1_ps(-8.0f * xc[r][b]));
             out[r] = _mm256_fmadd_ps(dw, t, out[r]);
