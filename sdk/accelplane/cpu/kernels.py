@@ -10,7 +10,8 @@ extents again as a backstop.
   all N activation rows (int8 activation dot products on AVX2, like ggml; with vpdpbusd where
   the CPU has AVX-VNNI or AVX512-VNNI);
 * large N: dequantize W in row tiles to float32 and multiply with numpy/BLAS sgemm, which is
-  compute-efficient once the dequantization is amortized over enough rows of x.
+  compute-efficient once the dequantization is amortized over enough rows of x (never for
+  weights in the x8 layout on the AVX2 levels: their direct kernel is faster at every N).
 
 The crossover N per type was measured with ``scripts/bench_cpu_kernels.py``.
 
