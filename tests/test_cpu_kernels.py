@@ -142,6 +142,21 @@ def test_mul_mat(t: GGMLType, kind: int, m: int, n: int, isa: str) -> None:
     check_product(out, wf, x, isa, t)
 
 
+@pytest.mark.parametrize("k", [8, 64, 1024, 1032])
+@pytest.mark.parametrize(("m", "n"), [(4, 2), (7, 3), (13, 8), (17, 5)])
+@pytest.mark.parametrize("t", [T.F32, T.F16, T.BF16], ids=str)
+def test_mul_mat_float_short_rows(t: GGMLType, m: int, n: int, k: int, isa: str) -> None:
+    """Float rows of up to 1 KiB elements against a few activation rows (attention's products
+    over a KV cache: 4 x 2 tiles, rows past the last tile, an odd last activation row), with
+    poisoned padding between the weight rows."""
+    rng = np.random.default_rng([int(t), m, n, k])
+    w, wf = make_weights(t, m, k, rng, pad=6)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    out = np.full((n, m), np.nan, np.float32)
+    kernels.mul_mat(t, w, x, out, strategy="direct")
+    check_product(out, wf, x, isa, t)
+
+
 @pytest.mark.parametrize("sizes", [(3, 0, 1), (1, 1, 1, 1), (7, 0, 5, 2, 40)])
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.IQ4_XS, T.F32, T.F16], ids=str)
 def test_mul_mat_id_groups(t: GGMLType, sizes: tuple[int, ...], isa: str) -> None:
@@ -1026,3 +1041,30 @@ def test_plugin_set_rows_checks_its_indices(t: GGMLType, n_set: int) -> None:
             np.testing.assert_array_equal(dst.get().reshape(6, 16), before.astype(dt).astype(np.float32))
     finally:
         buf.free()
+
+
+@pytest.mark.parametrize("idt", [np.int32, np.int64], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("dt", [np.float32, np.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("n", [1, 37], ids=["one-element-rows", "rows"])
+def test_prepare_set_rows(dt: type, idt: type, n: int, isa: str) -> None:
+    """kernels.prepare_set_rows against numpy's assignment (f16: round to nearest even, checked
+    on values halfway between two f16), with one-element rows (a transposed V cache's column
+    write) and strided destination rows; an index outside the rows writes nothing."""
+    rng = np.random.default_rng(n)
+    base = np.zeros((40, n + 3), dt)
+    dst = base[:, :n]
+    src = rng.standard_normal((9, n)).astype(np.float32)
+    src[0, 0] = np.float32(1 + 2.0**-11)  # halfway between two f16: rounds to even (1.0)
+    idx = rng.permutation(40)[:9].astype(idt)
+    call = kernels.prepare_set_rows(dst, src, idx, "t")
+    assert call is not None
+    call()
+    want = np.zeros((40, n + 3), dt)
+    want[idx, :n] = src.astype(dt)
+    np.testing.assert_array_equal(base, want)
+    for bad in (40, -1):
+        idx[4] = bad
+        before = base.copy()
+        with pytest.raises(ComputeError, match="out of range"):
+            call()
+        np.testing.assert_array_equal(base, before)

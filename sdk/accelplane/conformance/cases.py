@@ -9,6 +9,7 @@ sizes that are not multiples of 32 or of a vector width, K tails, broadcasting a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -299,6 +300,44 @@ def _soft_max() -> Iterator[OpCase]:
                              {"a": uniform(-5, 5), "mask": uniform(-2, 0)})  # fmt: skip
 
 
+def _causal(n_used: int) -> Init:
+    """A KV mask for rows of queries at the last positions of ``n_used`` cache slots: slot t
+    hidden (-inf) from query i when t > n_used - n_queries + i, and every slot >= n_used (a padded
+    window's unused tail); queries repeat per head (rows i of a batch are heads x tokens)."""
+
+    def init(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        rows, w = shape[-2], shape[-1]
+        m = rng.uniform(-1, 0, shape).astype(np.float32)
+        n_tok = min(rows, n_used)
+        pos = n_used - n_tok + np.arange(rows) % n_tok
+        m[..., np.arange(w)[None, :] > pos[:, None]] = -np.inf
+        return m
+
+    return init
+
+
+def _attention() -> Iterator[OpCase]:
+    """Attention as a decoder builds it: KQ of a KV cache's K rows viewed per KV head against
+    the queries (grouped-query: batches sharing a head), the masked, scaled SOFT_MAX of it, and
+    its product with the transposed V cache: the run plugins fuse into one kernel."""
+    for tk in (T.F32, T.F16, T.BF16):
+        # (head dim, window, kv heads, query rows per batch, batches, slots in use)
+        for d, w, g, r, nb, used in ((64, 96, 4, 8, 4, 70), (32, 37, 2, 5, 4, 37), (16, 40, 1, 24, 2, 24)):
+            for masked in (True, False):
+
+                def build(ctx, tk=tk, d=d, w=w, g=g, r=r, nb=nb, masked=masked):
+                    k = leaf(ctx, tk, (d, w, g, 1), "k", perm=(0, 2, 1, 3))
+                    v = leaf(ctx, tk, (w, d, g, 1), "v", strided=True)
+                    q = leaf(ctx, T.F32, (d, r, nb, 1), "q")
+                    m = leaf(ctx, T.F32, (w, r + 3, 1, 1), "mask") if masked else None
+                    p = ctx.soft_max(ctx.mul_mat(k, q), m, 1.0 / math.sqrt(d))
+                    return ctx.mul_mat(v, p)
+
+                yield OpCase("ATTENTION", {"type_kv": tk, "d": d, "w": w, "g": g, "r": r, "nb": nb,
+                                           "used": used, "mask": masked}, build, _float_thr(tk),
+                             {"mask": _causal(used), "q": uniform(-2, 2)})  # fmt: skip
+
+
 def _rope() -> Iterator[OpCase]:
     for ta in (T.F32, T.F16):
         for mode in (ROPE_TYPE_NORMAL, ROPE_TYPE_NEOX):
@@ -374,6 +413,17 @@ def _mul_mat() -> Iterator[OpCase]:
             return ctx.mul_mat(k_, q_)
 
         yield OpCase("MUL_MAT", {"type_a": ta, "v": "heads-permuted"}, build_att, 5e-4)
+    # grouped-query attention over a KV cache: K rows [tokens, kv heads * dim] viewed per kv
+    # head (the heads closer together than the rows), each kv head shared by 4 query heads
+    for ta in (T.F32, T.F16, T.BF16):
+        for n in (1, 3):
+
+            def build_gqa(ctx, ta=ta, n=n):
+                k_ = leaf(ctx, ta, (32, 7, 2, 1), "a", perm=(0, 2, 1, 3))
+                q_ = leaf(ctx, T.F32, (32, n, 8, 1), "b")
+                return ctx.mul_mat(k_, q_)
+
+            yield OpCase("MUL_MAT", {"type_a": ta, "n": n, "v": "gqa-cache"}, build_gqa, 5e-4)
 
 
 def _mul_mat_id() -> Iterator[OpCase]:
@@ -611,8 +661,8 @@ def _views() -> Iterator[OpCase]:
 
 
 GENERATORS = (
-    _binary, _unary, _glu, _norms, _norm_mul, _soft_max, _rope, _mul_mat, _mul_mat_id, _get_set_rows,
-    _copies, _concat, _reductions, _im2col, _col2im, _views,
+    _binary, _unary, _glu, _norms, _norm_mul, _soft_max, _attention, _rope, _mul_mat, _mul_mat_id,
+    _get_set_rows, _copies, _concat, _reductions, _im2col, _col2im, _views,
 )  # fmt: skip
 
 

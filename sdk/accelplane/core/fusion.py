@@ -286,6 +286,15 @@ class Fusion:
             return None
         return MoeSum(mul, acc, int(k), j - i)
 
+    def attention(self, i: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(KQ, SOFT_MAX, KQV) when nodes ``i .. i+2`` are attention's MUL_MAT(K, Q), the
+        SOFT_MAX of it (scale and mask) and MUL_MAT(V^T, the probabilities), may run as one
+        kernel, and each product reads its predecessor as the activations; else None."""
+        if not self.match(i, (Op.MUL_MAT, Op.SOFT_MAX, Op.MUL_MAT)):
+            return None
+        kq, sm, kqv = self.nodes[i : i + 3]
+        return (kq, sm, kqv) if sm.src[0] is kq and kqv.src[1] is sm else None
+
     def norm_mul(self, i: int) -> Tensor | None:
         """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales
         the norm's rows (:func:`scales_rows`); else None."""

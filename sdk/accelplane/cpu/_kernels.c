@@ -18,6 +18,7 @@
  */
 #include "_kernels.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1095,6 +1096,37 @@ DEF_DOT_FLOAT_2W(dot2_f32, ld8_f32, ld1_f32, 4)
 DEF_DOT_FLOAT_2W(dot2_f16, ld8_f16, ld1_f16, 2)
 DEF_DOT_FLOAT_2W(dot2_bf16, ld8_bf16, ld1_bf16, 2)
 
+/* A 4 x 2 tile: weight rows w, w + ws, .. (4) against activation rows x, x + xs (K % 8 == 0).
+ * Each converted weight vector and each activation vector serves several products, and the
+ * 4 sums of a row reduce together (two rounds of hadd), so short rows (attention's head dim
+ * and KV window) are not dominated by a horizontal sum per product. y[r * ys + i]: row i's
+ * product with x row r. */
+#define DEF_TILE_FLOAT(NAME, LD8, ESZ)                                                         \
+    AP_INLINE AP_AVX2 void NAME(int64_t K, const uint8_t *w, int64_t ws, const float *x,       \
+                                int64_t xs, float *y, int64_t ys) {                            \
+        __m256 acc[2][4];                                                                      \
+        for (int r = 0; r < 2; r++)                                                            \
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();                       \
+        for (int64_t k = 0; k < K; k += 8) {                                                   \
+            const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + xs + k);        \
+            for (int i = 0; i < 4; i++) {                                                      \
+                const __m256 wv = LD8(w + i * ws + k * (ESZ));                                 \
+                acc[0][i] = _mm256_fmadd_ps(wv, x0, acc[0][i]);                                \
+                acc[1][i] = _mm256_fmadd_ps(wv, x1, acc[1][i]);                                \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < 2; r++) {                                                          \
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),              \
+                                            _mm256_hadd_ps(acc[r][2], acc[r][3]));             \
+            _mm_storeu_ps(y + r * ys, _mm_add_ps(_mm256_castps256_ps128(h),                    \
+                                                 _mm256_extractf128_ps(h, 1)));                \
+        }                                                                                      \
+    }
+
+DEF_TILE_FLOAT(tile_f32, ld8_f32, 4)
+DEF_TILE_FLOAT(tile_f16, ld8_f16, 2)
+DEF_TILE_FLOAT(tile_bf16, ld8_bf16, 2)
+
 DEF_DOT_FLOAT(dot_f32, ld8_f32, ld1_f32, 4)
 DEF_DOT_FLOAT(dot_f16, ld8_f16, ld1_f16, 2)
 DEF_DOT_FLOAT(dot_bf16, ld8_bf16, ld1_bf16, 2)
@@ -1107,10 +1139,11 @@ DEF_ROWS_Q(AP_AVX2, rows_q5_K, dot_q5_K, 176, QKK)
 DEF_ROWS_Q(AP_AVX2, rows_q6_K, dot_q6_K, 210, QKK)
 DEF_ROWS_Q(AP_AVX2, rows_iq4_xs, dot_iq4_xs, 136, QKK)
 
-#define DEF_ROWS_F(NAME, DOT, DOT2, ESZ)                                                       \
+#define DEF_ROWS_F(NAME, DOT, DOT2, TILE, ESZ)                                                 \
     static AP_AVX2 void NAME(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, int64_t K,  \
                              const float *x, int64_t xs, int64_t N, float *y, int64_t ys) {    \
         const int64_t mb = row_block(N, m1 - m0, K * (ESZ));                                   \
+        const int short_rows = K * (ESZ) <= PREFETCH_ROW_MAX; /* e.g. a KV cache's head rows */ \
         float res[NR_MAX];                                                                     \
         if (N == 1) { /* mat-vec: weight rows in pairs; a lone row is paired with itself so  \
                          every row sums in the same order whatever the thread split */         \
@@ -1124,12 +1157,30 @@ DEF_ROWS_Q(AP_AVX2, rows_iq4_xs, dot_iq4_xs, 136, QKK)
         }                                                                                      \
         for (int64_t mc = m0; mc < m1; mc += mb) {                                             \
             const int64_t me = mc + mb < m1 ? mc + mb : m1;                                    \
-            for (int64_t r0 = 0; r0 < N; r0 += NR_MAX) {                                       \
+            int64_t r0 = 0;                                                                    \
+            if (K % 8 == 0 && K <= 1024 && me - mc >= 4) { /* short rows: 4 x 2 tiles */       \
+                const int64_t m4 = mc + (me - mc) / 4 * 4;                                     \
+                for (int64_t mm = mc; mm < m4; mm += 4) {                                      \
+                    if (short_rows && mm + 8 <= m4)                                            \
+                        for (int i = 4; i < 8; i++) prefetch_row(w + (mm + i) * ws, K * (ESZ));  \
+                    for (int64_t r = 0; r + 2 <= N; r += 2)                                    \
+                        TILE(K, w + mm * ws, ws, x + r * xs, xs, y + r * ys + mm, ys);         \
+                }                                                                              \
+                for (int64_t mm = m4; mm < me; mm++) /* the rows past the last tile */         \
+                    for (int64_t r = 0; r + 2 <= N; r += 2) {                                  \
+                        DOT(2, K, w + mm * ws, x + r * xs, xs, res);                           \
+                        y[r * ys + mm] = res[0];                                               \
+                        y[(r + 1) * ys + mm] = res[1];                                         \
+                    }                                                                          \
+                r0 = N / 2 * 2; /* an odd last row: below */                                   \
+            }                                                                                  \
+            for (; r0 < N; r0 += NR_MAX) {                                                     \
                 const int64_t left = N - r0;                                                   \
                 const int nr = left < NR_MAX ? (int)left : NR_MAX;                             \
                 const float *xr = x + r0 * xs;                                                 \
                 for (int64_t mm = mc; mm < me; mm++) {                                         \
                     const uint8_t *row = w + mm * ws;                                          \
+                    if (short_rows && mm + 2 < me) prefetch_row(w + (mm + 2) * ws, K * (ESZ)); \
                     switch (nr) {                                                              \
                     case 1: DOT(1, K, row, xr, xs, res); break;                                \
                     case 2: DOT(2, K, row, xr, xs, res); break;                                \
@@ -1142,9 +1193,9 @@ DEF_ROWS_Q(AP_AVX2, rows_iq4_xs, dot_iq4_xs, 136, QKK)
         }                                                                                      \
     }
 
-DEF_ROWS_F(rows_f32, dot_f32, dot2_f32, 4)
-DEF_ROWS_F(rows_f16, dot_f16, dot2_f16, 2)
-DEF_ROWS_F(rows_bf16, dot_bf16, dot2_bf16, 2)
+DEF_ROWS_F(rows_f32, dot_f32, dot2_f32, tile_f32, 4)
+DEF_ROWS_F(rows_f16, dot_f16, dot2_f16, tile_f16, 2)
+DEF_ROWS_F(rows_bf16, dot_bf16, dot2_bf16, tile_bf16, 2)
 
 /* --- AVX2 dequantizers ---------------------------------------------------------------------- */
 
@@ -1739,4 +1790,89 @@ int ap_dequantize(int type, const void *w_, int64_t ws, int64_t w_size, int64_t 
         deq(w + r * ws, K / blk, y + i * ys);
     }
     return AP_OK;
+}
+
+/* --- attention: KQ, its masked soft_max and the product with V as one pass ---------------------
+ * Per work item (a batch and a block of up to ATT_RB query rows): S = Q K^T over the window's
+ * first E slots (E: past the last slot any row of the block leaves unmasked, rounded up to 8
+ * within the window), softmax(S * scale + mask) in place, out = S V^T; S stays in a
+ * per-thread buffer, so the [rows, window] scores never reach memory and a causal mask's
+ * future is never computed. As ggml's CPU flash attention, slots masked -inf for every row of
+ * a block are skipped, even where their K or V holds inf or NaN. */
+#define ATT_RB 8
+
+static int64_t att_end(const float *mask, int64_t ms, int64_t nr, int64_t W) {
+    if (!mask) return W;
+    int64_t E = 0;
+    for (int64_t r = 0; r < nr && E < W; r++) {
+        const float *m = mask + r * ms;
+        int64_t e = W;
+        while (e > E && m[e - 1] == -INFINITY) e--;
+        E = e > E ? e : E;
+    }
+    if (E == 0) return W; /* rows masked whole: the unfused result (NaN) */
+    E = (E + 7) / 8 * 8;
+    return E < W ? E : W;
+}
+
+int ap_attention(int ktype, const void *k, int64_t kgs, int64_t krs, int64_t k_size, int vtype,
+                 const void *v, int64_t vgs, int64_t vrs, int64_t v_size, const float *q, int64_t qs,
+                 int64_t q_size, const float *mask, int64_t ms, int64_t ms2, int64_t m2, int64_t m_size,
+                 float *out, int64_t os, int64_t o_size, int64_t NB, int64_t r2, int64_t R, int64_t W,
+                 int64_t D, int64_t DV, float scale, int nthreads) {
+    int64_t blk, kes, ves;
+    const int float_k = ktype == AP_T_F32 || ktype == AP_T_F16 || ktype == AP_T_BF16;
+    const int float_v = vtype == AP_T_F32 || vtype == AP_T_F16 || vtype == AP_T_BF16;
+    if (!float_k || !float_v || !type_info(ktype, &blk, &kes) || !type_info(vtype, &blk, &ves)) return AP_ETYPE;
+    if (NB < 0 || r2 < 1 || R < 0 || W < 1 || D < 0 || DV < 0 || NB % r2 || (mask && m2 < 1)) return AP_EINVAL;
+    if (kgs < 0 || krs < 0 || vgs < 0 || vrs < 0 || qs < 0 || os < 0 || ms < 0 || ms2 < 0) return AP_EINVAL;
+    if (NB == 0 || R == 0 || DV == 0) return AP_OK;
+    const int64_t G = NB / r2;
+    /* extents: the last group's last row ends inside each buffer */
+    int64_t ek = extent(W, krs, D * kes), ev = extent(DV, vrs, W * ves), eq = extent(NB * R, qs, D),
+            eo = extent(NB * R, os, DV), em = mask ? extent(R, ms, W) : 0, t;
+    if (ek < 0 || ev < 0 || eq < 0 || eo < 0 || em < 0) return AP_ERANGE;
+    if (__builtin_mul_overflow(G - 1, kgs, &t) || __builtin_add_overflow(t, ek, &ek) ||
+        __builtin_mul_overflow(G - 1, vgs, &t) || __builtin_add_overflow(t, ev, &ev) ||
+        (mask && (__builtin_mul_overflow(m2 - 1, ms2, &t) || __builtin_add_overflow(t, em, &em))))
+        return AP_ERANGE;
+    if (ek > k_size || ev > v_size || eq > q_size || eo > o_size || (mask && em > m_size)) return AP_ERANGE;
+    if (!k || !v || !q || !out || (NB * R > 1 && os < DV)) return AP_EINVAL;
+    const int64_t nblk = (R + ATT_RB - 1) / ATT_RB, items = NB * nblk;
+    const int nt = pick_threads(nthreads, items, (double)NB * R * W * (D + DV));
+    float *scores = malloc((size_t)nt * ATT_RB * (size_t)W * sizeof(float));
+    if (!scores) return AP_ENOMEM;
+    const int isa = g_isa;
+    int rc = AP_OK;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        float *S = scores + (size_t)omp_get_thread_num() * ATT_RB * (size_t)W;
+#else
+        float *S = scores;
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t b = it / nblk, r0 = it % nblk * ATT_RB, nr = R - r0 < ATT_RB ? R - r0 : ATT_RB;
+            const int64_t g = b / r2, row = b * R + r0;
+            const float *mrow = mask ? mask + (b % m2) * ms2 + r0 * ms : NULL;
+            const int64_t E = att_end(mrow, ms, nr, W);
+            mm_ctx c;
+            memset(&c, 0, sizeof c);
+            c.type = ktype, c.w = (const uint8_t *)k + g * kgs, c.ws = krs, c.M = E, c.K = D, c.N = nr;
+            c.x = q + row * qs, c.xs = qs, c.y = S, c.ys = W;
+            mm_range(&c, isa, 0, E);
+            const int e = ap_soft_max_rows(nr, E, S, W, (nr - 1) * W + E, S, W, (nr - 1) * W + E, mrow, ms,
+                                           mrow ? (nr - 1) * ms + E : 0, nr, 1, 1, 1, 0, 0, scale);
+            if (e) {
+#pragma omp atomic write
+                rc = e;
+            }
+            c.type = vtype, c.w = (const uint8_t *)v + g * vgs, c.ws = vrs, c.M = DV, c.K = E;
+            c.x = S, c.xs = W, c.y = out + row * os, c.ys = os;
+            mm_range(&c, isa, 0, DV);
+        }
+    }
+    free(scores);
+    return rc;
 }

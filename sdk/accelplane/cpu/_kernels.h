@@ -115,6 +115,27 @@ int ap_rope_rows(int64_t ntok, int64_t nhead, int64_t hd, int64_t n_dims, int ne
                  int64_t xs_tok, int64_t xs_head, int64_t x_size, float *y, int64_t ys_tok,
                  int64_t ys_head, int64_t y_size, const float *cs, const float *sn, int64_t cs_size);
 
+/* Attention of NB batches of R query rows (float32, row (b, i) at q + (b * R + i) * qs, D
+ * elements): out row (b, i) [DV] = softmax(scale * q K_g^T + mask row) V_g^T with g = b / r2,
+ * K_g the W rows of D elements at k + g * kgs (krs bytes apart), V_g the DV rows of W elements
+ * at v + g * vgs (vrs bytes apart), both F32, F16 or BF16; mask (may be NULL) row i of batch b
+ * at mask + (b % m2) * ms2 + i * ms (W floats). Sizes in bytes for k and v, in elements
+ * otherwise; AP_ERANGE when a buffer is smaller than its rows need. Slots masked -inf for a
+ * whole block of query rows are skipped (see _kernels.c). */
+int ap_attention(int ktype, const void *k, int64_t kgs, int64_t krs, int64_t k_size, int vtype,
+                 const void *v, int64_t vgs, int64_t vrs, int64_t v_size, const float *q, int64_t qs,
+                 int64_t q_size, const float *mask, int64_t ms, int64_t ms2, int64_t m2, int64_t m_size,
+                 float *out, int64_t os, int64_t o_size, int64_t NB, int64_t r2, int64_t R, int64_t W,
+                 int64_t D, int64_t DV, float scale, int nthreads);
+
+/* SET_ROWS of one 2-D slice: float row r of src (ss elements apart, s_size elements in all)
+ * into row idx[r] of dst (rows of n f32, or f16 with dst_f16, ds elements apart, n_dst rows,
+ * d_size elements in all); idx int64 with idx64, else int32, idx_size entries. AP_ERANGE
+ * before anything is written when an index is outside [0, n_dst) or a buffer is too small. */
+int ap_set_rows(int dst_f16, void *dst, int64_t ds, int64_t d_size, int64_t n_dst, int64_t n,
+                const float *src, int64_t ss, int64_t s_size, int64_t nrows, const void *idx, int idx64,
+                int64_t idx_size);
+
 /* Exact GELU of n contiguous floats: y[i] = 0.5 * x[i] * erfc(-x[i] / sqrt(2)), which is ggml's
  * 0.5*x*(1 + erf(x/sqrt(2))) without the cancellation of 1 + erf for negative x. x_size, y_size:
  * the buffers' extents in elements (AP_ERANGE when smaller than n). */

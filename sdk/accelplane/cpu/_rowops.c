@@ -279,3 +279,28 @@ int ap_gelu_erf(int64_t n, const float *x, int64_t x_size, float *y, int64_t y_s
     for (int64_t c = 0; c < nspan; c++) f(c < nspan - 1 ? span : n - c * span, x + c * span, y + c * span);
     return AP_OK;
 }
+
+/* One row of n floats as f16 (round to nearest even: F16C's vcvtps2ph on the AVX2 path, the
+ * same rounding in software on the baseline). */
+AP_BODY void f16_row(int64_t n, const float *x, _Float16 *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = (_Float16)x[i];
+}
+AP_WORKER(f16_row, (int64_t n, const float *x, _Float16 *y), (n, x, y))
+
+int ap_set_rows(int dst_f16, void *dst, int64_t ds, int64_t d_size, int64_t n_dst, int64_t n,
+                const float *src, int64_t ss, int64_t s_size, int64_t nrows, const void *idx, int idx64,
+                int64_t idx_size) {
+    if (nrows < 0 || n < 0 || n_dst < 0 || ds < 0 || (nrows > 0 && !idx)) return AP_EINVAL;
+    if (nrows > idx_size || !rows_fit(nrows, ss, n, s_size) || !rows_fit(n_dst, ds, n, d_size)) return AP_ERANGE;
+    for (int64_t r = 0; r < nrows; r++) { /* every index checked before anything is written */
+        const int64_t i = idx64 ? ((const int64_t *)idx)[r] : ((const int32_t *)idx)[r];
+        if (i < 0 || i >= n_dst) return AP_ERANGE;
+    }
+    void (*f)(int64_t, const float *, _Float16 *) = f16_row_pick();
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t i = idx64 ? ((const int64_t *)idx)[r] : ((const int32_t *)idx)[r];
+        if (dst_f16) f(n, src + r * ss, (_Float16 *)dst + i * ds);
+        else memcpy((float *)dst + i * ds, src + r * ss, (size_t)n * sizeof(float));
+    }
+    return AP_OK;
+}

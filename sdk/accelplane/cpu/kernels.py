@@ -70,7 +70,10 @@ __all__ = [
     "has_avx2_vnni",
     "mul_mat",
     "mul_mat_id",
+    "prepare_attention",
+    "prepare_mul_mat_id",
     "prepare_mul_mat_id_ids",
+    "prepare_set_rows",
     "blas_wins",
     "set_isa",
     "X8_TYPES",
@@ -135,6 +138,7 @@ _ERRORS: Final = {
     -3: (MemoryError, "could not allocate the kernel workspace"),
     -4: (OutOfRangeError, "a buffer is smaller than its sizes and strides need"),
 }
+_RANGE: Final = -4  # AP_ERANGE: also a row index outside its matrix
 
 
 # --- configuration -------------------------------------------------------------------------
@@ -400,14 +404,33 @@ def mul_mat_id(
     quantized once, the (group, row chunk) items shared among the threads).
 
     ``w``: [E, M, row_bytes] uint8 (or [E, M, K] of a float type's dtype), each expert's rows
-    contiguous. ``x``: float32 [N, K]. ``out``: float32 [N, M]. ``experts``: [G] expert ids in
+    evenly spaced. ``x``: float32 [N, K]. ``out``: float32 [N, M]. ``experts``: [G] expert ids in
     [0, E); ``starts``: [G + 1] non-decreasing row offsets from 0 to N. Returns ``out``.
     """
+    prepare_mul_mat_id(wtype, w, _as_x(x), out, experts, starts, nthreads, layout)()
+    return out
+
+
+def prepare_mul_mat_id(
+    wtype: GGMLType | str | int,
+    w: np.ndarray,
+    x: np.ndarray,
+    out: np.ndarray,
+    experts: np.ndarray,
+    starts: np.ndarray,
+    nthreads: int | None = None,
+    layout: Layout = "ggml",
+) -> Callable[[], None]:
+    """:func:`mul_mat_id` as a call to repeat on the same memory (a plan's step; grouped-query
+    attention's heads are its groups): operands validated and C arguments built once; x, out,
+    experts and starts are read at every call. x must be float32 [N, K] with evenly spaced rows
+    of unit stride (:func:`mul_mat_id` converts any other x)."""
     t = _wtype(wtype)
     if not isinstance(w, np.ndarray) or w.ndim != 3:
         got = getattr(w, "shape", type(w).__name__)
         raise ShapeError(f"w must be a 3-D numpy array [experts, rows, ...], got {got}")
-    x = _as_x(x)
+    if _as_x(x) is not x:
+        raise ShapeError(f"x must be float32 [N, K] with evenly spaced unit-stride rows, strides {x.strides}")
     n, k = x.shape
     if w.shape[0] == 0:
         raise ShapeError("w has no experts")
@@ -422,20 +445,26 @@ def mul_mat_id(
         raise ShapeError(f"w's expert stride must be >= 0, got {w.strides[0]}")
     e_stride = w.strides[0] if w.shape[0] > 1 else 0
     size = (w.shape[0] - 1) * e_stride + rows.size
+    nt = _threads(nthreads)
     if n == 0 or m == 0:
-        return out
-    y = out if _direct_out(out, x, w) else np.empty((n, m), np.float32)
+        return lambda: None
+    direct = _direct_out(out, x, w)
+    y = out if direct else np.empty((n, m), np.float32)
     base = w if w.flags.c_contiguous else w[:1, :1, :1]
-    rc = _lib.ap_mul_mat_id(rows.code, _ffi.from_buffer("uint8_t[]", base), e_stride, rows.stride, size,
-                            w.shape[0], m, k, _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n,
-                            _ptr(y, "float[]", True), _row_stride(y), _extent(y) // 4,
-                            _ffi.from_buffer("int32_t[]", ex), _ffi.from_buffer("int64_t[]", st), ex.size,
-                            _threads(nthreads))  # fmt: skip
-    if rc:
-        _raise(rc, f"mul_mat_id {t.name} [{w.shape[0]}x{m}x{k}] x [{n}x{k}]")
-    if y is not out:
-        out[...] = y
-    return out
+    args = (rows.code, _ffi.from_buffer("uint8_t[]", base), e_stride, rows.stride, size, w.shape[0], m, k,
+            _ptr(x, "float[]"), _row_stride(x), _extent(x) // 4, n, _ptr(y, "float[]", True), _row_stride(y),
+            _extent(y) // 4, _ffi.from_buffer("int32_t[]", ex), _ffi.from_buffer("int64_t[]", st), ex.size,
+            nt)  # fmt: skip
+    fn = _lib.ap_mul_mat_id
+
+    def call() -> None:
+        rc = fn(*args)
+        if rc:
+            _raise(rc, f"mul_mat_id {t.name} [{w.shape[0]}x{m}x{k}] x [{n}x{k}]")
+        if not direct:
+            out[...] = y
+
+    return call
 
 
 def _elem_strides(a: np.ndarray, what: str) -> tuple[int, ...]:
@@ -485,16 +514,11 @@ def prepare_mul_mat_id_ids(
     n_used = ids.shape[1]
 
     def span(a: np.ndarray) -> int:  # elements from a's first to one past its last
-        last = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=True))
-        return last // a.itemsize + 1 if a.size else 0
+        return _span_bytes(a) // a.itemsize
 
-    def first(a: np.ndarray, ctype: str, writable: bool = False) -> object:
-        return _ffi.from_buffer(ctype, a if a.flags.c_contiguous else a[(slice(0, 1),) * a.ndim],
-                                require_writable=writable)  # fmt: skip
-
-    args = (rows.code, first(w, "uint8_t[]"), e_stride, rows.stride, size, n_exp, m, k,
-            first(x, "float[]"), xs[0], xs[1], n_sl, span(x), first(ids, "int32_t[]"), is_, span(ids),
-            n_tok, n_used, first(out, "float[]", True), ys[0], ys[1], span(out), nt)  # fmt: skip
+    args = (rows.code, _first(w, "uint8_t[]"), e_stride, rows.stride, size, n_exp, m, k,
+            _first(x, "float[]"), xs[0], xs[1], n_sl, span(x), _first(ids, "int32_t[]"), is_, span(ids),
+            n_tok, n_used, _first(out, "float[]", True), ys[0], ys[1], span(out), nt)  # fmt: skip
     fn = _lib.ap_mul_mat_id_ids
 
     def call() -> None:
@@ -628,6 +652,118 @@ def prepare_soft_max(
         margs = (_ffi.from_buffer("float[]", first), ms, extent // 4, ne1, ne2, m2, m3, ms2, ms3)
     args = (xr.shape[0], n, *_rowarg(xr), *_rowarg(yr, True), *margs, float(scale))
     return _checked(_lib.ap_soft_max_rows, args, "soft_max rows")
+
+
+def _span_bytes(a: np.ndarray) -> int:
+    """Bytes from an array's first element to one past its last (strides >= 0)."""
+    return sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True)) + a.itemsize if a.size else 0
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _first(a: np.ndarray, ctype: str, writable: bool = False) -> object:
+    """cffi pointer to a's first element, any layout."""
+    return _ffi.from_buffer(ctype, a if a.flags.c_contiguous else a[(slice(0, 1),) * a.ndim],
+                            require_writable=writable)  # fmt: skip
+
+
+def prepare_attention(
+    ktype: GGMLType | str | int, k: np.ndarray, vtype: GGMLType | str | int, v: np.ndarray,
+    q: np.ndarray, out: np.ndarray, n_batches: int, scale: float, mask: np.ndarray | None = None,
+    nthreads: int | None = None,
+) -> Callable[[], None] | None:
+    """``out = softmax(scale * q K^T + mask) V^T`` per batch as one kernel call to repeat on the
+    same memory (attention's KQ, SOFT_MAX and KQV, the scores kept in cache), or None where a
+    layout is not the kernel's.
+
+    ``k``: [G, W, D] and ``v``: [G, DV, W] of F32/F16/BF16 elements (unit inner stride);
+    ``q``: float32 [n_batches * R, D], ``out``: float32 [n_batches * R, DV], rows evenly spaced,
+    batch b's R rows after batch b - 1's, batch b against matrices b // (n_batches / G);
+    ``mask``: float32 [m2, >= R, W] (batch b reads plane b % m2) or None. ``out`` may be ``q``
+    itself (the same rows), else overlaps no operand. Where a whole block
+    of query rows is masked -inf at a slot, that slot is skipped (ggml's flash attention)."""
+    kt, vt = _wtype(ktype), _wtype(vtype)
+    if not (kt.is_float and vt.is_float) or k.ndim != 3 or v.ndim != 3 or q.ndim != 2 or out.ndim != 2:
+        return None
+    g, w, d = k.shape
+    dv = v.shape[1]
+    if v.shape != (g, dv, w) or g == 0 or n_batches % g or q.shape[1] != d or out.shape[1] != dv:
+        return None
+    if q.shape[0] != out.shape[0] or q.shape[0] % max(n_batches, 1):
+        return None
+    if q.dtype != np.float32 or out.dtype != np.float32:
+        return None
+    if not (_float_dtype_ok(kt, k.dtype) and _float_dtype_ok(vt, v.dtype)):
+        return None
+    if (d > 1 and k.strides[2] != k.itemsize) or (w > 1 and v.strides[2] != v.itemsize):
+        return None
+    if min(k.strides + v.strides) < 0:
+        return None
+    # out may be q itself (an allocator reuses the queries' memory once KQ has read them): each
+    # block of rows reads its queries before it writes its results; any other overlap is refused
+    same = out.shape == q.shape and out.strides == q.strides and _addr(out) == _addr(q)
+    if _as_x(q) is not q or not (same or _direct_out(out, q)):
+        return None
+    if any(a is not None and np.may_share_memory(out, a) for a in (k, v, mask)):
+        return None
+    r = q.shape[0] // n_batches
+    margs: tuple = (_ffi.NULL, 0, 0, 1, 0)
+    if mask is not None:
+        if mask.ndim != 3 or mask.dtype != np.float32 or mask.shape[1] < r or mask.shape[2] != w:
+            return None
+        if (w > 1 and mask.strides[2] != 4) or min(mask.strides) < 0 or any(st % 4 for st in mask.strides):
+            return None
+        m2 = mask.shape[0]
+        margs = (_first(mask, "float[]"), mask.strides[1] // 4, mask.strides[0] // 4 if m2 > 1 else 0, m2,
+                 _span_bytes(mask) // 4)  # fmt: skip
+    args = (int(kt), _first(k, "uint8_t[]"), k.strides[0] if g > 1 else 0, k.strides[1] if w > 1 else 0,
+            _span_bytes(k), int(vt), _first(v, "uint8_t[]"), v.strides[0] if g > 1 else 0,
+            v.strides[1] if dv > 1 else 0, _span_bytes(v), _ptr(q, "float[]"), _row_stride(q),
+            _extent(q) // 4, *margs, _ptr(out, "float[]", True), _row_stride(out), _extent(out) // 4,
+            n_batches, n_batches // g, r, w, d, dv, float(scale), _threads(nthreads))  # fmt: skip
+    return _checked(_lib.ap_attention, args, f"attention [{n_batches}x{r}] over {w} slots")
+
+
+def prepare_set_rows(
+    dst: np.ndarray, src: np.ndarray, idx: np.ndarray, what: str
+) -> Callable[[], None] | None:
+    """SET_ROWS of one slice as a call to repeat on the same memory: ``dst[idx[r]] = src[r]``
+    for the float32 rows of src [R, n] into dst [n_dst, n] (float32 or float16, rounded to
+    nearest even), idx [R] int32 or int64 read at every call; an index outside [0, n_dst)
+    raises ComputeError naming ``what``, before anything is written. None where a layout is
+    not the kernel's (rows evenly spaced, unit inner stride, dst not overlapping src)."""
+    if dst.ndim != 2 or src.ndim != 2 or idx.ndim != 1 or src.dtype != np.float32:
+        return None
+    if dst.dtype not in (np.float32, np.float16) or idx.dtype not in (np.int32, np.int64):
+        return None
+    (n_dst, n), (nr, ns) = dst.shape, src.shape
+    if ns != n or idx.shape[0] != nr or n == 0 or nr == 0 or n_dst == 0:
+        return None
+    es = dst.itemsize
+    if (n > 1 and (dst.strides[1] != es or src.strides[1] != 4)) or min(dst.strides[0], src.strides[0]) < 0:
+        return None
+    if dst.strides[0] % es or src.strides[0] % 4 or (nr > 1 and idx.strides[0] != idx.itemsize):
+        return None
+    if not (dst.flags.aligned and src.flags.aligned and idx.flags.aligned) or np.may_share_memory(dst, src):
+        return None
+    d = dst if dst.flags.c_contiguous else dst[:1, :1]
+    i = idx if idx.flags.c_contiguous else idx[:1]
+    args = (int(dst.dtype == np.float16), _ffi.from_buffer("uint8_t[]", d, require_writable=True),
+            dst.strides[0] // es if n_dst > 1 else 0, _extent(dst) // es, n_dst, n, _ptr(src, "float[]"),
+            _row_stride(src), _extent(src) // 4, nr, _ffi.from_buffer("uint8_t[]", i),
+            int(idx.dtype == np.int64), nr)  # fmt: skip
+    fn = _lib.ap_set_rows
+
+    def call() -> None:
+        rc = fn(*args)
+        if rc == _RANGE:
+            raise ComputeError(f"SET_ROWS {what}: row index out of range 0..{n_dst - 1}")
+        if rc:
+            _raise(rc, f"set_rows {what}")
+
+    return call
 
 
 def prepare_swiglu(x: np.ndarray, g: np.ndarray, y: np.ndarray) -> Callable[[], None] | None:

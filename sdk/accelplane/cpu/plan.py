@@ -250,7 +250,46 @@ def fused_step(nodes: list[Tensor], i: int, fusion, view: View) -> tuple[int, St
     m = fusion.norm_mul(i)
     if m is not None and all(m.src[1].ne[k] in (1, m.ne[k]) for k in range(4)):
         return 2, _norm(nodes[i], view, m)
+    att = fusion.attention(i)
+    if att is not None:
+        step = _attention(*att, view)
+        if step is not None:
+            return 3, step
     return 0, None
+
+
+def _attention(kq: Tensor, sm: Tensor, kqv: Tensor, view: View) -> Step | None:
+    """KQ → SOFT_MAX → KQV as one kernel per ne3 index (kernels.prepare_attention), or None
+    where the types or layouts are not its: float K and V, F32 queries, an F32 mask (or
+    none), no ALiBi, the products' batches over ne2 only."""
+    from accelplane.cpu import kernels
+
+    (k, q), (v, _), mask = kq.src, kqv.src, sm.src[1]
+    scale, max_bias = F32(sm.op_params[0]), sm.op_params[1]
+    float_types = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+    if k.type not in float_types or v.type not in float_types or q.type != GGMLType.F32 or max_bias != 0:
+        return None
+    if kq.type != GGMLType.F32 or sm.type != GGMLType.F32 or (mask is not None and mask.type != GGMLType.F32):
+        return None
+    if k.ne[3] != v.ne[3] or k.ne[2] != v.ne[2] or q.ne[3] % k.ne[3] or q.ne[2] % k.ne[2]:
+        return None
+    if mask is not None and (q.ne[3] % mask.ne[3] or mask.ne[1] < q.ne[1]):
+        return None
+    kv_, vv, qv, ov = view(k), view(v), view(q), view(kqv)
+    mv = view(mask) if mask is not None else None
+    r3 = q.ne[3] // k.ne[3]
+    calls = []
+    for i3 in range(q.ne[3]):
+        q2, o2 = _rows_2d(qv[i3 : i3 + 1]), _rows_2d(ov[i3 : i3 + 1])
+        if q2 is None or o2 is None:
+            return None
+        m3 = mv[i3 % mask.ne[3]] if mv is not None else None
+        c = kernels.prepare_attention(k.type, kv_[i3 // r3], v.type, vv[i3 // r3], q2, o2, q.ne[2],
+                                      float(scale), m3)  # fmt: skip
+        if c is None:
+            return None
+        calls.append(c)
+    return calls[0] if len(calls) == 1 else lambda: [c() for c in calls] and None
 
 
 def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
@@ -374,6 +413,23 @@ def _rows_2d(v: np.ndarray) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(v, (n_rows, v.shape[3]), (row_stride, v.strides[3]))
 
 
+def _few_rows(wt: GGMLType, n: int, layout: str) -> bool:
+    """Whether n activation rows against one matrix take the direct kernel (else dequantize + BLAS)."""
+    from accelplane.cpu import kernels
+
+    return not kernels.blas_wins(wt, n, layout)
+
+
+def _rows_all(bv: np.ndarray, dv: np.ndarray) -> bool:
+    """Whether every ne3 slice of x and of out is one run of evenly spaced rows of unit stride
+    (one grouped product per slice)."""
+    for i3 in range(bv.shape[0]):
+        x, o = _rows_2d(bv[i3 : i3 + 1]), _rows_2d(dv[i3 : i3 + 1])
+        if x is None or o is None or (x.shape[1] > 1 and x.strides[1] != 4):
+            return False
+    return True
+
+
 def _weights(t: Tensor, view: View) -> tuple[np.ndarray, str]:
     """A product's weight operand: its stored bytes and their layout for the kernels ("x8"
     where the repack buffer keeps whole x8 matrices of it), else view(t) and ggml's layout."""
@@ -395,9 +451,23 @@ def _mul_mat(t: Tensor, view: View) -> Step:
         x2, o2 = _rows_2d(bv), _rows_2d(dv)
         if x2 is not None and o2 is not None:
             jobs = [(av[0, 0], x2, o2)]
+    elif len(jobs) > 1 and wt != GGMLType.F32 and b.type == GGMLType.F32 and _few_rows(wt, b.ne[1], layout) \
+            and _rows_all(bv, dv):  # fmt: skip
+        # batches over ne2 (a decode's attention heads; r2 of them share a matrix under
+        # grouped-query attention): one grouped product per ne3 index, group i2 the matrix
+        # i2 // r2 against batch i2's rows, every group in one kernel call (one parallel region)
+        from accelplane.cpu import kernels
+
+        n1 = b.ne[1]
+        groups = np.arange(b.ne[2], dtype=np.int32) // r2
+        starts = np.arange(b.ne[2] + 1, dtype=np.int64) * n1
+        calls = [kernels.prepare_mul_mat_id(wt, av[i3 // r3], _rows_2d(bv[i3 : i3 + 1]),
+                                            _rows_2d(dv[i3 : i3 + 1]), groups, starts, layout=layout)
+                 for i3 in range(b.ne[3])]  # fmt: skip
+        return calls[0] if len(calls) == 1 else lambda: [c() for c in calls] and None
     elif r2 > 1:
-        # broadcast over ne2 (grouped-query attention's heads): the r2 batches that share a
-        # matrix as one product where their rows are evenly spaced (a decode's one row per head)
+        # broadcast over ne2 where the batches' rows are not evenly spaced: the r2 batches that
+        # share a matrix as one product where their own rows are
         grouped = [(av[i3 // r3, g], _rows_2d(bv[i3 : i3 + 1, g * r2 : (g + 1) * r2]),
                     _rows_2d(dv[i3 : i3 + 1, g * r2 : (g + 1) * r2]))
                    for i3 in range(b.ne[3]) for g in range(a.ne[2])]  # fmt: skip
@@ -516,6 +586,14 @@ def _set_rows(t: Tensor, view: View) -> Step:
     dst, src, idx = t.src
     dv, sv, iv = view(dst), view(src), view(idx)
     n_rows = dst.ne[1]
+    if src.ne[2:] == (1, 1) and src.type == GGMLType.F32 and dst.type in (GGMLType.F32, GGMLType.F16):
+        # one slice (a decode's K row, its V column as one-element rows): in C
+        from accelplane.cpu import kernels
+
+        d2, s2, i1 = _rows_2d(dv[:1, :1]), _rows_2d(sv), iv[0, 0, 0]
+        fast = kernels.prepare_set_rows(d2, s2, i1, t.name) if d2 is not None and s2 is not None else None
+        if fast is not None:
+            return fast
     if src.ne[1:] == (1, 1, 1) and not dst.type.is_quantized:
         # one row (a decode's KV cache write): scalar indexing, a few times cheaper than fancy
         d2, s1, i1 = dv[0, 0], sv[0, 0, 0], iv[0, 0, 0]

@@ -515,31 +515,30 @@ def set_weight_values(w: Mapping[str, Tensor], values: Mapping[str, np.ndarray])
 class DecoderModel:
     """A decoder model placed on ``devices`` and run through a :class:`~accelplane.sched.Scheduler`.
 
-    ``devices``: where the weights go, in priority order (``split='none'``: all on the
-    first; ``'layer'``: layers spread over all of them). The scheduler's backends are the
-    non-CPU devices in that order, then a CPU device (``cpu``, or a CPU device among
-    ``devices``, or the global registry's "CPU"), which holds the inputs and the token
-    embeddings. ``types``: weight type by GGUF name (default F32). ``n_ctx``: KV cache size;
-    ``cache_type``: F16 or F32; ``kv_pad``: attention window granularity (see the module
-    docstring). ``merge``: store each layer's Q, K and V (and FFN gate and up) projections as
-    one matrix when their types match, so a decode step runs one product where it ran three
-    (two); the GGUF names stay as views of it. Default: on, unless ACCELPLANE_MODEL_MERGE=0;
-    never with ``split='tensor'`` (the shards cut per projection). ``embd``: where the token
-    embeddings live: "device" (the first layer's device, so a step on one device is one
-    scheduler split, with no host computation and copy before it; not with ``split='tensor'``),
-    "cpu" (host memory, llama.cpp's input layer) or "auto" (the default, unless
-    ACCELPLANE_MODEL_EMBD says otherwise): "device" when the first layer's device is not a CPU
-    and runs GET_ROWS of the embeddings' type, else "cpu". Call :meth:`load_weights` (or use
+    ``devices``: where the weights go, in priority order (``split='none'``: all on the first;
+    ``'layer'``: layers spread over all of them). The scheduler's backends are the non-CPU devices
+    in that order, then a CPU device (``cpu``, or a CPU device among ``devices``, or the global
+    registry's "CPU"), which holds the inputs and the token embeddings. ``types``: weight type by
+    GGUF name (default F32). ``n_ctx``: KV cache size; ``cache_type``: F16 or F32; ``kv_pad``:
+    attention window granularity (see the module docstring; default 32 when every device is a CPU,
+    whose attention costs per slot, else 256: fewer graphs for a device to replay). ``merge``: store
+    each layer's Q, K and V (and FFN gate and up) projections as one matrix when their types match,
+    so a decode step runs one product where it ran three (two); the GGUF names stay as views of it.
+    Default: on, unless ACCELPLANE_MODEL_MERGE=0; never with ``split='tensor'`` (the shards cut per
+    projection). ``embd``: where the token embeddings live: "device" (the first layer's device, so a
+    step on one device is one scheduler split, with no host computation and copy before it; not with
+    ``split='tensor'``), "cpu" (host memory, llama.cpp's input layer) or "auto" (the default, unless
+    ACCELPLANE_MODEL_EMBD says otherwise): "device" when the first layer's device is not a CPU and
+    runs GET_ROWS of the embeddings' type, else "cpu". Call :meth:`load_weights` (or use
     :meth:`from_gguf`) before :meth:`eval`. ``policy``: the scheduler's synchronization policy
     (docs/ordering.md), default ACCELPLANE_MODEL_POLICY or else "relaxed": a decode step's four
     inputs then go to the device as asynchronous copies behind one synchronize instead of four
     blocking ones (2.5 % more tokens/s on an H200); devices whose caps exclude it stay strict.
-    ``cpu_moe``: the expert tensors (``*_exps``) of the first ``cpu_moe`` layers live in host
-    memory (``n_layers`` or more: every layer's), as llama.cpp's ``--n-cpu-moe`` / ``--cpu-moe``:
-    in the layer device's pinned host buffers where it has them, else the CPU device's. The
-    scheduler runs their products on the CPU, or, for a batch a device offloads (offload_op),
-    uploads only the experts the router selected.
-    """
+    ``cpu_moe``: the expert tensors (``*_exps``) of the first ``cpu_moe`` layers live in host memory
+    (``n_layers`` or more: every layer's), as llama.cpp's ``--n-cpu-moe`` / ``--cpu-moe``: in the
+    layer device's pinned host buffers where it has them, else the CPU device's. The scheduler runs
+    their products on the CPU, or, for a batch a device offloads (offload_op), uploads only the
+    experts the router selected. """
 
     def __init__(
         self,
@@ -549,7 +548,7 @@ class DecoderModel:
         split: str = "none",
         n_ctx: int | None = None,
         cache_type: GGMLType | str = T.F16,
-        kv_pad: int = 256,
+        kv_pad: int | None = None,
         types: Mapping[str, GGMLType | str | int] | None = None,
         cpu: Device | None = None,
         policy: str | None = None,
@@ -565,7 +564,6 @@ class DecoderModel:
         self.n_ctx = int(n_ctx or min(cfg.n_ctx_train, 512))
         if self.n_ctx <= 0:
             raise ShapeError(f"n_ctx must be > 0, got {self.n_ctx}")
-        self.kv_pad = max(1, int(kv_pad))
         self.cache_type = parse_type(cache_type)
         if self.cache_type not in (T.F16, T.F32):
             raise ShapeError(f"KV cache type must be F16 or F32, got {self.cache_type.name}")
@@ -580,6 +578,9 @@ class DecoderModel:
 
                 cpu = get_registry().device("CPU")
         self.cpu = cpu
+        if kv_pad is None:  # host attention pays per slot attended; a device per graph variant
+            kv_pad = 32 if all(d.type == DeviceType.CPU for d in self.devices) else 256
+        self.kv_pad = max(1, int(kv_pad))
         if not isinstance(cpu_moe, int) or cpu_moe < 0:
             raise ConfigError(f"cpu_moe must be an integer >= 0 (layers), got {cpu_moe!r}")
         if cpu_moe and not cfg.is_moe:
