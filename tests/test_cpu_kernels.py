@@ -1068,3 +1068,38 @@ def test_prepare_set_rows(dt: type, idt: type, n: int, isa: str) -> None:
         with pytest.raises(ComputeError, match="out of range"):
             call()
         np.testing.assert_array_equal(base, before)
+
+
+@pytest.mark.parametrize("layout", ["apart", "reused"])
+def test_prepare_moe_topk(layout: str) -> None:
+    """kernels.prepare_moe_topk against numpy: the stable descending order with NaN last (as
+    np.argsort of -p), the top-k probabilities, their double sum and the renormalized weights;
+    "reused" places total and normed in p's memory and normed in w's, as the allocator may."""
+    rng = np.random.default_rng(5)
+    t, e, k = 7, 16, 4
+    p = rng.random((t, e)).astype(np.float32)
+    p[1, [3, 9, 12]] = p[1].max() + 1  # ties: kept in index order
+    p[2, 5] = np.nan
+    want_o = np.argsort(-p, axis=1, kind="stable").astype(np.int32)
+    want_w = np.take_along_axis(p, want_o[:, :k], 1)
+    want_t = want_w.astype(np.float64).sum(1).astype(np.float32)
+    want_n = want_w / want_t[:, None]
+    order, w = np.empty((t, e), np.int32), np.empty((t, k), np.float32)
+    if layout == "apart":
+        total, normed = np.empty(t, np.float32), np.empty((t, k), np.float32)
+    else:
+        total, normed = p.reshape(-1)[:t], w
+    pin = p.copy()
+    call = kernels.prepare_moe_topk(p, order, w, total, normed)
+    assert call is not None
+    call()
+    np.testing.assert_array_equal(order, want_o)
+    np.testing.assert_array_equal(total, want_t)
+    np.testing.assert_array_equal(normed, want_n)
+    if layout == "apart":
+        np.testing.assert_array_equal(w, want_w)
+        np.testing.assert_array_equal(p, pin)
+    inside = order.reshape(-1)[: t * k].view(np.float32).reshape(t, k)  # contiguous, in order's memory
+    assert kernels.prepare_moe_topk(p, order, inside) is None
+    assert kernels.prepare_moe_topk(p, order, np.empty((t, e + 1), np.float32)) is None  # k > E
+    assert kernels.prepare_moe_topk(p, order[:, :4], w) is None  # order's shape

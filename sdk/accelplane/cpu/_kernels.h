@@ -128,6 +128,15 @@ int ap_attention(int ktype, const void *k, int64_t kgs, int64_t krs, int64_t k_s
                  float *out, int64_t os, int64_t o_size, int64_t NB, int64_t r2, int64_t R, int64_t W,
                  int64_t D, int64_t DV, float scale, int nthreads);
 
+/* A MoE router's expert choice per token t < T from its probabilities p (row t at p + t * ps, E
+ * floats): order[t] (E int32, contiguous rows) = the experts by descending probability (stable;
+ * NaN last), w[t] (k floats) = the top k probabilities; with total (T floats) and normed (T x k),
+ * also their double sum as float and w / total, computed after all of w (total and normed may lie
+ * in p's memory, normed in w's). o_size, w_size: elements of order and w; total and normed (or
+ * neither) hold T and T * k. */
+int ap_moe_topk(int64_t T, int64_t E, const float *p, int64_t ps, int64_t p_size, int32_t *order,
+                int64_t o_size, int64_t k, float *w, int64_t w_size, float *total, float *normed);
+
 /* SET_ROWS of one 2-D slice: float row r of src (ss elements apart, s_size elements in all)
  * into row idx[r] of dst (rows of n f32, or f16 with dst_f16, ds elements apart, n_dst rows,
  * d_size elements in all); idx int64 with idx64, else int32, idx_size entries. AP_ERANGE

@@ -304,3 +304,35 @@ int ap_set_rows(int dst_f16, void *dst, int64_t ds, int64_t d_size, int64_t n_ds
     }
     return AP_OK;
 }
+
+/* a ranks before b in a descending sort that puts NaN last (numpy's argsort of -x) */
+static inline int desc_before(float a, float b) { return a > b || (b != b && a == a); }
+
+int ap_moe_topk(int64_t T, int64_t E, const float *p, int64_t ps, int64_t p_size, int32_t *order,
+                int64_t o_size, int64_t k, float *w, int64_t w_size, float *total, float *normed) {
+    if (T < 0 || E < 1 || k < 1 || k > E || E > INT32_MAX) return AP_EINVAL;
+    if (!rows_fit(T, ps, E, p_size) || T * E > o_size || T * k > w_size) return AP_ERANGE;
+    for (int64_t t = 0; t < T; t++) {
+        const float *pr = p + t * ps;
+        int32_t *o = order + t * E;
+        for (int64_t e = 0; e < E; e++) { /* stable insertion sort: a router has tens of experts */
+            int64_t j = e;
+            while (j > 0 && desc_before(pr[e], pr[o[j - 1]])) {
+                o[j] = o[j - 1];
+                j--;
+            }
+            o[j] = (int32_t)e;
+        }
+        for (int64_t j = 0; j < k; j++) w[t * k + j] = pr[o[j]];
+    }
+    /* a second pass: the allocator may place total and normed in p's memory (p is dead once
+     * the weights are gathered) and normed in w's (an in-place DIV) */
+    for (int64_t t = 0; total && t < T; t++) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < k; j++) sum += w[t * k + j];
+        float s = (float)sum;
+        total[t] = s;
+        for (int64_t j = 0; j < k; j++) normed[t * k + j] = w[t * k + j] / s;
+    }
+    return AP_OK;
+}

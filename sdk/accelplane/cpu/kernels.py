@@ -71,6 +71,7 @@ __all__ = [
     "mul_mat",
     "mul_mat_id",
     "prepare_attention",
+    "prepare_moe_topk",
     "prepare_mul_mat_id",
     "prepare_mul_mat_id_ids",
     "prepare_set_rows",
@@ -724,6 +725,48 @@ def prepare_attention(
             _extent(q) // 4, *margs, _ptr(out, "float[]", True), _row_stride(out), _extent(out) // 4,
             n_batches, n_batches // g, r, w, d, dv, float(scale), _threads(nthreads))  # fmt: skip
     return _checked(_lib.ap_attention, args, f"attention [{n_batches}x{r}] over {w} slots")
+
+
+def prepare_moe_topk(
+    p: np.ndarray, order: np.ndarray, w: np.ndarray, total: np.ndarray | None = None,
+    normed: np.ndarray | None = None,
+) -> Callable[[], None] | None:
+    """A MoE router's choice per token as one call to repeat on the same memory: from the
+    float32 probabilities p [T, E] (rows evenly spaced), ``order`` [T, E] int32 = the experts by
+    descending probability (stable, NaN last: ARGSORT DESC), ``w`` [T, k] = the top k
+    probabilities (GET_ROWS), and with ``total`` [T] and ``normed`` [T, k] their sum (in
+    double) and ``w / total`` (SUM_ROWS, DIV). Outputs C-contiguous; total and normed may
+    share p's memory and normed may be w itself (the allocator's reuse), any other overlap, a
+    layout or a dtype not the kernel's gives None."""
+    if p.ndim != 2 or p.dtype != np.float32 or rows_view(p) is None or p.shape[1] == 0:
+        return None
+    t, e = p.shape
+    k = w.shape[1] if w.ndim == 2 else 0
+    outs = [(order, np.int32, (t, e)), (w, np.float32, (t, k))]
+    if (total is None) != (normed is None):
+        return None
+    if total is not None:
+        outs += [(total, np.float32, (t,)), (normed, np.float32, (t, k))]
+    for a, dt, shape in outs:
+        if a.dtype != dt or a.shape != shape or not a.flags.c_contiguous or not a.flags.writeable:
+            return None
+    # total and normed may lie in p's memory and normed exactly in w's (the kernel's second
+    # pass reads only w); any other overlap is refused
+    arrays = [p] + [a for a, _, _ in outs]
+    for i, a in enumerate(arrays):
+        for j in range(i + 1, len(arrays)):
+            b = arrays[j]
+            ok = (i == 0 and j >= 3) or ((i, j) == (2, 4) and a.ctypes.data == b.ctypes.data)
+            if not ok and np.may_share_memory(a, b):
+                return None
+    if not 1 <= k <= e:
+        return None
+    pr = rows_view(p)
+    args = (t, e, *_rowarg(pr), _ffi.from_buffer("int32_t[]", order, require_writable=True), order.size, k,
+            _ptr(w, "float[]", True), w.size,
+            _ffi.NULL if total is None else _ffi.from_buffer("float[]", total, require_writable=True),
+            _ffi.NULL if normed is None else _ptr(normed, "float[]", True))  # fmt: skip
+    return _checked(_lib.ap_moe_topk, args, f"moe top-{k} of {e}")
 
 
 def prepare_set_rows(

@@ -250,12 +250,67 @@ def fused_step(nodes: list[Tensor], i: int, fusion, view: View) -> tuple[int, St
     m = fusion.norm_mul(i)
     if m is not None and all(m.src[1].ne[k] in (1, m.ne[k]) for k in range(4)):
         return 2, _norm(nodes[i], view, m)
+    mg = fusion.moe_gating(i)
+    if mg is not None:
+        step = _moe_gating(mg, view)
+        if step is not None:
+            return mg.covered, step
+    ms = fusion.moe_sum(i)
+    if ms is not None:
+        step = _moe_sum(ms.mul, ms.out, view)
+        if step is not None:
+            return ms.covered, step
     att = fusion.attention(i)
     if att is not None:
         step = _attention(*att, view)
         if step is not None:
             return 3, step
     return 0, None
+
+
+def _moe_gating(g, view: View) -> Step | None:
+    """A MoE router's SOFT_MAX (its own step) then the ARGSORT, top-k GET_ROWS and optional
+    SUM_ROWS and DIV of :class:`accelplane.core.fusion.MoeGating` in one C call, every node
+    written; None unless F32 probabilities sorted descending."""
+    from accelplane.cpu import kernels
+
+    if g.probs.type != GGMLType.F32 or g.order.op_params[0] != SortOrder.DESC or g.probs.ne[2:] != (1, 1):
+        return None
+    softmax = _soft_max(g.probs, view)
+    t = g.probs.ne[1]
+
+    def flat(x: Tensor, *shape: int) -> np.ndarray:
+        v = view(x)
+        r = v.reshape(shape)
+        return r if np.may_share_memory(r, v) else v  # a reshape that copied: refused below
+
+    topk = kernels.prepare_moe_topk(
+        flat(g.probs, t, g.probs.ne[0]), flat(g.order, t, g.order.ne[0]), flat(g.weights, t, g.k),
+        None if g.total is None else flat(g.total, t), None if g.normed is None else flat(g.normed, t, g.k),
+    )
+    if topk is None:
+        return None
+
+    def step() -> None:
+        softmax()
+        topk()
+
+    return step
+
+
+def _moe_sum(mul: Tensor, out: Tensor, view: View) -> Step | None:
+    """A MoE layer's weighted sum over its k experts (MUL then k - 1 ADDs of its slices) as one
+    batched [1, k] x [k, d] product per token; None unless all of it is F32."""
+    e, w = mul.src
+    if not e.type == w.type == mul.type == out.type == GGMLType.F32:
+        return None
+    ev, wv, ov = view(e)[0], view(w)[0], view(out)[0, 0]  # [T, k, d], [T, k, 1], [T, d]
+    wt, o3 = wv.transpose(0, 2, 1), ov[:, None, :]
+
+    def step() -> None:
+        np.matmul(wt, ev, out=o3)
+
+    return step
 
 
 def _attention(kq: Tensor, sm: Tensor, kqv: Tensor, view: View) -> Step | None:
