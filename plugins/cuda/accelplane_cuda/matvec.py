@@ -301,18 +301,22 @@ def _mmv_pipe(plan, n, warps: int, smem: int) -> None:
 
 
 def _mul_mat_vec(plan, n) -> None:
-    """k_mul_mat_vec: lanes per row enough for its 32-element chunks (up to a warp), the
-    activation rows staged in shared memory where they fit the default 48 KiB."""
+    """k_mul_mat_vec: lanes per row enough for its 32-element chunks (up to a warp); several
+    activation rows staged in shared memory where they fit the default 48 KiB (one is read
+    directly: staging would only add a round trip before the weights' loads); fewer warps per
+    block when that leaves SMs idle (a router's 64 rows: 64 blocks, not 16)."""
     a, b = n.src
     xp, xnb = x_f32(plan, b)
     lanes = min(32, 1 << max(0, (a.ne[0] // 32 - 1).bit_length()))
     smem = b.ne[1] * a.ne[0] * 4
-    smem = smem if smem <= SMEM_DEFAULT else 0
+    smem = smem if b.ne[1] > 1 and smem <= SMEM_DEFAULT else 0
     P = plan.params([a.ne[1], a.ne[0], b.ne[1], b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3],
                      *a.nb[1:], *xnb[1:], *n.nb[1:], lanes, int(smem > 0)])  # fmt: skip
-    warps = 4
+    warps, batches = 4, b.ne[2] * b.ne[3]
+    while warps > 1 and -(-a.ne[1] // (warps * (32 // lanes))) * batches < plan.fns.sm_count:
+        warps //= 2
     rows_per_block = warps * (32 // lanes)
-    grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, b.ne[2] * b.ne[3])
+    grid = ((a.ne[1] + rows_per_block - 1) // rows_per_block, batches)
     plan.launch(compiler.name("k_mul_mat_vec", type_id(a)), 0, (P, plan.ptr(n), plan.ptr(a), xp),
                 block=32 * warps, grid=grid, smem=smem)  # fmt: skip
 

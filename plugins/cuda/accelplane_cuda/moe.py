@@ -40,7 +40,6 @@ FAMILY = compiler.family("moe", {
     "k_moe_gating": [()],
     "k_moe_sum": [()],
 })  # fmt: skip
-GATING_ROWS = 4  # tokens (warps) per block of k_moe_gating
 
 
 def grouped(n) -> bool:
@@ -126,10 +125,10 @@ def gating(plan, g: MoeGating) -> None:
     P = plan.params([E, n_tok, p.src[0].nb[1], p.nb[1], o.nb[1], g.k, w.nb[2], total.nb[1] if norm else 0,
                      normed.nb[1] if norm else 0, int(norm)])  # fmt: skip
     zero = np.uint64(0)
+    E4 = -(-E // 4) * 4
     plan.launch("k_moe_gating", 0, (P, plan.ptr(p.src[0]), plan.ptr(p), plan.ptr(o), plan.ptr(w),
                                     plan.ptr(total) if norm else zero, plan.ptr(normed) if norm else zero),
-                block=32 * GATING_ROWS, grid=(-(-n_tok // GATING_ROWS),),
-                smem=GATING_ROWS * E * 8)  # fmt: skip
+                block=-(-E // 32) * 32, grid=(n_tok,), smem=(2 * E4 + E) * 4)  # fmt: skip
 
 
 def sum_fits(s: MoeSum) -> bool:

@@ -274,55 +274,73 @@ __global__ void __launch_bounds__(2 * MOE_TN) k_moe_gemm(const i64* __restrict__
         }
 }
 
-// A MoE layer's expert weights as one kernel (accelplane.core.fusion: moe_gating), a warp per
-// token: the router's softmax computed as k_soft_max's warp form does (so the same experts
-// win), its descending stable argsort ranked as k_argsort ranks, the top k probabilities and,
-// when norm, their sum and each divided by it (k_sum_rows' and the DIV's arithmetic). Every
-// result is written. E <= MOE_MAX_EXP, k <= 32; dynamic shared memory: E floats and E ints
-// per warp. P: [E, T, nbl1, nbp1, nbo1, k, nbw2, nbt1, nbn1, norm]
+// A MoE layer's expert weights as one kernel (accelplane.core.fusion: moe_gating), a block per
+// token: the router's softmax in the first warp, computed as k_soft_max's warp form does (so the
+// same experts win); then a thread per expert ranks it (the descending stable order k_argsort
+// gives), so the E x E comparisons run in parallel rather than in one warp's serial loop; then
+// the first warp takes the top k probabilities and, when norm, their sum and each divided by it
+// (k_sum_rows' and the DIV's arithmetic). Every result is written. A probability is >= 0 or NaN,
+// so ranking the key (NaN -> -1) by (key desc, index asc) puts NaN last as k_argsort does.
+// E <= MOE_MAX_EXP, k <= 32, blockDim = E rounded up to a warp; dynamic shared memory:
+// 2 E4 floats and E ints (E4 = E rounded up to 4). P: [E, T, nbl1, nbp1, nbo1, k, nbw2, nbt1,
+// nbn1, norm]
 __global__ void k_moe_gating(const i64* __restrict__ P, const char* logits, char* probs, char* order,
                              char* weights, char* total, char* normed) {
     pdl_enter();
     extern __shared__ float gsm[];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const i64 t = (i64)blockIdx.x * nw + wid;
-    if (t >= P[1]) return;  // (no block-wide barrier follows)
-    const int E = (int)P[0], k = (int)P[5];
-    float* p = gsm + wid * E;
-    int* rank_of = (int*)(gsm + nw * E) + wid * E;  // rank_of[r]: the expert ranked r
-    const float* l = (const float*)(logits + t * P[2]);
-    float mx = -AP_INF;
-    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, l[i]);
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int i = lane; i < E; i += 32) {
-        const float e = expf(l[i] - mx);
-        p[i] = e;
-        sum += e;
-    }
-    sum = warp_sum(sum);
-    const float inv = 1.0f / sum;
-    float* pr = (float*)(probs + t * P[3]);
-    for (int i = lane; i < E; i += 32) pr[i] = p[i] = p[i] * inv;
-    __syncwarp();
-    int* o = (int*)(order + t * P[4]);
-    for (int i = lane; i < E; i += 32) {
-        const float xi = p[i];
-        int rank = 0;
-        for (int j = 0; j < E; ++j) {
-            const float xj = p[j];
-            rank += isnan(xi) ? (!isnan(xj) || j < i) : !isnan(xj) && (xj > xi || (xj == xi && j < i));
+    const int tid = threadIdx.x, lane = tid & 31;
+    const i64 t = blockIdx.x;
+    const int E = (int)P[0], k = (int)P[5], E4 = (E + 3) & ~3;
+    float* p = gsm;
+    float* key = gsm + E4;
+    int* rank_of = (int*)(gsm + 2 * E4);  // rank_of[r]: the expert ranked r
+    if (tid < 32) {
+        const float* l = (const float*)(logits + t * P[2]);
+        float mx = -AP_INF;
+        for (int i = lane; i < E; i += 32) mx = fmaxf(mx, l[i]);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (int i = lane; i < E; i += 32) {
+            const float e = expf(l[i] - mx);
+            p[i] = e;
+            sum += e;
         }
-        o[rank] = i;
-        rank_of[rank] = i;
+        sum = warp_sum(sum);
+        const float inv = 1.0f / sum;
+        float* pr = (float*)(probs + t * P[3]);
+        for (int i = lane; i < E; i += 32) {
+            const float v = p[i] * inv;
+            pr[i] = p[i] = v;
+            key[i] = isnan(v) ? -1.0f : v;
+        }
+        for (int i = E + lane; i < E4; i += 32) key[i] = -2.0f;  // below every key: never counted
     }
-    __syncwarp();
-    const float w = lane < k ? p[rank_of[lane]] : 0.0f;
-    if (lane < k) ((float*)(weights + t * P[6]))[lane] = w;
-    if (P[9]) {
-        const float s = warp_sum(w);
-        if (lane == 0) *(float*)(total + t * P[7]) = s;
-        if (lane < k) ((float*)(normed + t * P[8]))[lane] = w / s;
+    __syncthreads();
+    if (tid < E) {
+        const float ki = key[tid];
+        const float4* k4 = (const float4*)key;
+        int rank = 0;
+        #pragma unroll 4
+        for (int q = 0; q < E4 / 4; ++q) {
+            const float4 v = k4[q];
+            const int j = 4 * q;
+            rank += (v.x > ki) | ((v.x == ki) & (j < tid));
+            rank += (v.y > ki) | ((v.y == ki) & (j + 1 < tid));
+            rank += (v.z > ki) | ((v.z == ki) & (j + 2 < tid));
+            rank += (v.w > ki) | ((v.w == ki) & (j + 3 < tid));
+        }
+        ((int*)(order + t * P[4]))[rank] = tid;
+        rank_of[rank] = tid;
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const float w = lane < k ? p[rank_of[lane]] : 0.0f;
+        if (lane < k) ((float*)(weights + t * P[6]))[lane] = w;
+        if (P[9]) {
+            const float s = warp_sum(w);
+            if (lane == 0) *(float*)(total + t * P[7]) = s;
+            if (lane < k) ((float*)(normed + t * P[8]))[lane] = w / s;
+        }
     }
 }
 
