@@ -518,3 +518,56 @@ def test_moe_runs_in_a_split_of_clones(tmp_path):
             assert sum(f.moe_sum(i) is not None for i in range(len(g.nodes))) == 2
     finally:
         m.free()
+
+
+@pytest.mark.parametrize("why", ["fuses", "into_cache", "norm_read", "mul_kept", "rope_of_other"])
+def test_norm_rope_run(why):
+    """A head norm, its MUL and the ROPE of that are one run (with a SET_ROWS into a cache after
+    it, five nodes); not when the norm or the product has another reader or is kept, nor when
+    the ROPE after them rotates something else."""
+    from accelplane.core.ops import ROPE_TYPE_NEOX
+
+    ctx = Context()
+    x = ctx.new_tensor_ne(T.F32, 32, 4, 3, name="x")
+    w = ctx.new_tensor_ne(T.F32, 32, name="w")
+    pos = ctx.new_tensor_ne(T.I32, 3, name="pos")
+    n = ctx.rms_norm(x, 1e-6)
+    m = ctx.mul(n, w)
+    r = ctx.rope(m if why != "rope_of_other" else x, pos, 32, ROPE_TYPE_NEOX)
+    outs = [r] if why != "rope_of_other" else [ctx.add(r, m)]
+    if why == "into_cache":
+        cache = ctx.new_tensor_ne(T.F16, 128, 16, name="cache")
+        outs = [ctx.set_rows(cache, ctx.reshape_ne(r, 128, 3), pos)]
+    elif why == "norm_read":
+        outs.append(ctx.scale(n, 2.0))
+    elif why == "mul_kept":
+        outs.append(m)
+    g = ctx.graph(*outs)
+    got = Fusion(g).norm_rope(_index(g, n))
+    if why in ("fuses", "into_cache"):
+        assert got is not None and (got.norm, got.mul, got.rope) == (n, m, r)
+        assert got.covered == (5 if why == "into_cache" else 3)
+        assert (got.set_rows is outs[0]) if why == "into_cache" else got.set_rows is None
+        assert g.nodes[_index(g, n) + got.covered - 1] is outs[0]
+    else:
+        assert got is None
+
+
+def test_norm_rope_runs_in_a_qwen3moe_decode(tmp_path):
+    """qwen3's Q/K norms: per layer, the keys' run into the cache and the queries' run."""
+    import accelplane
+    from accelplane.models import LlamaModel, make_model
+
+    path = tmp_path / "q.gguf"
+    make_model(path, arch="qwen3moe", n_layers=2, d_model=64, n_head=4, n_head_kv=2, d_ff=96,
+               n_vocab=128, n_ctx=256, n_expert=4, n_expert_used=2, d_ff_exp=64, head_dim=32, wtype="f32",
+               seed=8)  # fmt: skip
+    m = LlamaModel.from_gguf(path, [accelplane.device("CPU")], n_ctx=64)
+    try:
+        g = m.step(1, 32).graph
+        f = Fusion(g)
+        runs = [r for i in range(len(g.nodes)) if (r := f.norm_rope(i)) is not None]
+        assert [(r.rope.name, r.covered) for r in runs] == [
+            (f"blk.{i}.{q}rope", c) for i in (0, 1) for q, c in (("K", 5), ("Q", 3))]
+    finally:
+        m.free()

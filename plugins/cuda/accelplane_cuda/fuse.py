@@ -1,7 +1,7 @@
 """Runs of nodes launched as one kernel, where accelplane.core.fusion allows it and a fused kernel
-takes the shapes: ROPE → view → SET_ROWS, ADD + norm (+ MUL), norm + MUL, the Q/K/V projection
-with its ropes and cache writes, the decode attention, a MoE layer's gating, its gate and up
-products (one launch) and its weighted sum over the experts."""
+takes the shapes: ROPE → view → SET_ROWS, ADD + norm (+ MUL), norm + MUL, norm + MUL + ROPE (→
+view → SET_ROWS), the Q/K/V projection with its ropes and cache writes, the decode attention, a
+MoE layer's gating, its gate and up products (one launch) and its weighted sum over the experts."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def fuse(plan, fusion: Fusion, i: int, nodes) -> int:
         covered = _add_norm(plan, fusion, i, nodes)
         if covered:
             return covered
+    nr = fusion.norm_rope(i)
+    if nr is not None and softmax_rope.norm_rope_fits(nr, nodes[i + 3] if nr.set_rows else None):
+        softmax_rope.norm_rope(plan, nr)
+        plan.fused.append((n.op.name, "MUL", "ROPE", *(("SET_ROWS",) if nr.set_rows else ())))
+        return nr.covered
     m = fusion.norm_mul(i)
     if m is not None:
         norm.norm(plan, n, m)

@@ -1,11 +1,13 @@
-"""SOFT_MAX and ROPE (kernels/softmax_rope.cu); ROPE → view → SET_ROWS as one launch (fuse.py)."""
+"""SOFT_MAX and ROPE (kernels/softmax_rope.cu); ROPE → view → SET_ROWS and a head norm with its
+MUL before a ROPE (and the SET_ROWS after it) as one launch (fuse.py)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from accelplane.core.ops import ROPE_TYPE_NEOX, Op, rope_params, rope_yarn_corr_dims
+from accelplane.core.fusion import NormRope
+from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, Op, rope_params, rope_yarn_corr_dims
 from accelplane.core.types import GGMLType as T
 
 from . import compiler
@@ -17,7 +19,9 @@ WARP_ROWS = 4  # rows (warps) per block of the warp form
 FAMILY = compiler.family("softmax_rope", {
     "k_soft_max": compiler.product(HALF_TYPES, (False, True)),
     "k_rope": compiler.product(HALF_TYPES, HALF_TYPES),
+    "k_norm_rope": compiler.product(HALF_TYPES),
 })  # fmt: skip
+NORM_ROPE_ROWS = 4  # rows (warps) per block of k_norm_rope
 
 
 def rotation(rope) -> list[int]:
@@ -54,6 +58,14 @@ def rope(plan, n, sr=None) -> None:
     rope_rows_fit said yes), each token's rotated values go straight into the cache row that
     SET_ROWS names, converted to the cache's type, and the rope's memory stays unwritten."""
     a, pos = n.src
+    out, P, rows = _rope_params(plan, n, a, sr)
+    args = (plan.params(P), plan.ptr(out), plan.ptr(a), plan.ptr(pos), rows, plan.err)
+    plan.launch(compiler.name("k_rope", CTYPE[a.type], CTYPE[out.type]), a.ne[0] // 2 * a.nrows, args)
+
+
+def _rope_params(plan, n, a, sr) -> tuple:
+    """(the tensor written, k_rope's P, the rows pointer) for ROPE ``n`` rotating rows of ``a``
+    (the rope's source, or the norm's before it), into SET_ROWS ``sr``'s cache when given."""
     n_dims, mode = n.op_params[1:3]
     out, dnb, rows, extra = n, list(n.nb), np.uint64(0), [0, 0]
     if sr is not None:
@@ -62,10 +74,32 @@ def rope(plan, n, sr=None) -> None:
         dnb = [es, es * n.ne[0], out.nb[1], 0]  # head i1 within the row, token i2 → row idx[i2]
         rows, extra = plan.ptr(idx), [out.ne[1], idx.nb[0]]
         plan.uses_index = True
-    P = plan.params([*a.ne, *a.nb, *dnb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, *rotation(n), *extra])
-    cnt = a.ne[0] // 2 * a.nrows
-    args = (P, plan.ptr(out), plan.ptr(a), plan.ptr(pos), rows, plan.err)
-    plan.launch(compiler.name("k_rope", CTYPE[a.type], CTYPE[out.type]), cnt, args)
+    return out, [*a.ne, *a.nb, *dnb, n_dims, 2 if mode == ROPE_TYPE_NEOX else 0, *rotation(n), *extra], rows
+
+
+def norm_rope_fits(r: NormRope, view) -> bool:
+    """k_norm_rope takes the run: an RMS_NORM of F32 rows of an even number of contiguous
+    elements, weights of one contiguous F32 row that long, a plain or NeoX ROPE without
+    frequency factors into F32/F16, and a SET_ROWS (``view``: the node before it) as
+    rope_rows_fit allows."""
+    x, w, rope = r.norm.src[0], r.mul.src[1], r.rope
+    return (r.norm.op is Op.RMS_NORM and x.type == T.F32 and x.nb[0] == 4 and x.ne[0] % 2 == 0
+            and w.type == T.F32 and w.is_contiguous() and tuple(w.ne) == (x.ne[0], 1, 1, 1)
+            and len(rope.src) == 2 and rope.op_params[2] in (ROPE_TYPE_NORMAL, ROPE_TYPE_NEOX)
+            and rope.type in (T.F32, T.F16) and rope.nb[0] == rope.type.type_size
+            and (r.set_rows is None or rope_rows_fit(rope, view, r.set_rows)))  # fmt: skip
+
+
+def norm_rope(plan, r: NormRope) -> None:
+    """The run as one k_norm_rope launch (norm_rope_fits said yes): the rotated rows written
+    where the ROPE (or the SET_ROWS after it) writes them; the norm's and the product's memory
+    stays unwritten."""
+    x, pos = r.norm.src[0], r.rope.src[1]
+    out, P, rows = _rope_params(plan, r.rope, x, r.set_rows)
+    args = (plan.params([*P, f64(r.norm.op_params[0])]), plan.ptr(out), plan.ptr(x), plan.ptr(pos), rows,
+            plan.err, plan.ptr(r.mul.src[1]))  # fmt: skip
+    plan.launch(compiler.name("k_norm_rope", CTYPE[out.type]), 0, args, block=32 * NORM_ROPE_ROWS,
+                grid=(-(-x.nrows // NORM_ROPE_ROWS),))  # fmt: skip
 
 
 def rope_rows_fit(rope, view, sr) -> bool:

@@ -376,6 +376,15 @@ def test_norm_quantizes_for_matvec(n):
         buf.free()
 
 
+def _refuses_position_past(be, g, pos, n_ctx: int) -> None:
+    """Computing ``g`` with a position past the cache's n_ctx rows is a ComputeError."""
+    from accelplane.errors import ComputeError
+
+    pos.set(np.array([1, n_ctx, 2], np.int32))
+    with pytest.raises(ComputeError, match="out of range"):
+        be.compute(g)
+
+
 @pytest.mark.parametrize("cache_type", ["F16", "F32"])
 @pytest.mark.parametrize("neox", [False, True])
 def test_rope_into_cache_fused(cache_type, neox):
@@ -384,7 +393,6 @@ def test_rope_into_cache_fused(cache_type, neox):
     of the cache is untouched; matches the float64 reference; a position past the cache is a
     ComputeError."""
     from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL
-    from accelplane.errors import ComputeError
     from accelplane.oracle import reference
 
     dev = _cuda()
@@ -415,9 +423,61 @@ def test_rope_into_cache_fused(cache_type, neox):
         td = "__half" if cache_type == "F16" else "float"
         assert plan.fused == [("ROPE", "SET_ROWS")], plan.fused
         assert plan.kernel_names == [f"k_rope<float,{td}>"], plan.kernel_names
-        pos.set(np.array([1, n_ctx, 2], np.int32))
-        with pytest.raises(ComputeError, match="out of range"):
-            be.compute(g)
+        _refuses_position_past(be, g, pos, n_ctx)
+    finally:
+        be.free()
+        buf.free()
+
+
+@pytest.mark.parametrize("cache_type", ["F16", "F32", None])
+@pytest.mark.parametrize("neox", [False, True])
+def test_norm_rope_fused(cache_type, neox):
+    """A head norm, its MUL and the ROPE of that (qwen3's Q/K path; with cache_type, on through
+    a reshape and SET_ROWS into the cache) run as one k_norm_rope launch on strided heads of a
+    wider row (a slice of the Q/K/V product), partial rotation included; against the float64
+    reference; a position past the cache is a ComputeError."""
+    from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL
+    from accelplane.oracle import reference
+
+    dev = _cuda()
+    rng = np.random.default_rng(22)
+    hd, heads, n_tok, n_ctx = 128, 4, 3, 40
+    ctx = Context()
+    qkv = ctx.new_tensor_ne(T.F32, hd * heads + 64, n_tok, name="qkv")
+    w = ctx.new_tensor_ne(T.F32, hd, name="w")
+    pos = ctx.new_tensor_ne(T.I32, n_tok, name="pos")
+    k = ctx.view(qkv, (hd, heads, n_tok), (4, hd * 4, qkv.nb[1]), 64 * 4)
+    mode = ROPE_TYPE_NEOX if neox else ROPE_TYPE_NORMAL
+    r = ctx.rope(ctx.mul(ctx.rms_norm(k, 1e-6), w), pos, hd - 32, mode, n_ctx_orig=4096, freq_base=1e6)
+    if cache_type is None:
+        out = r
+    else:
+        cache = ctx.new_tensor_ne(T[cache_type], hd * heads, n_ctx, name="cache")
+        out = ctx.set_rows(cache, ctx.reshape_ne(r, hd * heads, n_tok), pos)
+    g = ctx.graph(out)
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    be = dev.new_backend()
+    try:
+        xv = rng.standard_normal(qkv.shape).astype(np.float32)
+        wv = rng.uniform(0.5, 1.5, hd).astype(np.float32)
+        where = np.array([5, 0, 39], np.int32)
+        vals = {qkv: xv, w: wv, pos: where}
+        qkv.set(xv)
+        w.set(wv)
+        pos.set(where)
+        if cache_type is not None:
+            vals[cache] = rng.standard_normal((n_ctx, hd * heads)).astype(np.float32)
+            cache.set(vals[cache])
+        want = reference.evaluate(g, vals)[out]
+        be.compute(g)
+        tol = 2e-3 if cache_type == "F16" else 1e-5
+        np.testing.assert_allclose(out.get().astype(np.float64), want.reshape(out.shape), rtol=tol, atol=tol)
+        plan = be.ctx.plans.get(g)
+        assert plan.fused == [("RMS_NORM", "MUL", "ROPE", *(("SET_ROWS",) if cache_type else ()))], plan.fused
+        td = "__half" if cache_type == "F16" else "float"
+        assert plan.kernel_names == [f"k_norm_rope<{td}>"], plan.kernel_names
+        if cache_type is not None:
+            _refuses_position_past(be, g, pos, n_ctx)
     finally:
         be.free()
         buf.free()

@@ -59,6 +59,18 @@ class RopeCache(NamedTuple):
     covered: int
 
 
+class NormRope(NamedTuple):
+    """:meth:`Fusion.norm_rope`'s run: a norm, the MUL scaling its rows, the ROPE of that,
+    and, when the rotated rows go on into a cache, the SET_ROWS that writes them (the rope's
+    own memory then left unwritten); ``covered``: 3, or 5 with the view and the SET_ROWS."""
+
+    norm: Tensor
+    mul: Tensor
+    rope: Tensor
+    set_rows: Tensor | None
+    covered: int
+
+
 class MoeGating(NamedTuple):
     """:meth:`Fusion.moe_gating`'s run, every node of which the kernel writes: the router's
     SOFT_MAX (``probs``, [E, T]), its descending ARGSORT (``order``), the GET_ROWS of the top
@@ -294,6 +306,21 @@ class Fusion:
             return None
         kq, sm, kqv = self.nodes[i : i + 3]
         return (kq, sm, kqv) if sm.src[0] is kq and kqv.src[1] is sm else None
+
+    def norm_rope(self, i: int) -> NormRope | None:
+        """A head norm, its weights and the ROPE after them as one kernel (:class:`NormRope`;
+        qwen3's and gemma3's Q/K norms): nodes ``i .. i+2`` are a norm, a MUL scaling its rows
+        (:func:`scales_rows`) and a ROPE of the product, as :meth:`match` allows; when the
+        rope's result is then written into a cache (:meth:`rope_set_rows` at ``i + 2``), that
+        run too. Else None; the caller still checks the types and shapes its kernel handles."""
+        n = self.nodes[i]
+        if n.op not in NORMS or not self.match(i, (n.op, Op.MUL, Op.ROPE)):
+            return None
+        mul, rope = self.nodes[i + 1 : i + 3]
+        if not scales_rows(n, mul) or rope.src[0] is not mul:
+            return None
+        sr = self.rope_set_rows(i + 2)
+        return NormRope(n, mul, rope, sr, 3 if sr is None else 5)
 
     def norm_mul(self, i: int) -> Tensor | None:
         """The MUL after norm node ``i`` when the pair may run as one kernel and the MUL scales

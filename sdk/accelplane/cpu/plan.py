@@ -246,7 +246,8 @@ def _norm(t: Tensor, view: View, mul: Tensor | None = None) -> Step:
 def fused_step(nodes: list[Tensor], i: int, fusion, view: View) -> tuple[int, Step | None]:
     """Nodes ``i ..`` as one step where accelplane.core.fusion allows it: (nodes covered, step);
     (0, None) where nothing applies. A norm and the MUL scaling it: one pass over the rows
-    (numpy's broadcasting, so each of w's dims is 1 or the norm's)."""
+    (numpy's broadcasting, so each of w's dims is 1 or the norm's); a MoE layer's gating and
+    its weighted sum over the experts; attention (KQ, SOFT_MAX, KQV) as one C kernel."""
     m = fusion.norm_mul(i)
     if m is not None and all(m.src[1].ne[k] in (1, m.ne[k]) for k in range(4)):
         return 2, _norm(nodes[i], view, m)
