@@ -544,6 +544,15 @@ def test_routing_agreement_measures_the_distance_from_a_tie():
     assert (ag.differ, ag.not_top, ag.ok) == (0, 1, False)
 
 
+def test_context_past_the_v_slot_indices_is_refused(models):
+    """A context whose V cache slots (n_embd_kv x n_ctx) would need indices past int32 is a
+    ConfigError before any memory is allocated."""
+    f = read_gguf(models["f32"])
+    n_embd_kv = f.model_config().n_embd_kv
+    with pytest.raises(ConfigError, match="too large"):
+        LlamaModel.from_gguf(models["f32"], [accelplane.device("CPU")], n_ctx=(1 << 31) // n_embd_kv + 1)
+
+
 def test_cpu_moe_is_validated(models):
     cpu = accelplane.device("CPU")
     with pytest.raises(ConfigError, match="no experts"):

@@ -67,6 +67,7 @@ from accelplane.errors import ConfigError, DeviceError, OutOfRangeError, ShapeEr
 from accelplane.interface import DeviceType
 from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Backend, Buffer, BufferType, BufferUsage, Device
+from accelplane.runtime.data import set_bytes
 from accelplane.sched import Scheduler
 
 if TYPE_CHECKING:
@@ -621,6 +622,10 @@ class DecoderModel:
         self.load_s = 0.0  # set by from_gguf
         self._steps: dict[tuple[int, int, bool, str], _Step] = {}
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
+        self._v_base: np.ndarray | None = None  # e * n_ctx: the V cache slot of feature e at position 0
+        if cfg.n_embd_kv * self.n_ctx > np.iinfo(np.int32).max:  # the I32 V cache slot indices
+            raise ConfigError(f"n_ctx {self.n_ctx} is too large for this model: its V cache of "
+                              f"{cfg.n_embd_kv} x {self.n_ctx} slots takes indices past 2^31")  # fmt: skip
         self.buffers: list[Buffer] = []
         if merge is None:
             merge = env.MODEL_MERGE.get()
@@ -1003,22 +1008,27 @@ class DecoderModel:
     def _set_positions(self, st: _Step, n_past: int) -> None:
         """Write step ``st``'s position inputs for tokens at ``n_past ..``: the positions, the
         causal masks (per query row of a GQA group; the sliding window's also hides slots
-        n_swa or more positions back, llama.cpp's is_masked_swa) and the V cache slots."""
+        n_swa or more positions back, llama.cpp's is_masked_swa) and the V cache slots. The
+        arrays are built here in the inputs' own dtypes and shapes, so they go in as bytes
+        (set_bytes), without Tensor.set's conversions and checks: a decode writes them every
+        token."""
         n = st.n_tokens
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
-        st.pos.set(pos)
+        set_bytes(st.pos, pos)
         g = self.cfg.n_head // self.cfg.n_head_kv
         slot = np.arange(st.n_kv)[None, :]
         # slots up to each token's own position are visible
         visible = slot <= pos[:, None]
+        zero, hidden = np.float32(0), np.float32(-np.inf)
         if st.mask is not None:
-            st.mask.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))
+            set_bytes(st.mask, np.repeat(np.where(visible, zero, hidden), g, axis=0))
         if st.mask_swa is not None:
             visible &= pos[:, None] - slot < self.cfg.n_swa
-            st.mask_swa.set(np.repeat(np.where(visible, 0.0, -np.inf).astype(np.float32), g, axis=0))
+            set_bytes(st.mask_swa, np.repeat(np.where(visible, zero, hidden), g, axis=0))
         if self.meta is None:
-            e = np.arange(self.cfg.n_embd_kv, dtype=np.int32)
-            st.v_idx.set((e[None, :] * self.n_ctx + pos[:, None]).reshape(-1))
+            if self._v_base is None:
+                self._v_base = np.arange(self.cfg.n_embd_kv, dtype=np.int32) * np.int32(self.n_ctx)
+            set_bytes(st.v_idx, (self._v_base[None, :] + pos[:, None]).reshape(-1))
 
     def eval(self, tokens: Sequence[int] | np.ndarray, *, all_logits: bool = False,
              want_logits: bool = True, trace_routing: bool = False,
@@ -1045,7 +1055,7 @@ class DecoderModel:
             raise ShapeError("eval: routing is traced or given for MoE models only")
         st = self.step(n, self.window(self.n_past + n), all_logits, mode)
         self.sched.alloc_graph(st.graph)
-        st.tokens.set(toks.astype(np.int32))
+        set_bytes(st.tokens, toks.astype(np.int32))  # checked above
         if routing is not None:
             self._force_routing(st, routing, n)
         ready = self._positions_set
