@@ -21,7 +21,7 @@ them (matvec.xq_for): no k_quant_x launch either.
 from __future__ import annotations
 
 import numpy as np
-from accelplane.core.fusion import MoeGating, MoeSum
+from accelplane.core.fusion import MoeGating, MoeSum, overlap
 from accelplane.core.ops import Op, SortOrder
 from accelplane.core.types import GGMLType as T
 
@@ -104,9 +104,30 @@ def _f32(*ts) -> bool:
     return all(t.type == T.F32 for t in ts)
 
 
+def _same(a, b, nb_a: int, nb_b: int) -> bool:
+    """``a`` lies exactly over ``b`` with the same row stride: each token's row of one is that
+    token's row of the other, which one block reads before it writes."""
+    return a.buffer is b.buffer and a.offs == b.offs and nb_a == nb_b
+
+
+def _tokens_apart(g: MoeGating) -> bool:
+    """No block of k_moe_gating writes memory another block reads or writes: with several
+    tokens, the allocator may have placed a later result of the run over an earlier one that
+    is dead after it (the sum and the renormalized weights over the probabilities, which other
+    blocks may still be writing); one token's block writes in the run's order."""
+    lg, p, o, w, total, normed = g.probs.src[0], g.probs, g.order, g.weights, g.total, g.normed
+    ts = [t for t in (lg, p, o, w, total, normed) if t is not None]
+    exact = {(id(lg), id(p))} if _same(lg, p, lg.nb[1], p.nb[1]) else set()
+    if normed is not None and _same(w, normed, w.nb[2], normed.nb[1]):
+        exact.add((id(w), id(normed)))
+    return not any(overlap(a, b) and (id(a), id(b)) not in exact
+                   for i, a in enumerate(ts) for b in ts[i + 1 :])  # fmt: skip
+
+
 def gating_fits(g: MoeGating) -> bool:
     """k_moe_gating takes the run: F32 [E, T] probabilities of unscaled logits, rows of
-    contiguous elements, E <= MAX_EXPERTS and k <= 32."""
+    contiguous elements, E <= MAX_EXPERTS, k <= 32, and with several tokens no two of the run's
+    tensors sharing memory but in place (:func:`_tokens_apart`)."""
     p, o, w = g.probs, g.order, g.weights
     lg = p.src[0]
     scale, max_bias = p.op_params
@@ -115,7 +136,7 @@ def gating_fits(g: MoeGating) -> bool:
             and scale == 1.0 and max_bias == 0.0 and o.op_params[0] == SortOrder.DESC
             and tuple(lg.ne) == tuple(p.ne) == tuple(o.ne) and p.ne[2] == p.ne[3] == 1
             and all(t.nb[0] == 4 for t in rows) and w.nb[1] == 4
-            and p.ne[0] <= MAX_EXPERTS and 0 < g.k <= 32)  # fmt: skip
+            and p.ne[0] <= MAX_EXPERTS and 0 < g.k <= 32 and (p.ne[1] == 1 or _tokens_apart(g)))  # fmt: skip
 
 
 def gating(plan, g: MoeGating) -> None:
@@ -132,9 +153,14 @@ def gating(plan, g: MoeGating) -> None:
 
 
 def sum_fits(s: MoeSum) -> bool:
-    """k_moe_sum takes the run: F32 throughout, fewer than 2^31 results."""
+    """k_moe_sum takes the run: F32 throughout, fewer than 2^31 results, and the result not over
+    the experts' outputs or weights, which other threads still read, except a single token's
+    result at the start of its experts' outputs (each thread reads its own element there before
+    writing it)."""
     x, w = s.mul.src
-    return _f32(x, w, s.mul, s.out) and s.out.nelements < 2**31
+    out = s.out
+    apart = not overlap(out, w) and (not overlap(out, x) or (x.ne[2] == 1 and out.offs == x.offs))
+    return _f32(x, w, s.mul, out) and out.nelements < 2**31 and apart
 
 
 def weighted_sum(plan, s: MoeSum) -> None:

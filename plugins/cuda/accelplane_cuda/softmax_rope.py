@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from accelplane.core.fusion import NormRope
+from accelplane.core.fusion import NormRope, overlap
 from accelplane.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORMAL, Op, rope_params, rope_yarn_corr_dims
 from accelplane.core.types import GGMLType as T
 
@@ -80,10 +80,14 @@ def _rope_params(plan, n, a, sr) -> tuple:
 def norm_rope_fits(r: NormRope, view) -> bool:
     """k_norm_rope takes the run: an RMS_NORM of F32 rows of an even number of contiguous
     elements, weights of one contiguous F32 row that long, a plain or NeoX ROPE without
-    frequency factors into F32/F16, and a SET_ROWS (``view``: the node before it) as
-    rope_rows_fit allows."""
+    frequency factors into F32/F16, a SET_ROWS (``view``: the node before it) as
+    rope_rows_fit allows, and the rows written not over the rows read (the allocator may place
+    the result over the norm's source, which other warps still read) unless exactly in place."""
     x, w, rope = r.norm.src[0], r.mul.src[1], r.rope
-    return (r.norm.op is Op.RMS_NORM and x.type == T.F32 and x.nb[0] == 4 and x.ne[0] % 2 == 0
+    out = rope if r.set_rows is None else r.set_rows.src[0]
+    in_place = out.offs == x.offs and tuple(out.nb) == tuple(x.nb)
+    return (r.norm.op is Op.RMS_NORM and (in_place or not overlap(out, x))
+            and x.type == T.F32 and x.nb[0] == 4 and x.ne[0] % 2 == 0
             and w.type == T.F32 and w.is_contiguous() and tuple(w.ne) == (x.ne[0], 1, 1, 1)
             and len(rope.src) == 2 and rope.op_params[2] in (ROPE_TYPE_NORMAL, ROPE_TYPE_NEOX)
             and rope.type in (T.F32, T.F16) and rope.nb[0] == rope.type.type_size

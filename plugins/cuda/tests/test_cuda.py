@@ -483,6 +483,36 @@ def test_norm_rope_fused(cache_type, neox):
         buf.free()
 
 
+@pytest.mark.parametrize("over", [False, True])
+def test_norm_rope_declines_writing_over_its_source(over):
+    """k_norm_rope's warps read the norm's source rows while others write: a run whose cache
+    rows lie over that source (here: both views of one tensor) is declined; apart, it fits.
+    (Placement only: no GPU needed.)"""
+    from accelplane.core.fusion import Fusion
+    from accelplane.core.ops import ROPE_TYPE_NEOX
+    from accelplane_cuda import softmax_rope
+
+    hd, heads, n_tok, n_ctx = 64, 2, 3, 8
+    ctx = Context()
+    mem = ctx.new_tensor_ne(T.F32, 2 * hd * heads * n_ctx, name="mem")
+    cache = ctx.view(mem, (hd * heads, n_ctx), (4, 4 * hd * heads), 0 if over else 4 * hd * heads * n_ctx)
+    x = ctx.new_tensor_ne(T.F32, hd, heads, n_tok, name="x")
+    if over:  # rows read from the bytes the cache rows are written to
+        x = ctx.view(mem, (hd, heads, n_tok), (4, 4 * hd, 4 * hd * heads), 4 * hd)
+    w = ctx.new_tensor_ne(T.F32, hd, name="w")
+    pos = ctx.new_tensor_ne(T.I32, n_tok, name="pos")
+    r = ctx.rope(ctx.mul(ctx.rms_norm(x, 1e-6), w), pos, hd, ROPE_TYPE_NEOX)
+    g = ctx.graph(ctx.set_rows(cache, ctx.reshape_ne(r, hd * heads, n_tok), pos))
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), accelplane.device("CPU").buffer_type)
+    try:
+        i = next(i for i, n in enumerate(g.nodes) if n.op.name == "RMS_NORM")
+        run = Fusion(g).norm_rope(i)
+        assert run is not None and run.set_rows is not None
+        assert softmax_rope.norm_rope_fits(run, g.nodes[i + 3]) is not over
+    finally:
+        buf.free()
+
+
 @pytest.mark.parametrize("wtype, k", [("Q4_0", 2048), ("Q8_0", 4096)])
 @pytest.mark.parametrize("cache_type", ["F16", "F32"])
 @pytest.mark.parametrize("v_rows", [True, False])

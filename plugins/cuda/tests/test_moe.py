@@ -303,3 +303,35 @@ def test_decode_layer_quantizes_in_the_norm_and_the_glu():
     for y, w, xin in ((gv, wv[0], hv[[0] * n_used]), (uv, wv[1], hv[[0] * n_used]), (dv, wv[2], av)):
         want = np.einsum("umk,uk->um", w[ids_v[0]], xin)
         assert np.abs(y - want).max() / np.abs(want).max() < 2e-2
+
+
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_fused_moe_runs_decline_memory_shared_across_tokens(tmp_path, n_tok):
+    """Where the allocator placed a later result of a MoE run over an input dead after an earlier
+    node of it (in a prefill, the gating's sum and renormalized weights over the probabilities),
+    k_moe_gating's blocks would race: gating_fits declines such a run; a decode's runs, one
+    token, fit. (Placement by the scheduler on the CPU: the allocator is the SDK's; no GPU
+    needed.)"""
+    import accelplane
+    from accelplane.core.fusion import Fusion, overlap
+    from accelplane.models import LlamaModel, make_model
+    from accelplane_cuda import moe
+
+    path = tmp_path / "moe.gguf"
+    make_model(path, arch="qwen3moe", n_layers=1, d_model=64, n_head=4, n_head_kv=2, d_ff=96,
+               n_vocab=128, n_ctx=256, n_expert=4, n_expert_used=2, d_ff_exp=64, head_dim=32, wtype="f32",
+               seed=8)  # fmt: skip
+    m = LlamaModel.from_gguf(path, [accelplane.device("CPU")], n_ctx=64)
+    try:
+        m.eval(list(range(1, n_tok + 1)))
+        graphs = [g for p in m.sched._plans.values() for sp in p.splits for g in sp.graphs]
+        g = next(g for g in graphs if any(n.op.name == "SOFT_MAX" and n.ne[1] == n_tok for n in g.nodes))
+        f = Fusion(g)
+        gating = next(r for i in range(len(g.nodes)) if (r := f.moe_gating(i)) is not None)
+        runs = [gating.probs.src[0], gating.probs, gating.order, gating.weights, gating.total, gating.normed]
+        shared = any(overlap(a, b) for i, a in enumerate(runs) for b in runs[i + 1 :])
+        assert moe.gating_fits(gating) == (n_tok == 1 or not shared)
+        if n_tok > 1:  # the allocator does put the sum over the probabilities here
+            assert overlap(gating.total, gating.probs)
+    finally:
+        m.free()

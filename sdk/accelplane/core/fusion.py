@@ -332,6 +332,14 @@ class Fusion:
         return m if scales_rows(n, m) else None
 
 
+def overlap(a: Tensor, b: Tensor) -> bool:
+    """``a``'s and ``b``'s bytes intersect (allocated tensors in one buffer): where the allocator
+    placed a run's later result over an input whose last reader is earlier in the run, a kernel
+    whose threads or blocks write one and read the other at once must decline the run."""
+    return (a.buffer is not None and a.buffer is b.buffer and a.nbytes > 0 and b.nbytes > 0
+            and a.offs < b.offs + b.nbytes and b.offs < a.offs + a.nbytes)  # fmt: skip
+
+
 def scales_rows(norm: Tensor, mul: Tensor) -> bool:
     """``mul`` is MUL(norm, w) with w F32 broadcast over the norm's rows (ggml repeat rules),
     the shape a fused norm kernel handles: y = norm(x) * w[row broadcast]."""

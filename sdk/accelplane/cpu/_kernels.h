@@ -132,7 +132,7 @@ int ap_attention(int ktype, const void *k, int64_t kgs, int64_t krs, int64_t k_s
  * floats): order[t] (E int32, contiguous rows) = the experts by descending probability (stable;
  * NaN last), w[t] (k floats) = the top k probabilities; with total (T floats) and normed (T x k),
  * also their double sum as float and w / total, computed after all of w (total and normed may lie
- * in p's memory, normed in w's). o_size, w_size: elements of order and w; total and normed (or
+ * in p's or order's memory, normed in w's). o_size, w_size: elements of order and w; total and normed (or
  * neither) hold T and T * k. */
 int ap_moe_topk(int64_t T, int64_t E, const float *p, int64_t ps, int64_t p_size, int32_t *order,
                 int64_t o_size, int64_t k, float *w, int64_t w_size, float *total, float *normed);

@@ -325,8 +325,8 @@ int ap_moe_topk(int64_t T, int64_t E, const float *p, int64_t ps, int64_t p_size
         }
         for (int64_t j = 0; j < k; j++) w[t * k + j] = pr[o[j]];
     }
-    /* a second pass: the allocator may place total and normed in p's memory (p is dead once
-     * the weights are gathered) and normed in w's (an in-place DIV) */
+    /* a second pass: the allocator may place total and normed in p's or order's memory (both
+     * dead once the weights are gathered) and normed in w's (an in-place DIV) */
     for (int64_t t = 0; total && t < T; t++) {
         double sum = 0.0;
         for (int64_t j = 0; j < k; j++) sum += w[t * k + j];

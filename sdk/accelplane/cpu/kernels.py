@@ -736,9 +736,10 @@ def prepare_moe_topk(
     descending probability (stable, NaN last: ARGSORT DESC), ``w`` [T, k] = the top k
     probabilities (GET_ROWS), and with ``total`` [T] and ``normed`` [T, k] their sum (in
     double) and ``w / total`` (SUM_ROWS, DIV). Outputs C-contiguous; total and normed may
-    share p's memory and normed may be w itself (the allocator's reuse), any other overlap, a
-    layout or a dtype not the kernel's gives None."""
-    if p.ndim != 2 or p.dtype != np.float32 or rows_view(p) is None or p.shape[1] == 0:
+    share p's or order's memory and normed may be w itself (the allocator's reuse: those are
+    dead by then), any other overlap, a layout or a dtype not the kernel's gives None."""
+    pr = rows_view(p) if p.ndim == 2 else None
+    if pr is None or p.shape[1] == 0:
         return None
     t, e = p.shape
     k = w.shape[1] if w.ndim == 2 else 0
@@ -750,18 +751,17 @@ def prepare_moe_topk(
     for a, dt, shape in outs:
         if a.dtype != dt or a.shape != shape or not a.flags.c_contiguous or not a.flags.writeable:
             return None
-    # total and normed may lie in p's memory and normed exactly in w's (the kernel's second
-    # pass reads only w); any other overlap is refused
+    # total and normed may lie in p's or order's memory and normed exactly in w's (the kernel's
+    # second pass reads only w); any other overlap is refused
     arrays = [p] + [a for a, _, _ in outs]
     for i, a in enumerate(arrays):
         for j in range(i + 1, len(arrays)):
             b = arrays[j]
-            ok = (i == 0 and j >= 3) or ((i, j) == (2, 4) and a.ctypes.data == b.ctypes.data)
+            ok = (i <= 1 and j >= 3) or ((i, j) == (2, 4) and a.ctypes.data == b.ctypes.data)
             if not ok and np.may_share_memory(a, b):
                 return None
     if not 1 <= k <= e:
         return None
-    pr = rows_view(p)
     args = (t, e, *_rowarg(pr), _ffi.from_buffer("int32_t[]", order, require_writable=True), order.size, k,
             _ptr(w, "float[]", True), w.size,
             _ffi.NULL if total is None else _ffi.from_buffer("float[]", total, require_writable=True),
