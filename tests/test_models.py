@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 from accelplane.core.types import GGMLType, dequantize
-from accelplane.errors import ConfigError, DeviceError, GGUFError, ShapeError
+from accelplane.errors import ConfigError, DeviceError, GGUFError, OutOfRangeError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.models import LlamaModel, make_model, read_gguf, save_gguf, write_gguf
 from accelplane.models.decoder import SplitKind, SplitRole, WeightSpec
@@ -811,6 +811,78 @@ def test_decode_writes_next_positions_early(reg, models):
     assert writes[1] == [(p, False) for p in (0, *range(4, 20))]
     ahead = [(p, p not in (0, 4, 8, 16)) for p in (0, *range(4, 21))]
     assert writes[0] == ahead, writes[0]
+
+
+def _eval_loop(m, prompt, n: int) -> list[int]:
+    """The greedy picks after ``prompt`` and ``n`` more, one eval (and its wait) per token."""
+    m.reset()
+    out = [int(m.eval(prompt, want_logits=False).ids[-1])]
+    for _ in range(n):
+        out.append(int(m.eval(out[-1:], want_logits=False).ids[-1]))
+    return out
+
+
+DECODE_SETUPS = {  # model, devices, keyword arguments
+    "cpu": ("q8_0", ["CPU"], {}),
+    "async": ("q8_0", ["ASYNC0"], {}),
+    "async, embeddings in host memory": ("q8_0", ["ASYNC0"], {"embd": "cpu"}),
+    "layer split": ("q8_0", ["ASYNC0", "ASYNC1"], {"split": "layer"}),
+    "moe": ("qwen3moe", ["ASYNC0"], {}),
+    "tensor split (one eval a step)": ("q8_0", ["ASYNC0", "ASYNC1"], {"split": "tensor"}),
+    **{f"installed {d}": ("qwen3moe", [d], {}) for d in _installed_devices()},
+}
+
+
+@pytest.mark.parametrize("setup", list(DECODE_SETUPS))
+def test_decode_feeds_picks_back_on_the_device(reg, models, setup):
+    """decode(): each step's argmax is copied over the next step's token on the device, and
+    the host queues step i + 1 before it reads step i's pick. On the asynchronous test device
+    (random delays) a step that ran before its positions were copied, or read a token before
+    the last step wrote it, would pick differently: the picks equal a loop of evals that
+    each wait, across attention windows (kv_pad 8); steps after the first were queued behind
+    the last (Stats.queued_behind), except where a window changes. A stop ends it at that
+    pick with the context where it was, and decoding on from there picks the same again."""
+    name, devs, kw = DECODE_SETUPS[setup]
+    if setup.startswith("installed"):
+        reg = accelplane.get_registry()
+    cpu = reg.device("CPU")
+    m = LlamaModel.from_gguf(models[name], [reg.device(d) for d in devs], cpu=cpu, n_ctx=64, kv_pad=8, **kw)
+    prompt = [3, 17, 42, 5, 99]
+    try:
+        want = _eval_loop(m, prompt, 30)
+        m.reset()
+        m.eval(prompt, want_logits=False)
+        behind = m.sched.stats.queued_behind if m.meta is None else 0
+        seen: list[int] = []
+        assert m.decode(want[0], 30, on_token=seen.append) == want[1:] == seen
+        assert m.n_past == len(prompt) + 30
+        if m.meta is None:  # 30 steps, the first and the first of each new window not behind
+            windows = len({m.window(p + 1) for p in range(len(prompt), len(prompt) + 30)})
+            assert m.sched.stats.queued_behind - behind == 30 - windows
+        m.reset()
+        m.eval(prompt, want_logits=False)
+        stop_at = want[7]
+        got = m.decode(want[0], 30, stop=lambda t: t == stop_at)
+        k = want[1:].index(stop_at) + 1
+        assert got == want[1 : k + 1] and m.n_past == len(prompt) + k
+        assert m.decode(got[-1], 30 - k) == want[k + 1 :]
+    finally:
+        m.free()
+
+
+def test_decode_checks_its_arguments(reg, models):
+    m = LlamaModel.from_gguf(models["f32"], [reg.device("CPU")], n_ctx=16)
+    try:
+        m.eval([1, 2, 3], want_logits=False)
+        for first, n, err in ((-1, 2, OutOfRangeError), (TINY["n_vocab"], 2, OutOfRangeError),
+                              (True, 2, OutOfRangeError), (1, -1, ShapeError), (1, "2", ShapeError),
+                              (1, 14, OutOfRangeError)):  # fmt: skip
+            with pytest.raises(err):
+                m.decode(first, n)
+        assert m.n_past == 3 and m.decode(1, 0) == []
+        assert len(m.decode(1, 13)) == 13 and m.n_past == 16
+    finally:
+        m.free()
 
 
 def test_scheduler_policy(reg, models, monkeypatch):

@@ -80,6 +80,50 @@ def test_two_async_devices(reg, policy):
     assert {0, 1} <= used
 
 
+@pytest.mark.parametrize("policy", ["strict", "relaxed"])
+def test_computes_queued_behind_each_other(reg, policy):
+    """Computes queued back to back without a synchronize (two copy slots), each one's result
+    read by a copy queued behind it: a host split at the start of a graph (pinned to the CPU)
+    feeding the device must not overwrite its output while the last compute still copies it
+    to the device, nor the inputs be overwritten under a queued copy. Every result against the
+    float64 oracle; each compute after the first counts as queued behind."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    ctx = Context()
+    x = ctx.new_tensor(GGMLType.F32, (16, 64), "x").set_input()
+    w = ctx.new_tensor(GGMLType.F32, (16, 64), "w")
+    h = ctx.scale(x, 2.0)
+    y = ctx.mul(h, w)
+    g = ctx.graph(y)
+    bufs = [alloc_tensors([w], dev.buffer_type), alloc_tensors([x], cpu.buffer_type)]
+    db, cb = dev.new_backend(), cpu.new_backend()
+    s = Scheduler([db, cb], n_copies=2, policy=policy)
+    s.set_tensor_backend(h, cb)
+    rng = np.random.default_rng(5)
+    wv = rng.standard_normal((16, 64)).astype(np.float32)
+    w.set(wv)
+    try:
+        for _ in range(max(4, SCHEDULES // 100)):
+            xs = [rng.standard_normal((16, 64)).astype(np.float32) for _ in range(6)]
+            outs = [np.zeros(y.nbytes, np.uint8) for _ in xs]
+            before = s.stats.queued_behind
+            for xv, out in zip(xs, outs, strict=True):
+                s.alloc_graph(g)
+                x.set(xv)
+                s.graph_compute(g)
+                db.get_tensor_async(y, out)
+            s.synchronize()
+            assert s.stats.queued_behind - before == len(xs) - 1
+            for xv, out in zip(xs, outs, strict=True):
+                want = reference.evaluate(g, {x: xv, w: wv})[y].reshape(16, 64)
+                np.testing.assert_allclose(out.view(np.float32).reshape(16, 64), want, rtol=1e-6)
+    finally:
+        s.free()
+        db.free()
+        cb.free()
+        for b in bufs:
+            b.free()
+
+
 def test_relaxed_syncs_fewer(reg):
     """Weights on the device, inputs on the CPU: relaxed does at most 2 host syncs per split
     with inputs, and fewer than strict."""

@@ -285,6 +285,16 @@ class _Scripted:
         logits[0, t] = 50.0  # so a sampler picks it too
         return type("R", (), {"ids": np.array([t]), "logits": logits})()
 
+    def decode(self, first, n, on_token=None, stop=None):  # DecoderModel.decode's contract
+        out = []
+        for _ in range(n):
+            out.append(int(self.eval(out[-1:] or [first]).ids[-1]))
+            if on_token:
+                on_token(out[-1])
+            if stop and stop(out[-1]):
+                break
+        return out
+
 
 def test_generation_stops_at_end_of_generation(toks):
     tok = toks["qwen2"]

@@ -57,7 +57,7 @@ def graph_only_rate(model: DecoderModel, n: int) -> float:
     """Tokens/s of the last decode step's graph computed ``n`` times back to back, without the
     host's work between tokens (inputs set, results read, Python): what the devices alone
     allow. (It rewrites the last position's cache rows: call it after the timed runs.)"""
-    g = model.step(1, model.window(model.n_past)).graph
+    g = model.step(1, model.window(model.n_past), chain=True).graph  # the graph decode() ran
     model.sched.alloc_graph(g)
     model.sched.synchronize()
     t0 = time.perf_counter()
@@ -70,7 +70,9 @@ def graph_only_rate(model: DecoderModel, n: int) -> float:
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
                 reps: int = 2, profiler=None, show: bool = False,
                 cpu_moe: int | Sequence[int] = 0) -> list[dict]:  # fmt: skip
-    """llama-bench's pp and tg tests per config; one dict per (config, test). ``profiler``: a
+    """llama-bench's pp and tg tests per config; one dict per (config, test). pp: one eval of
+    the tokens; tg: DecoderModel.decode, greedy, from position 0 (each step queued before the
+    last one's pick is read, as a generation runs; llama-bench waits for every token). ``profiler``: a
     cProfile.Profile enabled around the timed tg runs (where the host time of a token goes).
     ``show``: progress on stderr (accelplane.runtime.progress: on a terminal, not quiet): each
     model load's bar, then a line per step, the copy bandwidth, the warm-up and each timed
@@ -113,10 +115,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                             t0 = time.perf_counter()
                             if test == "pp":
                                 model.eval(toks, want_logits=False)
-                            else:
-                                tok = toks[0]
-                                for _ in range(n):
-                                    tok = int(model.eval([tok], want_logits=False).ids[-1])
+                            else:  # greedy, each pick fed back on the device (decode)
+                                model.decode(toks[0], n)
                             dt = time.perf_counter() - t0
                         if prof is not None:
                             prof.disable()

@@ -66,7 +66,7 @@ from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import ConfigError, DeviceError, OutOfRangeError, ShapeError
 from accelplane.interface import DeviceType
 from accelplane.runtime.alloc import alloc_tensors
-from accelplane.runtime.backend import Backend, Buffer, BufferType, BufferUsage, Device
+from accelplane.runtime.backend import Backend, Buffer, BufferType, BufferUsage, Device, Event
 from accelplane.runtime.data import set_bytes
 from accelplane.sched import Scheduler
 
@@ -617,11 +617,17 @@ class DecoderModel:
         else:
             sched_devs = [d for d in self.devices if d.type != DeviceType.CPU] + [cpu]
             self.backends = [d.new_backend() for d in sched_devs]
-            self.sched = Scheduler(self.backends, policy=policy)
+            # two copy slots: decode() queues a step while the last still computes (a slot's
+            # inputs are not overwritten under it); host experts keep one (their device pools
+            # would double)
+            self.sched = Scheduler(self.backends, policy=policy, n_copies=1 if self.cpu_moe else 2)
         self.n_past = 0
         self.load_s = 0.0  # set by from_gguf
         self._steps: dict[tuple[int, int, bool, str], _Step] = {}
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
+        self.tok_state: Tensor | None = None  # a decode step's token, which its argmax replaces
+        self._chain_ok: bool | None = None  # _chains(), once known
+        self._ring: tuple[np.ndarray, list[Event], Buffer | None] | None = None  # decode()'s reads
         self._v_base: np.ndarray | None = None  # e * n_ctx: the V cache slot of feature e at position 0
         if cfg.n_embd_kv * self.n_ctx > np.iinfo(np.int32).max:  # the I32 V cache slot indices
             raise ConfigError(f"n_ctx {self.n_ctx} is too large for this model: its V cache of "
@@ -705,6 +711,9 @@ class DecoderModel:
             self.cache_k.append(k)
             self.cache_v.append(v)
             cache_by_dev.setdefault(self.layer_dev[i], []).extend((k, v))
+        if self.meta is None:  # next to the embeddings its GET_ROWS reads (a decode's token feedback)
+            self.tok_state = self.wctx.new_tensor(T.I32, (1,), "tok_state")
+            cache_by_dev.setdefault(self.embd_dev, []).append(self.tok_state)
         if self.meta is not None:
             place = _Place("+".join(d.name for d in self.meta.devices))
             self.placement = {name: place for name in self.w}
@@ -813,6 +822,12 @@ class DecoderModel:
         for buf in self.buffers:
             buf.free()
         self.buffers = []
+        if self._ring is not None:
+            for ev in self._ring[1]:
+                ev.free()
+            if self._ring[2] is not None:
+                self._ring[2].free()
+            self._ring = None
         self._steps = {}
         self._positions_set = None
 
@@ -821,18 +836,22 @@ class DecoderModel:
         """Cache slots attended when the last position is ``n_end - 1``."""
         return min(self.n_ctx, -(-n_end // self.kv_pad) * self.kv_pad)
 
-    def step(self, n_tokens: int, n_kv: int, all_rows: bool = False, routing: str = "") -> _Step:
+    def step(self, n_tokens: int, n_kv: int, all_rows: bool = False, routing: str = "",
+             chain: bool = False) -> _Step:  # fmt: skip
         """The (cached) graph for a batch of ``n_tokens`` attending ``n_kv`` cache slots;
         ``all_rows``: logits for every token, else only for the last. ``routing``: "" (the
         model's own, nothing kept), "trace" (each MoE layer's probabilities and ARGSORT kept as
-        outputs) or "forced" (each MoE layer's experts an input, its probabilities kept)."""
-        key = (n_tokens, n_kv, all_rows or n_tokens == 1, routing if self.cfg.is_moe else "")
+        outputs) or "forced" (each MoE layer's experts an input, its probabilities kept).
+        ``chain`` (one token, the model's own routing): the token is read from ``tok_state``
+        and the step's argmax copied over it, for the next step (:meth:`decode`)."""
+        chain = chain and n_tokens == 1 and not routing and self._chains()
+        key = (n_tokens, n_kv, all_rows or n_tokens == 1, routing if self.cfg.is_moe else "", chain)
         st = self._steps.get(key)
         if st is None:
             st = self._steps[key] = self._build(*key)
         return st
 
-    def _build(self, n_tok: int, n_kv: int, all_rows: bool, routing: str) -> _Step:
+    def _build(self, n_tok: int, n_kv: int, all_rows: bool, routing: str, chain: bool) -> _Step:
         """Build the forward graph (module docstring) for one batch shape."""
         cfg, w = self.cfg, self.w
         ctx = Context(f"{cfg.arch}-{n_tok}x{n_kv}")
@@ -851,7 +870,7 @@ class DecoderModel:
 
         d, hd, n_head, n_kv_head = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_head_kv
         e_kv = cfg.n_embd_kv
-        tokens = ctx.new_tensor(T.I32, (n_tok,), "inp_tokens").set_input()
+        tokens = self.tok_state if chain else ctx.new_tensor(T.I32, (n_tok,), "inp_tokens").set_input()
         pos = ctx.new_tensor(T.I32, (n_tok,), "inp_pos").set_input()
         g = n_head // n_kv_head
         # row t * g + r: token t, query head r of its group (see the attention below)
@@ -922,6 +941,8 @@ class DecoderModel:
             logits = ctx.scale(cb(ctx.tanh(cb(ctx.scale(logits, 1.0 / c), "softcap_in")), "softcap_tanh"), c)
         logits = cb(logits, "result_output")  # the last of them
         ids = cb(ctx.argmax(logits), "result_argmax")
+        if chain:
+            ids = cb(ctx.cpy(ids, self.tok_state), "result_fed")
         graph = ctx.graph(logits, ids, *(t for r in routes for t in r), expand=gating)
         return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa,
                      routes)  # fmt: skip
@@ -1093,21 +1114,110 @@ class DecoderModel:
                 raise OutOfRangeError(f"eval: routing ids must be in 0..{n_exp - 1}")
             inp.set(ids.astype(np.int32))
 
+    def decode(self, first: int, n: int, on_token: Callable[[int], None] | None = None,
+               stop: Callable[[int], bool] | None = None) -> list[int]:  # fmt: skip
+        """Greedy decoding: feed ``first`` at position ``n_past``, then each step's own pick, for
+        up to ``n`` steps; return the picks (the greedy next token after each fed one) and advance
+        ``n_past`` by the steps kept. ``on_token(t)`` gets each pick as it is known; ``stop(t)``
+        True makes ``t`` the last.
+
+        A step's pick goes from its argmax to the next step's embedding lookup on the device
+        (a CPY into ``tok_state``), so the host queues step i + 1 (its positions written into
+        the scheduler's other copy slot) before it reads step i's pick: no host round trip
+        between tokens. Under the tensor split, or where the embeddings' device cannot copy an
+        I32, each step is one :meth:`eval` instead."""
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise ShapeError(f"decode: n must be an integer >= 0, got {n!r}")
+        v = self.cfg.n_vocab
+        if isinstance(first, bool) or not isinstance(first, int | np.integer) or not 0 <= first < v:
+            raise OutOfRangeError(f"decode: the first token must be an id in 0..{v - 1}, got {first!r}")
+        if self.n_past + n > self.n_ctx:
+            raise OutOfRangeError(f"decode: {self.n_past} + {n} tokens exceed the context of {self.n_ctx}")
+        out: list[int] = []
+
+        def pick(t: int) -> bool:
+            out.append(t)
+            if on_token:
+                on_token(t)
+            return bool(stop and stop(t))
+
+        if not self._chains():
+            tok = int(first)
+            for _ in range(n):
+                tok = int(self.eval([tok], want_logits=False).ids[-1])
+                if pick(tok):
+                    break
+            return out
+        ring, evs = self._token_ring()
+        be = self.sched.backends[self._embd_backend()]
+        self._positions_set = None
+        self.sched.synchronize()
+        set_bytes(self.tok_state, np.array([first], dtype=np.int32))
+        last: _Step | None = None
+        queued = 0  # steps queued whose pick is not read yet (0 or 1)
+        try:
+            for i in range(n):
+                st = self.step(1, self.window(self.n_past + 1), chain=True)
+                if last is not None and st is not last:
+                    self.sched.synchronize()  # a new graph may be planned over memory the last one uses
+                last = st
+                self.sched.alloc_graph(st.graph)
+                self._set_positions(st, self.n_past)
+                self.sched.graph_compute(st.graph)
+                be.get_tensor_async(self.tok_state, ring[i % 2])
+                evs[i % 2].record(be)
+                self.n_past += 1
+                queued += 1
+                if i > 0:
+                    evs[(i - 1) % 2].synchronize()
+                    queued -= 1
+                    if pick(int(ring[(i - 1) % 2].view(np.int32)[0])):
+                        break
+            else:
+                if queued:
+                    evs[(n - 1) % 2].synchronize()
+                    queued = 0
+                    pick(int(ring[(n - 1) % 2].view(np.int32)[0]))
+        finally:
+            self.sched.synchronize()
+            self.n_past -= queued  # the step queued past a stop: its cache row stays masked
+        return out
+
+    def _chains(self) -> bool:
+        """Whether :meth:`decode` feeds picks back on the device (its docstring)."""
+        if self._chain_ok is None:
+            ok = self.tok_state is not None
+            if ok:
+                ctx = Context("chain-check")
+                ok = self.embd_dev.supports_op(ctx.cpy(ctx.new_tensor(T.I32, (1,), "pick"), self.tok_state))
+            self._chain_ok = ok
+        return self._chain_ok
+
+    def _embd_backend(self) -> int:
+        return next(i for i, b in enumerate(self.sched.backends) if b.device is self.embd_dev)
+
+    def _token_ring(self) -> tuple[list[np.ndarray], list[Event]]:
+        """Two 4-byte slots decode() reads picks into (in the embeddings' device's pinned host
+        memory where it has some: a copy into pageable memory would block until it ran) and an
+        event per slot."""
+        if self._ring is None:
+            host = self.embd_dev.host_buffer_type
+            buf = host.alloc(8) if host is not None and host.is_host else None
+            mem = buf.host_array[:8] if buf is not None else np.zeros(8, np.uint8)
+            self._ring = (mem, [self.embd_dev.new_event() for _ in range(2)], buf)
+        mem, evs, _ = self._ring
+        return [mem[:4], mem[4:]], evs
+
     def generate(self, prompt: Sequence[int], n_new: int,
                  on_token: Callable[[int], None] | None = None) -> list[int]:  # fmt: skip
         """Greedy: ``n_new`` tokens after ``prompt`` (continuing the context); the first comes
-        from the prefill, each further one from a decode step."""
-        out: list[int] = []
+        from the prefill, the others from :meth:`decode`."""
         if n_new <= 0:
-            return out
+            return []
         tok = int(self.eval(prompt, want_logits=False).ids[-1])
-        while True:
-            out.append(tok)
-            if on_token:
-                on_token(tok)
-            if len(out) == n_new:
-                return out
-            tok = int(self.eval([tok], want_logits=False).ids[-1])
+        if on_token:
+            on_token(tok)
+        return [tok, *self.decode(tok, n_new - 1, on_token)]
 
     # --- reporting ------------------------------------------------------------------------------
     def describe_plan(self, n_tokens: int = 1) -> list[str]:

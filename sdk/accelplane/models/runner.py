@@ -252,16 +252,28 @@ def generate_text(model: DecoderModel, tok: Tokenizer, prompt: Sequence[int], n_
             if on_text:
                 on_text(s)
 
+    def keep(t: int) -> None:
+        if not tok.is_eog(t):
+            out.append(t)
+            emit(stream.feed(t))
+
     with no_gc_pauses():
-        while len(out) < n_max:
+        if not logits and n_max > 0:  # the device's picks fed back on it (DecoderModel.decode)
             t0 = time.perf_counter()
-            r = model.eval(out[-1:] if out else prompt, want_logits=logits)
-            if logits:
-                row = r.logits[-1, : tok.n_vocab]
-                check_finite(row, f"step {len(out)}")
-                t = sampler(row)
-            else:
-                t = int(r.ids[-1])
+            first = int(model.eval(prompt, want_logits=False).ids[-1])
+            pp = time.perf_counter() - t0
+            picks = [first]
+            keep(first)
+            if not tok.is_eog(first) and n_max > 1:
+                t0 = time.perf_counter()
+                picks += model.decode(first, n_max - 1, on_token=keep, stop=tok.is_eog)
+                steps, tg = len(picks) - 1, time.perf_counter() - t0
+            eog = picks[-1] if tok.is_eog(picks[-1]) else None
+        while logits and len(out) < n_max:
+            t0 = time.perf_counter()
+            row = model.eval(out[-1:] if out else prompt).logits[-1, : tok.n_vocab]
+            check_finite(row, f"step {len(out)}")
+            t = sampler(row)
             dt = time.perf_counter() - t0
             if out:
                 steps, tg = steps + 1, tg + dt

@@ -12,6 +12,12 @@ re-planning. Execution follows docs/ordering.md with a pluggable synchronization
   split, asynchronous copies in between (user inputs too, and host→device copies from a CPU
   split). A device whose caps say ``relaxed_sync=False`` gets ``strict`` for its splits.
 
+A compute queued before the last one was synchronized (a pipeline: with ``n_copies`` > 1 each
+compute takes the next copy slot) orders its copies by the slots' events as ``strict`` does,
+under either policy: relaxed's synchronizations would wait for the computes still queued, and
+its asynchronous user-input copies would hold the caller's input memory until they ran. A
+split computed by the host in such a compute first waits for every backend.
+
 Host synchronizations that really wait (on asynchronous devices) are counted in ``stats``.
 
 Environment: ACCELPLANE_SCHED_DEBUG=1 prints the splits, 2 also each node's assignment and
@@ -77,6 +83,7 @@ class Stats:
     copies: int = 0
     host_syncs: int = 0  # waits on asynchronous devices issued by the last graph_compute
     computes: int = 0
+    queued_behind: int = 0  # computes queued while an earlier one could still run (a pipeline)
     plans: int = 0  # plans built (a repeated graph builds none)
     expert_bytes: int = 0  # host expert weights uploaded in the last compute
     expert_bytes_total: int = 0  # what uploading every expert would have cost
@@ -181,6 +188,7 @@ class Scheduler(GraphRunner):
         self._allocated: _Plan | None = None
         self._allocated_uid = -1  # the graph alloc_graph allocated last
         self._computed: _Plan | None = None  # the plan graph_compute queued last
+        self._queued = False  # a compute was queued since the last synchronize
         self.prefetch_experts = (env.PREFETCH_EXPERTS.get()
                                  if prefetch_experts is None else prefetch_experts)  # fmt: skip
         self._experts = ExpertUploads(self)
@@ -560,10 +568,12 @@ class Scheduler(GraphRunner):
                 self.alloc_graph(graph)
                 plan = self._allocated
         self.stats.computes += 1
+        self.stats.queued_behind += self._queued
         self.stats.host_syncs = 0
         self._computed = None
-        self._compute_splits(plan)
+        self._compute_splits(plan, behind=self._queued)
         self._computed = plan
+        self._queued = True
         self._allocated = None  # the next compute allocates again (advancing the copy slot)
 
     def inputs_released(self) -> bool:
@@ -594,6 +604,7 @@ class Scheduler(GraphRunner):
         super().synchronize()
         for pb in self._experts.pf_backends.values():
             pb.synchronize()
+        self._queued = False
         if self._allocated is None:
             self.next_copy = 0  # token generation keeps reusing slot 0 (stable device graphs)
 
@@ -671,7 +682,9 @@ class Scheduler(GraphRunner):
                 return True
         return False
 
-    def _compute_splits(self, plan: _Plan) -> None:
+    def _compute_splits(self, plan: _Plan, behind: bool) -> None:
+        """Queue ``plan``'s splits in copy slot ``cur_copy``; ``behind``: an earlier compute
+        may still be running (then a slot with events is ordered by them, never relaxed)."""
         c = self.cur_copy
         prev: int | None = None
         self.stats.expert_bytes = self.stats.expert_bytes_total = self.stats.prefetched = 0
@@ -679,7 +692,14 @@ class Scheduler(GraphRunner):
         for k, sp in enumerate(plan.splits):
             bi = sp.backend
             b = self.backends[bi]
-            relaxed = self.policy == "relaxed" and b.device.caps.relaxed_sync
+            if behind and not b.device.caps.async_:
+                # a host split writes its outputs now, while an earlier compute may still be
+                # copying the last ones out (asynchronous copies from host memory): wait for it
+                for ob in self.backends:
+                    self._sync(ob)
+                behind = False
+            relaxed = (self.policy == "relaxed" and b.device.caps.relaxed_sync
+                       and not (behind and self.events[bi][c] is not None))  # fmt: skip
             if not sp.inputs and prev is not None and prev != bi:
                 # llama.cpp #26040: a split without inputs must not overtake the previous
                 # split's use of memory the allocator may hand it
