@@ -281,7 +281,8 @@ def test_bench_model_says_each_step_on_a_terminal(tiny_model, tmp_path):
     steps = [ln for ln in lines if not ln.startswith("load ")]
     want = [r"CPU: copy bandwidth \.\.\. done in \d+\.\d s: \d+\.\d GB/s"]
     want += [rf"CPU split=none {t}: {w} \.\.\. done in \d+\.\d s: \d+\.\d tokens/s"
-             for t in ("pp8", "tg2") for w in ("warm-up", "timed run 1/2", "timed run 2/2")]  # fmt: skip
+             for t in ("pp8", "tg2")
+             for w in ("warm-up 1/2", "warm-up 2/2", "timed run 1/2", "timed run 2/2")]  # fmt: skip
     assert len(steps) == len(want), lines
     assert all(re.fullmatch(w, s) for w, s in zip(want, steps, strict=True)), lines
     assert any(re.fullmatch(r"load +\[#{24}\] .* MiB/s", ln) for ln in lines), lines

@@ -1,6 +1,7 @@
 """``accelplane bench model``: llama-bench's tests on a GGUF model, per device set and split
 mode: prompt processing of ``pp`` tokens in one batch and text generation of ``tg`` tokens one
-at a time, both from an empty context, after one warm-up run, each timed run without garbage
+at a time, both from an empty context, after two warm-up runs (a device may run a graph eagerly
+once and record it the second time: CUDA's plugin does), each timed run without garbage
 collector pauses (:func:`~accelplane.models.runner.no_gc_pauses`); for tg also the decode graph's
 rate without the host's work between tokens, and the weights' read rate (of a MoE's experts, the
 used share) against the same run's device copy bandwidth."""
@@ -46,6 +47,9 @@ def bench_configs(
     if len(others) >= 2 and others[0].type != DeviceType.CPU and (not splits or "layer" in splits):
         out.append((others, "layer"))
     return out
+
+
+WARMUP = 2  # untimed runs of each test before the timed ones
 
 
 def _step(show: bool, what: str) -> phase:
@@ -103,12 +107,12 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                     continue
                 toks = rng.integers(0, cfg.n_vocab, n).tolist()
                 times = []
-                for rep in range(reps + 1):  # the first run is the warm-up
-                    what = f"timed run {rep}/{reps}" if rep else "warm-up"
+                for rep in range(1 - WARMUP, reps + 1):  # rep < 1: a warm-up
+                    what = f"timed run {rep}/{reps}" if rep > 0 else f"warm-up {rep + WARMUP}/{WARMUP}"
                     moe = f" n_cpu_moe={cm}" if cfg.is_moe else ""
                     with _step(show, f"{label} split={split}{moe} {test}{n}: {what}") as ph:
                         model.reset()
-                        prof = profiler if rep and test == "tg" else None
+                        prof = profiler if rep > 0 and test == "tg" else None
                         if prof is not None:
                             prof.enable()
                         with no_gc_pauses():
@@ -121,7 +125,7 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                         if prof is not None:
                             prof.disable()
                         ph.note(f"{n / dt:.1f} tokens/s")
-                    if rep:
+                    if rep > 0:
                         times.append(dt)
                 tps = [n / t for t in times]
                 row = {"model": f.get("general.name", ""), "size_bytes": wbytes, "params": params,
