@@ -36,6 +36,7 @@ PIPE_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q8_0, T.Q6_K, T.Q4_1, T.Q5_0, T.Q5
 PIPE_SEG, PIPE_STAGES, PIPE_WARPS = 4096, 2, (16, 8, 4)
 SMEM_DEFAULT = 48 * 1024  # shared memory a block gets without opting in
 ROW1_LANES = (32, 64, 128)  # lanes per row k_mmv_row1 is compiled for
+ROW1_ID_LANES = (8, 16, *ROW1_LANES)  # and k_mmv_row1_id (short expert rows: several per warp)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ FAMILY = compiler.family("matvec", {
     "k_quant_x": [()],
     "k_mmv_row": [_row_args(t, nm) for t in REGISTER for nm in (1, MAXN)],
     "k_mmv_row1": [_row1_args(t, lanes, e) for t in REGISTER for lanes in ROW1_LANES for e in (False, True)],
-    "k_mmv_row1_id": [_row1_args(t, lanes, False)[:-1] for t in REGISTER for lanes in ROW1_LANES],
+    "k_mmv_row1_id": [_row1_args(t, lanes, False)[:-1] for t in REGISTER for lanes in ROW1_ID_LANES],
     "k_mmv_ring": [_ring_args(t) for t, r in REGISTER.items() if r.ring],
 }, defines={"MMV_MAXN": MAXN, "MMVP_SEG": PIPE_SEG, "MMVP_NS": PIPE_STAGES},
    big_smem=("k_mmv_pipe",))  # fmt: skip
@@ -363,7 +364,7 @@ def _mmv_row1_id(plan, n, pair=None) -> None:
         P = plan.params([k, 1, rows, 0, xnb[1], xnb[2], xq_bytes])
         plan.launch("k_quant_x", 0, (P, xq, xp), block=256, grid=(-(-k // 1024), rows * n_tok))
         plan.remember("xq" if rows == 1 else "xq_rows", b, xq, n)
-    lpr = max(32, _lanes(k // 32 // reg.per_load, reg.row1.units))  # the body sums whole warps
+    lpr = _lanes(k // 32 // reg.per_load, reg.row1.units)
     rt = reg.row1.rows
     P = [a.ne[1], k, 1, 1, 1, 1, 1, *a.nb[1:], *n.nb[1:], lpr, xq_bytes, 0,
          int(plan.ptr(ids)), ids.nb[0], ids.nb[1], n_used, rows, a.ne[2], int(plan.err)]  # fmt: skip

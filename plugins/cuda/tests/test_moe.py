@@ -87,6 +87,19 @@ def test_mul_mat_id_equals_float64(wtype, n_tok, b1):
     assert err < tol, (wtype, n_tok, err)
 
 
+@pytest.mark.parametrize("wtype", REGISTER_LAYOUTS)
+@pytest.mark.parametrize("k", [256, 768, 1536, 4096])
+def test_expert_rows_of_every_length_equal_float64(wtype, k):
+    """k_mmv_row1_id's lanes per row follow the row's loads (8 or 16 lanes, several rows a warp,
+    for short rows such as a MoE's down products; 32 to 128 for long ones): 200 rows (a partial
+    last block), one token and three, the activations shared or one per slot."""
+    for n_tok, b1 in ((1, 1), (3, 4)):
+        names, got, want = _run(_cuda(), wtype, n_tok, b1, k=k)
+        assert any(n.startswith("k_mmv_row1_id<") for n in names), names
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 2e-2, (wtype, k, n_tok, err)
+
+
 @pytest.mark.parametrize("wtype, b1", [(T.Q4_0, 1), (T.Q8_0, 4), (T.F16, 1)])
 def test_grouped_odd_last_chunk_equals_float64(wtype, b1):
     """K of 17 32-element chunks (a stage's second chunk missing at the end) on 200 weight rows

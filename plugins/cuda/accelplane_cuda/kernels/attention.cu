@@ -30,7 +30,10 @@
 #endif
 #define ATT_MAXR 8  // the partials' row stride in scratch (attention.py sizes it)
 #define ATT_MAXD 256
-#define ATT_MAXB 64  // blocks per batch: n_kv <= 8192
+#ifndef ATT_MAXKV  // cache positions at most (attention.py passes its MAX_KV)
+#error "attention.cu is compiled with -DATT_MAXKV (attention.py)"
+#endif
+#define ATT_MAXB (ATT_MAXKV / (ATT_C * ATT_G))  // blocks per batch at most
 #define ATT_NP 31    // k_attention's parameters
 #define ATT_KPRE 4   // K slices of 8 elements a lane loads up front (all of them for D <= 128)
 template <typename T> __device__ __forceinline__ void ld8f(const char* p, float* f);

@@ -618,7 +618,9 @@ __device__ __forceinline__ void qkv_put(const i64* __restrict__ P, int m, float 
 // logic is left, and the weights of a pass sit in one register array; 7-13 % faster than the
 // general kernel on an H200 (Q4_0x8, Q4_Kx8, Q8_0x8 at 4096 x 14336, measured side by side).
 // RT rows per lane group (1 or 2: rows RT g .. RT g + RT - 1 of group g), sharing each load of
-// the activations; grid (rows / (RT 128 / LPR)). Same P; QKV: the rows go through qkv_put
+// the activations; grid (rows / (RT 128 / LPR)). LPR 8 or 16 (k_mmv_row1_id's short rows, a MoE's
+// down products): several rows per warp, so a block's lanes are not idle where a row has fewer
+// loads than 32 lanes. Same P; QKV: the rows go through qkv_put
 // instead of to dst (an even number of rows per block: a rope pair is in one block).
 template <int WT, int U, int LPR, int MINB, int RT, bool QKV>
 __device__ __forceinline__ void mmv_row1(const i64* __restrict__ P, char* dst, const char* w, const char* xq,
@@ -653,7 +655,14 @@ __device__ __forceinline__ void mmv_row1(const i64* __restrict__ P, char* dst, c
         pass_dot<WT, U, RT>(r, acc, u0, LPR, loads, 0, x0, x1, xd, xs);
     }
     #pragma unroll
-    for (int k = 0; k < RT; ++k) acc[k] = warp_sum(acc[k]);  // LPR >= 32: a row's lanes are whole warps
+    for (int k = 0; k < RT; ++k) {  // a row's lanes: whole warps, or (LPR < 32) an aligned part of one
+        if constexpr (LPR >= 32) {
+            acc[k] = warp_sum(acc[k]);
+        } else {
+            #pragma unroll
+            for (int o = LPR / 2; o > 0; o >>= 1) acc[k] += __shfl_xor_sync(0xffffffff, acc[k], o);
+        }
+    }
     if constexpr (LPR > 32) {  // then across the row's warps
         __shared__ float part[RT][4];
         if ((threadIdx.x & 31) == 0) {
