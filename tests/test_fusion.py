@@ -511,7 +511,7 @@ def test_moe_runs_in_a_split_of_clones(tmp_path):
         m.eval([1, 2, 3])
         m.eval([4])
         graphs = [g for p in m.sched._plans.values() for sp in p.splits if sp.backend == 0 for g in sp.graphs]
-        assert len(graphs) == 2  # the prefill's and the decode's
+        assert len(graphs) == 2 * m.sched.n_copies  # the prefill's and the decode's, per copy slot
         for g in graphs:
             f = Fusion(g)
             assert sum(f.moe_gating(i) is not None for i in range(len(g.nodes))) == 2
