@@ -9,7 +9,7 @@ from accelplane.core.types import GGMLType as T
 from . import compiler, matvec
 from .args import HALF_TYPES, f64
 
-GROUPS = 2  # chunks of 32 positions per k_attention block at most (kernels/attention.cu: ATT_G)
+GROUPS = 4  # chunks of 32 positions per k_attention block at most (kernels/attention.cu: ATT_G)
 ROWS = (1, 2, 4, 8)  # query rows k_attention is compiled for (a launch takes the next power of two)
 MAX_D, MAX_DV, MAX_KV = 256, 128, 8192  # K row length, V rows, cache positions it takes
 _CTYPE = {T.F16: "__half", T.F32: "float"}
