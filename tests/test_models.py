@@ -828,6 +828,7 @@ DECODE_SETUPS = {  # model, devices, keyword arguments
     "async, embeddings in host memory": ("q8_0", ["ASYNC0"], {"embd": "cpu"}),
     "layer split": ("q8_0", ["ASYNC0", "ASYNC1"], {"split": "layer"}),
     "moe": ("qwen3moe", ["ASYNC0"], {}),
+    "moe, experts in host memory": ("qwen3moe", ["ASYNC0"], {"cpu_moe": 1}),
     "tensor split (one eval a step)": ("q8_0", ["ASYNC0", "ASYNC1"], {"split": "tensor"}),
     **{f"installed {d}": ("qwen3moe", [d], {}) for d in _installed_devices()},
 }
