@@ -623,7 +623,7 @@ class DecoderModel:
             self.sched = Scheduler(self.backends, policy=policy, n_copies=1 if self.cpu_moe else 2)
         self.n_past = 0
         self.load_s = 0.0  # set by from_gguf
-        self._steps: dict[tuple[int, int, bool, str], _Step] = {}
+        self._steps: dict[tuple[int, int, bool, str, bool], _Step] = {}  # step()'s key
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
         self.tok_state: Tensor | None = None  # a decode step's token, which its argmax replaces
         self._chain_ok: bool | None = None  # _chains(), once known
