@@ -64,9 +64,17 @@ def attention(plan, kq, sm, kqv) -> None:
     vwhole = v16 and end <= v.buffer.size
     mnb = mask.nb[1:] if mask is not None else (0, 0, 0)
     mne = (mask.ne[2], mask.ne[3]) if mask is not None else (1, 1)
-    P = plan.params([k.ne[0], nkv, r, ne2, ne3, ne2 // k.ne[2], ne3 // k.ne[3], *k.nb[1:], *q.nb[1:],
-                     int(mask is not None), *mnb, *mne, f64(sm.op_params[0]), dv, ne2 // v.ne[2],
-                     ne3 // v.ne[3], *v.nb[1:], *kqv.nb[1:], int(vwhole), kqv.nelements])  # fmt: skip
+    # each head batch's rows in K, V, Q, the mask and the result (broadcasts resolved here)
+    r2k, r3k, r2v, r3v = ne2 // k.ne[2], ne3 // k.ne[3], ne2 // v.ne[2], ne3 // v.ne[3]
+    offs = []
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            offs += [i2 // r2k * k.nb[2] + i3 // r3k * k.nb[3], i2 // r2v * v.nb[2] + i3 // r3v * v.nb[3],
+                     i2 * q.nb[2] + i3 * q.nb[3], i2 % mne[0] * mnb[1] + i3 % mne[1] * mnb[2],
+                     i2 * kqv.nb[2] + i3 * kqv.nb[3]]  # fmt: skip
+    P = plan.params([k.ne[0], nkv, r, ne2, ne3, r2k, r3k, *k.nb[1:], *q.nb[1:],
+                     int(mask is not None), *mnb, *mne, f64(sm.op_params[0]), dv, r2v,
+                     r3v, *v.nb[1:], *kqv.nb[1:], int(vwhole), kqv.nelements, *offs])  # fmt: skip
     part, count = _scratch(plan, batches * blocks * 8 * (dv + 2) * 4, batches)
     # the output also quantized for the output projection (kernels/common.cuh: quantize1 wants
     # whole warps over 32-element units: Dv a multiple of 32, kqv contiguous)

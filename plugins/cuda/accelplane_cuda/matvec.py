@@ -232,10 +232,11 @@ def xq_for(plan, out, per_row: bool = False):
     def rows_fit(b) -> bool:
         return b.ne[0] % 32 == 0 and b.ne[2] == b.ne[3] == 1
 
-    mm = [c for c in plan.nodes if c.op is Op.MUL_MAT and c.src[0].buffer and reads_as_is(c.src[1])
-          and rows_fit(c.src[1]) and takes_row(c)]  # fmt: skip
-    ids = [c for c in plan.nodes if c.op is Op.MUL_MAT_ID and c.src[0].buffer and reads_as_is(c.src[1])
-           and rows_fit(c.src[1]) and c.src[2].ne[1] == 1 and row1_id_fits(c)]  # fmt: skip
+    near = _products_reading(plan).get(id(layout.root(out)), ())
+    mm = [c for c in near if c.op is Op.MUL_MAT and reads_as_is(c.src[1]) and rows_fit(c.src[1])
+          and takes_row(c)]  # fmt: skip
+    ids = [c for c in near if c.op is Op.MUL_MAT_ID and reads_as_is(c.src[1]) and rows_fit(c.src[1])
+           and c.src[2].ne[1] == 1 and row1_id_fits(c)]  # fmt: skip
     one = [c for c in ids if c.src[1].ne[1] == 1]
     several = [c for c in ids if c.src[1].ne[1] > 1] if per_row and not mm else []
     none = (np.uint64(0), 0) if per_row else np.uint64(0)
@@ -251,6 +252,17 @@ def xq_for(plan, out, per_row: bool = False):
         return xq
     k = out.ne[0]
     return xq, (k + k // 32 * 8 if several else 0)
+
+
+def _products_reading(plan) -> dict[int, list]:
+    """The plan's MUL_MAT and MUL_MAT_ID nodes with weights in a buffer, by the id of the memory
+    owner of their activations, in graph order (built once a plan: xq_for asks per writer)."""
+    if plan.products is None:
+        plan.products = {}
+        for c in plan.nodes:
+            if c.op in (Op.MUL_MAT, Op.MUL_MAT_ID) and c.src[0].buffer:
+                plan.products.setdefault(id(layout.root(c.src[1])), []).append(c)
+    return plan.products
 
 
 def x_f32(plan, b) -> tuple[np.uint64, list[int]]:

@@ -66,6 +66,7 @@ class CudaPlan:
         self.memo: dict[tuple[str, int], tuple] = {}
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention
+        self.products: dict[int, list] | None = None  # matvec._products_reading's index
         with cp.cuda.Device(sctx.device):
             self.fns = compiler.device(sctx.device)
             self.pdl = pdl_wanted(self.fns.cc, self.tuning.pdl)

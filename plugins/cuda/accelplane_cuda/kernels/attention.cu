@@ -16,7 +16,9 @@
 // registers do not need it): the kernel runs once per layer from a cold instruction cache, and
 // fetching a large body cost more than its arithmetic (154 KB of code took 8 µs at 32 positions).
 // P: [D, n_kv, R, ne2, ne3, r2k, r3k, nbk1, nbk2, nbk3, nbq1, nbq2, nbq3, has_mask, nbm1, nbm2, nbm3,
-//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, vwhole, total]
+//     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, vwhole, total], then per
+// head batch b its byte offsets into K, V, Q, the mask and the result (ATT_NB of them: the host
+// resolves the broadcasts, so a block does no division to find its rows).
 // D a multiple of 8 up to ATT_MAXD with 16-byte aligned K rows; Dv <= 128; R <= RM <= 8;
 // blocks per batch <= ATT_MAXB; vwhole: V rows 16-byte aligned and readable to the end of the
 // last chunk (vector loads of whole chunks; positions past n_kv are zeroed after the load).
@@ -35,6 +37,7 @@
 #endif
 #define ATT_MAXB (ATT_MAXKV / (ATT_C * ATT_G))  // blocks per batch at most
 #define ATT_NP 31    // k_attention's parameters
+#define ATT_NB 5     // and offsets per head batch
 #define ATT_KPRE 4   // K slices of 8 elements a lane loads up front (all of them for D <= 128)
 template <typename T> __device__ __forceinline__ void ld8f(const char* p, float* f);
 template <> __device__ __forceinline__ void ld8f<__half>(const char* p, float* f) {
@@ -61,20 +64,26 @@ template <typename TK, typename TV, typename TM, int RM>
 __global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict__ P, char* dst, const char* kc,
                                                            const char* q, const char* mask, const char* vc,
                                                            float* part, int* count, char* xq) {
-    __shared__ i64 Ps[ATT_NP];
-    pdl_enter_params<ATT_NP>(P, Ps);
-    __shared__ float qs[RM * ATT_MAXD];
-    __shared__ float ps[ATT_G][RM][ATT_C];
+    __shared__ i64 Ps[ATT_NP + ATT_NB];
+    {  // as pdl_enter_params, with this batch's offsets
+        const int i = threadIdx.x;
+        if (i < ATT_NP + ATT_NB) Ps[i] = P[i < ATT_NP ? i : i + ATT_NB * blockIdx.y];
+        pdl_enter();
+        __syncthreads();
+    }
+    __shared__ __align__(16) float qs[RM * ATT_MAXD];
+    __shared__ __align__(16) float ps[ATT_G][RM][ATT_C];
     __shared__ float ms[ATT_G][RM], ls[ATT_G][RM], wg[ATT_G][RM], bm[RM], bl[RM];
-    __shared__ float pacc[ATT_G][RM][128];
+    __shared__ __align__(16) float pacc[ATT_G][RM][128];
     __shared__ float wm[RM][ATT_MAXB], wl[RM][ATT_MAXB];
     __shared__ bool last;
     const int D = (int)Ps[0], nkv = (int)Ps[1], R = (int)Ps[2], Dv = (int)Ps[20];
-    const int b = blockIdx.y, i2 = b % (int)Ps[3], i3 = b / (int)Ps[3];
+    const int b = blockIdx.y;
+    const i64* off = Ps + ATT_NP;  // into K, V, Q, the mask, the result
     const int tid = threadIdx.x, t = tid & 127, grp = tid >> 7, G = blockDim.x >> 7, lane = tid & 31;
     const int j0 = (blockIdx.x * G + grp) * ATT_C;
-    const char* kb = kc + (i2 / (int)Ps[5]) * Ps[8] + (i3 / (int)Ps[6]) * Ps[9];
-    const char* vr = vc + (i2 / (int)Ps[21]) * Ps[24] + (i3 / (int)Ps[22]) * Ps[25] + t * Ps[23] + j0 * (i64)sizeof(TV);
+    const char* kb = kc + off[0];
+    const char* vr = vc + off[1] + t * Ps[23] + j0 * (i64)sizeof(TV);
     const bool vwhole = Ps[29] != 0;
     // the loads: this thread's V row over the chunk, this lane's K slices, the queries, the mask
     raw8<TV> vw[ATT_C / 8];
@@ -96,7 +105,7 @@ __global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict
         #pragma unroll
         for (int c = 0; c < ATT_MAXD / 128; ++c) {
             const int e = tid + c * blockDim.x;
-            if (r < R && e < D) qv[r][c] = *(const float*)(q + r * Ps[10] + i2 * Ps[11] + i3 * Ps[12] + e * 4);
+            if (r < R && e < D) qv[r][c] = *(const float*)(q + off[2] + r * Ps[10] + e * 4);
         }
     }
     float mk[RM];  // the mask at this lane's position (the lane that writes its scores)
@@ -104,8 +113,7 @@ __global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict
     for (int r = 0; r < RM; ++r) {
         mk[r] = 0.0f;
         if (Ps[13] != 0 && sub == 0 && r < R && j < nkv)
-            mk[r] = ld<TM>(mask + r * Ps[14] + (i2 % (int)Ps[17]) * Ps[15] + (i3 % (int)Ps[18]) * Ps[16] +
-                           j * (i64)sizeof(TM));
+            mk[r] = ld<TM>(mask + off[3] + r * Ps[14] + j * (i64)sizeof(TM));
     }
     #pragma unroll
     for (int r = 0; r < RM; ++r) {
@@ -137,9 +145,10 @@ __global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict
         auto add = [&](const float* kf, int d0) {
             #pragma unroll
             for (int r = 0; r < RM; ++r) {
-                if (r < R) {
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) sc[r] += kf[i] * qs[r * D + d0 + i];
+                if (r < R) {  // 16-byte loads: D and d0 are multiples of 8
+                    const float4 x = *(const float4*)&qs[r * D + d0], y = *(const float4*)&qs[r * D + d0 + 4];
+                    sc[r] += kf[0] * x.x + kf[1] * x.y + kf[2] * x.z + kf[3] * x.w + kf[4] * y.x + kf[5] * y.y +
+                             kf[6] * y.z + kf[7] * y.w;
                 }
             }
         };
@@ -255,7 +264,7 @@ __global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict
             #pragma unroll 4
             for (int c = 0; c < nc; ++c) y += wm[r][c] * __ldcg(pa + (c * ATT_MAXR + r) * stride + o);
         }
-        *(float*)(dst + i2 * Ps[27] + i3 * Ps[28] + r * Ps[26] + o * 4) = y;
+        *(float*)(dst + off[4] + r * Ps[26] + o * 4) = y;
         if (xq) quantize1(xq, y, b * R * Dv + i, total);  // whole warps: R Dv % 32 == 0
     }
     if (nc > 1 && tid == 0) count[b] = 0;  // ready for the next launch
