@@ -364,6 +364,31 @@ def test_kv_cache_decode_equals_full_prefill(models):
         full.free()
 
 
+def test_kv_windows_double_or_pad(models):
+    """kv_growth: "double" windows are kv_pad times a power of two (capped at n_ctx), "pad" ones
+    multiples of kv_pad; 40 one-token evals build 4 decode graphs against 6 (each eval also builds
+    the next position's, to write its positions early), with the same logits (slots past the last
+    position are masked either way). Bad values raise ConfigError."""
+    cpu = accelplane.device("CPU")
+    tokens = np.random.default_rng(7).integers(0, TINY["n_vocab"], 40)
+    got = {}
+    for growth in ("double", "pad"):
+        m = LlamaModel.from_gguf(models["f32"], [cpu], n_ctx=48, kv_pad=8, kv_growth=growth)
+        try:
+            assert m.kv_growth == growth
+            want = {"double": [8, 8, 16, 32, 32, 48, 48], "pad": [8, 8, 16, 24, 32, 40, 48]}[growth]
+            assert [m.window(n) for n in (1, 8, 9, 17, 32, 33, 48)] == want
+            got[growth] = np.stack([m.eval([t]).logits[0] for t in tokens])
+            assert len({k[1] for k in m._steps if k[0] == 1}) == {"double": 4, "pad": 6}[growth]
+        finally:
+            m.free()
+    assert nmse(got["double"], got["pad"]) < 1e-12
+    assert LlamaModel.from_gguf(models["f32"], [cpu], n_ctx=16).kv_growth == "pad"  # a CPU's default
+    for bad in ({"kv_growth": "linear"}, {"kv_pad": 0}, {"kv_pad": 2.5}):
+        with pytest.raises(ConfigError):
+            LlamaModel.from_gguf(models["f32"], [cpu], n_ctx=16, **bad)
+
+
 # --- devices -----------------------------------------------------------------------------------------
 def _teacher_forced_64(path: Path, devices, cpu, inspect=None, **kw) -> np.ndarray:
     tokens = np.random.default_rng(7).integers(0, TINY["n_vocab"], 64)

@@ -36,8 +36,14 @@ The KV cache persists across calls: K is stored as rows ``[n_ctx, n_head_kv * he
 V transposed ``[n_head_kv * head_dim, n_ctx]`` (llama.cpp's non-flash-attention layout, so
 ``kq · v`` is a plain MUL_MAT); both F16 or F32. A graph is built once per
 ``(n_tokens, kv window, all rows)`` and reused: the window is the number of cache slots
-attended, rounded up to ``kv_pad`` (so a decode graph is the same object for ``kv_pad``
-consecutive tokens and the backends' plan caches hit), unused slots hidden by the mask.
+attended, rounded up to a multiple of ``kv_pad`` (``kv_growth="pad"``) or to ``kv_pad`` times a
+power of two (``"double"``), unused slots hidden by the mask. A decode graph is thus the same
+object for many consecutive tokens and the backends' plan caches hit; each new window is a graph
+to split and plan (a tenth of a second or more in Python for a 1B llama), which is why devices
+double theirs: a generation of n tokens plans about log2(n / kv_pad) windows, not n / kv_pad, and
+a device's attention over up to twice the slots costs little next to a re-plan (an H200's fused
+decode attention takes about as long for 1024 positions as for 256). Host attention pays per
+slot, so CPUs pad.
 
 Placement (``split``): ``none`` puts every layer on ``devices[0]``; ``layer`` cuts the layers
 into contiguous, even chunks over ``devices`` (llama.cpp ``-sm layer``); the output layer goes
@@ -522,7 +528,9 @@ class DecoderModel:
     registry's "CPU"), which holds the inputs and the token embeddings. ``types``: weight type by
     GGUF name (default F32). ``n_ctx``: KV cache size; ``cache_type``: F16 or F32; ``kv_pad``:
     attention window granularity (see the module docstring; default 32 when every device is a CPU,
-    whose attention costs per slot, else 256: fewer graphs for a device to replay). ``merge``: store
+    whose attention costs per slot, else 256: fewer graphs for a device to replay); ``kv_growth``:
+    "pad" (windows are multiples of ``kv_pad``) or "double" (``kv_pad`` times a power of two);
+    default "pad" when every device is a CPU, else "double". ``merge``: store
     each layer's Q, K and V (and FFN gate and up) projections as one matrix when their types match,
     so a decode step runs one product where it ran three (two); the GGUF names stay as views of it.
     Default: on, unless ACCELPLANE_MODEL_MERGE=0; never with ``split='tensor'`` (the shards cut per
@@ -550,6 +558,7 @@ class DecoderModel:
         n_ctx: int | None = None,
         cache_type: GGMLType | str = T.F16,
         kv_pad: int | None = None,
+        kv_growth: str | None = None,
         types: Mapping[str, GGMLType | str | int] | None = None,
         cpu: Device | None = None,
         policy: str | None = None,
@@ -579,9 +588,16 @@ class DecoderModel:
 
                 cpu = get_registry().device("CPU")
         self.cpu = cpu
+        host = all(d.type == DeviceType.CPU for d in self.devices)
         if kv_pad is None:  # host attention pays per slot attended; a device per graph variant
-            kv_pad = 32 if all(d.type == DeviceType.CPU for d in self.devices) else 256
-        self.kv_pad = max(1, int(kv_pad))
+            kv_pad = 32 if host else 256
+        if isinstance(kv_pad, bool) or not isinstance(kv_pad, int | np.integer) or kv_pad < 1:
+            raise ConfigError(f"kv_pad must be an integer >= 1 (cache slots), got {kv_pad!r}")
+        self.kv_pad = int(kv_pad)
+        kv_growth = kv_growth or ("pad" if host else "double")
+        if kv_growth not in ("pad", "double"):
+            raise ConfigError(f"kv_growth must be 'pad' or 'double', got {kv_growth!r}")
+        self.kv_growth = kv_growth
         if not isinstance(cpu_moe, int) or cpu_moe < 0:
             raise ConfigError(f"cpu_moe must be an integer >= 0 (layers), got {cpu_moe!r}")
         if cpu_moe and not cfg.is_moe:
@@ -833,8 +849,13 @@ class DecoderModel:
 
     # --- graph --------------------------------------------------------------------------------
     def window(self, n_end: int) -> int:
-        """Cache slots attended when the last position is ``n_end - 1``."""
-        return min(self.n_ctx, -(-n_end // self.kv_pad) * self.kv_pad)
+        """Cache slots attended when the last position is ``n_end - 1`` (``kv_growth``)."""
+        if self.kv_growth == "pad":
+            return min(self.n_ctx, -(-n_end // self.kv_pad) * self.kv_pad)
+        w = self.kv_pad
+        while w < n_end:
+            w *= 2
+        return min(self.n_ctx, w)
 
     def step(self, n_tokens: int, n_kv: int, all_rows: bool = False, routing: str = "",
              chain: bool = False) -> _Step:  # fmt: skip
