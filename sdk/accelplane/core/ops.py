@@ -24,6 +24,10 @@ ALL_TYPES = FLOAT | QUANT | {T.I32}
 
 
 class Op(Enum):
+    # members are singletons compared by identity: the C-level identity hash (Enum's own hashes
+    # the name in Python, and graph planning looks ops up in sets and dicts many thousand times)
+    __hash__ = object.__hash__
+
     NONE = "NONE"
     DUP = "DUP"
     ADD = "ADD"

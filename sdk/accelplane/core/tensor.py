@@ -47,7 +47,7 @@ def _check_strides(t: GGMLType, ne: tuple[int, ...], nb: tuple[int, ...], name: 
     are unsigned), element strides whole elements, block types whole blocks and rows."""
     if len(nb) != GGML_MAX_DIMS:
         raise ShapeError(f"tensor {name!r}: nb needs {GGML_MAX_DIMS} strides, got {list(nb)}")
-    if any(x < 0 for x in nb):
+    if min(nb) < 0:
         raise ShapeError(f"tensor {name!r}: negative stride in nb={list(nb)} (strides are byte "
                          "offsets >= 0, as in ggml)")  # fmt: skip
     tr = TRAITS[t]
@@ -57,7 +57,8 @@ def _check_strides(t: GGMLType, ne: tuple[int, ...], nb: tuple[int, ...], name: 
         if nb[0] != tr.type_size:
             raise ShapeError(f"tensor {name!r}: nb0={nb[0]} of a {t.name} tensor must be its block "
                              f"size {tr.type_size}")  # fmt: skip
-    elif any(x % tr.type_size for x in nb):
+    elif tr.type_size > 1 and (nb[0] % tr.type_size or nb[1] % tr.type_size or nb[2] % tr.type_size
+                               or nb[3] % tr.type_size):  # fmt: skip
         raise ShapeError(f"tensor {name!r}: strides nb={list(nb)} are not whole {t.name} elements "
                          f"({tr.type_size} bytes)")  # fmt: skip
 
@@ -132,18 +133,19 @@ class Tensor:
         name: str = "",
         ndim: int | None = None,
     ) -> None:
-        t = parse_type(type_)
-        ne = tuple(int(x) for x in ne)
+        t = type_ if type(type_) is GGMLType else parse_type(type_)
+        ne = tuple(map(int, ne))
         if len(ne) > GGML_MAX_DIMS:
             raise ShapeError(f"tensor {name!r}: at most 4 dimensions, got {len(ne)}")
-        if any(x < 0 for x in ne):
+        if ne and min(ne) < 0:
             raise ShapeError(f"tensor {name!r}: negative dimension in ne={ne}")
         ndim = len(ne) if ndim is None else ndim
-        ne = ne + (1,) * (GGML_MAX_DIMS - len(ne))
+        if len(ne) < GGML_MAX_DIMS:
+            ne = ne + (1,) * (GGML_MAX_DIMS - len(ne))
         if nb is None:
             nb = contiguous_strides(t, ne)  # raises ShapeError on a partial block
         else:
-            nb = tuple(int(x) for x in nb)
+            nb = tuple(map(int, nb))
             _check_strides(t, ne, nb, name)
         self.type = t
         self.ne: tuple[int, int, int, int] = ne  # type: ignore[assignment]
@@ -184,18 +186,15 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         """ggml_nbytes: the byte span from element 0 to the end of the last element."""
-        if any(x <= 0 for x in self.ne):
+        n0, n1, n2, n3 = self.ne
+        if n0 <= 0 or n1 <= 0 or n2 <= 0 or n3 <= 0:
             return 0
-        bs = TRAITS[self.type].blck_size
-        if bs == 1:
-            n = TRAITS[self.type].type_size
-            for i in range(4):
-                n += (self.ne[i] - 1) * self.nb[i]
-            return n
-        n = self.ne[0] * self.nb[0] // bs
-        for i in range(1, 4):
-            n += (self.ne[i] - 1) * self.nb[i]
-        return n
+        tr = TRAITS[self.type]
+        b0, b1, b2, b3 = self.nb
+        rest = (n1 - 1) * b1 + (n2 - 1) * b2 + (n3 - 1) * b3
+        if tr.blck_size == 1:
+            return tr.type_size + (n0 - 1) * b0 + rest
+        return n0 * b0 // tr.blck_size + rest
 
     @property
     def row_bytes(self) -> int:

@@ -41,6 +41,10 @@ IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
 class GGMLType(IntEnum):
     """Tensor element types; the value is the GGUF id."""
 
+    # the int's hash (Enum's hashes the name in Python): fast dict lookups (TRAITS), and
+    # consistent with == on the GGUF id
+    __hash__ = int.__hash__
+
     F32 = 0
     F16 = 1
     Q4_0 = 2

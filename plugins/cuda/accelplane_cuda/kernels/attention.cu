@@ -65,12 +65,7 @@ __global__ void __launch_bounds__(128 * ATT_G) k_attention(const i64* __restrict
                                                            const char* q, const char* mask, const char* vc,
                                                            float* part, int* count, char* xq) {
     __shared__ i64 Ps[ATT_NP + ATT_NB];
-    {  // as pdl_enter_params, with this batch's offsets
-        const int i = threadIdx.x;
-        if (i < ATT_NP + ATT_NB) Ps[i] = P[i < ATT_NP ? i : i + ATT_NB * blockIdx.y];
-        pdl_enter();
-        __syncthreads();
-    }
+    pdl_enter_params<ATT_NP, ATT_NB>(P, Ps, ATT_NB * blockIdx.y);  // with this batch's offsets
     __shared__ __align__(16) float qs[RM * ATT_MAXD];
     __shared__ __align__(16) float ps[ATT_G][RM][ATT_C];
     __shared__ float ms[ATT_G][RM], ls[ATT_G][RM], wg[ATT_G][RM], bm[RM], bl[RM];

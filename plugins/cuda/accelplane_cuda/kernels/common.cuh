@@ -41,10 +41,13 @@ __device__ __forceinline__ void pdl_enter() {
 }
 // pdl_enter for a kernel that reads its N parameters from shared memory Ps: they are written once,
 // at plan time, so their loads are issued before the wait and arrive while the previous kernel
-// drains (saving a round trip after it). Blocks of at least N threads (one load each); ends with
-// a block barrier, so every thread sees Ps.
-template <int N> __device__ __forceinline__ void pdl_enter_params(const i64* __restrict__ P, i64* Ps) {
-    if (threadIdx.x < N) Ps[threadIdx.x] = P[threadIdx.x];
+// drains (saving a round trip after it). M > 0: M more, this block's slice of a table that follows
+// the N (P[N + off ...], into Ps[N ...]). Blocks of at least N + M threads (one load each); ends
+// with a block barrier, so every thread sees Ps.
+template <int N, int M = 0>
+__device__ __forceinline__ void pdl_enter_params(const i64* __restrict__ P, i64* Ps, int off = 0) {
+    const int i = threadIdx.x;
+    if (i < N + M) Ps[i] = P[i < N ? i : i + off];
     pdl_enter();
     __syncthreads();
 }
