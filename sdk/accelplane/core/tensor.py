@@ -332,9 +332,13 @@ def strided_view(t: Tensor, span: np.ndarray) -> np.ndarray:
     ``[ne3, ne2, ne1, row_bytes]``.
     """
     if t.type.is_quantized:
-        return np.lib.stride_tricks.as_strided(
-            span, _row_shape(t), (t.nb[3], t.nb[2], t.nb[1], 1), writeable=True
-        )
-    return np.lib.stride_tricks.as_strided(
-        span.view(np_dtype(t.type)), tuple(reversed(t.ne)), tuple(reversed(t.nb)), writeable=True
-    )
+        shape, strides, dtype = _row_shape(t), (t.nb[3], t.nb[2], t.nb[1], 1), np.dtype(np.uint8)
+    else:
+        shape, strides, dtype = t.ne[::-1], t.nb[::-1], np_dtype(t.type)
+    if type(span) is np.ndarray and span.flags.c_contiguous and span.flags.writeable:
+        try:  # the direct constructor: several times faster than as_strided, and bounds-checked
+            return np.ndarray(shape, dtype, span, 0, strides)
+        except (ValueError, TypeError):
+            pass
+    base = span if t.type.is_quantized else span.view(dtype)
+    return np.lib.stride_tricks.as_strided(base, shape, strides, writeable=True)
