@@ -11,10 +11,9 @@
 // and the launch is the whole result. Longer caches take several blocks per head: each leaves
 // its partial softmax (row max, sum, weighted V) in scratch and the last block of a batch to
 // finish (an atomic count, which it resets) combines them. Every global load of a block (V, K,
-// Q, mask) is issued before any is used, so the block waits for memory once. The code is kept
-// small (R ≤ RM rows compiled per instantiation, loops over rows and groups not unrolled where
-// registers do not need it): the kernel runs once per layer from a cold instruction cache, and
-// fetching a large body cost more than its arithmetic (154 KB of code took 8 µs at 32 positions).
+// Q, mask) is issued before any is used, so the block waits for memory once. The launch is
+// latency-bound and all of a block's warps run its setup, so the setup is short: the host
+// resolves each head batch's offsets (below), and R <= RM rows are compiled per instantiation.
 // P: [D, n_kv, R, ne2, ne3, r2k, r3k, nbk1, nbk2, nbk3, nbq1, nbq2, nbq3, has_mask, nbm1, nbm2, nbm3,
 //     nem2, nem3, scale, Dv, r2v, r3v, nbv1, nbv2, nbv3, nbd1, nbd2, nbd3, vwhole, total], then per
 // head batch b its byte offsets into K, V, Q, the mask and the result (ATT_NB of them: the host
