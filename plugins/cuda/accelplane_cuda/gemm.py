@@ -1,5 +1,6 @@
 """Products through cuBLAS: strided-batched gemmEx over the batch dimensions, F32 results;
-quantized weights dequantized to F16 once per run first (kernels/dequant.cu)."""
+quantized weights dequantized to F16 once per run first (kernels/dequant.cu), activations
+converted to F16 once per run for every product that reads them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from accelplane.core.types import GGMLType as T
 
 from . import compiler, rows
 from .args import QUANT, QUANT_IDS, SEGMENT_UNIT, rows_aligned, rows_contig
-from .layout import type_id
+from .layout import X8Type, type_id
 
 STAGED_SEG = 4096  # bytes of a weight row staged at once per warp by k_dequant_staged
 STAGED_WARPS = 4  # warps (rows) per block of k_dequant_staged
@@ -19,24 +20,32 @@ GEMM_DEFAULT = -1  # cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT
 
 FAMILY = compiler.family("dequant", {
     "k_dequant_f16": compiler.product(QUANT_IDS),
-    "k_dequant_staged": compiler.product(SEGMENT_UNIT),
+    "k_dequant_staged": [(t,) for t in SEGMENT_UNIT if t not in X8Type],
+    "k_dequant_x8": compiler.product(X8Type),
 }, defines={"MMVQ_SEG": STAGED_SEG, "MMVQ_WARPS": STAGED_WARPS})  # fmt: skip
 
 
 def dequantize(plan, a) -> tuple[int, list[int]]:
     """Every weight matrix of quantized ``a`` as packed F16 in scratch memory: (address, nb).
-    Rows fit for staging go through shared memory in 16-byte words (k_dequant_staged), the
-    rest chunk by chunk (k_dequant_f16)."""
+    x8 weights (whole 16-byte words per unit) eight elements a thread (k_dequant_x8), other rows fit
+    for staging through shared memory in 16-byte words (k_dequant_staged), the rest chunk by
+    chunk (k_dequant_f16)."""
     m, k = a.ne[1], a.ne[0]
     ap = plan.scratch(m * k * 2 * a.ne[2] * a.ne[3])
     qid = type_id(a)
-    staged = qid in SEGMENT_UNIT and rows_aligned(a)
+    x8 = qid in X8Type and rows_aligned(a) and m * (k // 8) < 1 << 31
+    staged = qid in SEGMENT_UNIT and qid not in X8Type and rows_aligned(a)
     unit = SEGMENT_UNIT.get(qid, 16)
     for i3 in range(a.ne[3]):
         for i2 in range(a.ne[2]):
             src = np.uint64(int(plan.ptr(a)) + i2 * a.nb[2] + i3 * a.nb[3])
             dst = np.uint64(ap + (i3 * a.ne[2] + i2) * m * k * 2)
-            if staged:
+            if x8:
+                P = plan.params([m, k, a.nb[1]])
+                words = m * (k // 8)  # k_dequant_x8: a thread per 8 elements, 4 a step
+                grid = max(1, min(-(-words // (256 * 4)), 8 * plan.fns.sm_count))
+                plan.launch(compiler.name("k_dequant_x8", qid), 0, (P, dst, src), block=256, grid=(grid,))
+            elif staged:
                 P = plan.params([m, k, a.nb[1], a.row_bytes, STAGED_SEG // unit * unit])
                 plan.launch(compiler.name("k_dequant_staged", qid), 0, (P, dst, src), block=32 * STAGED_WARPS,
                             grid=((m + STAGED_WARPS - 1) // STAGED_WARPS,))  # fmt: skip
@@ -113,7 +122,7 @@ def gemm(plan, n) -> None:
     if b.type == wt and rows_contig(b):
         bp, bnb = int(plan.ptr(b)), list(b.nb)
     else:
-        bp, bnb = rows.contig_copy(plan, b, wt)
+        bp, bnb = rows.converted(plan, b, wt, n)
     dt = CUDA_DTYPE[wt]
     es = wt.type_size
     alpha = np.ones(1, np.float32)

@@ -20,13 +20,14 @@ import ctypes
 import numpy as np
 from accelplane.errors import ComputeError, DeviceError
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_CLUSTER_DIMENSION, _PROGRAMMATIC_STREAM_SERIALIZATION = 4, 6  # CUlaunchAttributeID
 
 
 class _Attr(ctypes.Structure):
-    # CUlaunchAttribute: the id, padding to 8 bytes, then a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]  # fmt: skip
+    # CUlaunchAttribute: the id, padding to 8 bytes, then a 64-byte value union (an int, or the
+    # cluster's three dimensions)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 3),
+                ("rest", ctypes.c_char * 52)]  # fmt: skip
 
 
 class _Config(ctypes.Structure):
@@ -65,10 +66,12 @@ def pdl_wanted(compute_capability: int, enabled: bool) -> bool:
 
 class Launch:
     """One kernel launch, prepared: ``fn`` a CuPy kernel, ``args`` NumPy scalars (device
-    addresses as ``np.uint64``). Calling it enqueues the kernel on ``stream_ptr``."""
+    addresses as ``np.uint64``); ``cluster`` > 1: blocks in thread-block clusters of that many
+    along x (sm_90+; the grid's x a multiple of it). Calling it enqueues the kernel on
+    ``stream_ptr``."""
 
     def __init__(self, name: str, fn, grid: tuple, block: tuple, smem: int, stream_ptr: int, args: tuple,
-                 pdl: bool) -> None:  # fmt: skip
+                 pdl: bool, cluster: int = 1) -> None:  # fmt: skip
         self.name = name
         self.fn = ctypes.c_void_p(fn.kernel.ptr)
         self.values = []
@@ -79,11 +82,13 @@ class Launch:
                                 "(expected a NumPy scalar)")  # fmt: skip
             self.values.append(ct(a.item()))
         self.params = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(v) for v in self.values])
-        self.attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        attrs = ([_Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1, 0, 0))] if pdl else []) + (
+            [_Attr(id=_CLUSTER_DIMENSION, value=(cluster, 1, 1))] if cluster > 1 else [])
+        self.attrs = (_Attr * max(1, len(attrs)))(*attrs)
         dims = [*grid, 1, 1][:3], [*block, 1, 1][:3]
-        attrs = ctypes.pointer(self.attr) if pdl else None
-        self.config = _Config((ctypes.c_uint * 3)(*dims[0]), (ctypes.c_uint * 3)(*dims[1]), smem,
-                              stream_ptr, attrs, int(pdl))  # fmt: skip
+        first = ctypes.cast(self.attrs, ctypes.POINTER(_Attr)) if attrs else None
+        self.config = _Config((ctypes.c_uint * 3)(*dims[0]), (ctypes.c_uint * 3)(*dims[1]), smem, stream_ptr,
+                              first, len(attrs))  # fmt: skip
         self.cfg_ptr = ctypes.addressof(self.config)
         self.params_ptr = ctypes.addressof(self.params)
         self.lib = _driver()

@@ -28,7 +28,7 @@ from accelplane.core.types import GGMLType as T
 from . import compiler
 from .layout import type_id
 from .matvec import WEIGHT_TYPES, mul_mat_id_rows, row1_id_fits
-from .rows import contig_copy
+from .rows import converted
 
 GROUPED_MIN_TOKENS = 9  # llama.cpp's CUDA backend also takes up to 8 tokens a row at a time (MMVQ)
 TM, TN, LD = 64, 64, 72  # kernels/moe.cu: MOE_TM, MOE_TN, MOE_LD
@@ -57,15 +57,10 @@ def mul_mat_id(plan, n) -> None:
     a, b, ids = n.src
     rows, tiles, max_tiles = _route(plan, n)
     # the activations as F16 rows, converted once for the products that share them (gate and up)
-    xh = plan.derived("f16", b, n)
-    if xh is None:
-        ptr, nb = contig_copy(plan, b, T.F16)
-        xh = (np.uint64(ptr), nb)
-        plan.remember("f16", b, xh, n)
-    xp, xnb = xh
+    xp, xnb = converted(plan, b, T.F16, n)
     P = plan.params([a.ne[1], a.ne[0], ids.ne[0], b.ne[1], a.nb[1], a.nb[2], *xnb[1:3], n.nb[1], n.nb[2]])
     plan.launch(compiler.name("k_moe_gemm", type_id(a)), 0,
-                (P, plan.ptr(n), plan.ptr(a), xp, rows, tiles), block=2 * TN,
+                (P, plan.ptr(n), plan.ptr(a), np.uint64(xp), rows, tiles), block=2 * TN,
                 grid=(-(-a.ne[1] // TN), max_tiles), smem=4 * (TM + TN) * LD)  # fmt: skip
 
 

@@ -22,7 +22,9 @@ def norm(plan, n, mul=None, add=None) -> None:
     out, w = (n, None) if mul is None else (mul, mul.src[1])
     wp = [0, 1, 1, 1, 1, 0, 0, 0, 0] if w is None else [1, *w.ne, *w.nb]
     ap = [0] * 9 if add is None else [1, *add.src[1].nb, *add.nb]
-    P = plan.params([*a.ne, *a.nb, *out.nb, CODE[n.op], f64(n.op_params[0]), *wp, *ap])
+    # [32]: no kernel of the graph writes the weights (k_norm_vec loads them before its wait)
+    early = w is not None and id(w.buffer) not in plan.written
+    P = plan.params([*a.ne, *a.nb, *out.nb, CODE[n.op], f64(n.op_params[0]), *wp, *ap, int(early)])
     ptr = [np.uint64(0) if t is None else plan.ptr(t) for t in (w, add and add.src[1], add)]
     args = (P, plan.ptr(out), plan.ptr(a), *ptr)
     # contiguous 16-byte-aligned F32 rows of up to 16384 elements: the vector kernel (one

@@ -65,7 +65,6 @@ class CudaPlan:
         # (kind, id(t)) → (t, value, index of the node that made it); see derived()
         self.memo: dict[tuple[str, int], tuple] = {}
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
-        self.attn_scratch: tuple | None = None  # (address, bytes, counts) for k_attention
         self.products: dict[int, list] | None = None  # matvec._products_reading's index
         with cp.cuda.Device(sctx.device):
             self.fns = compiler.device(sctx.device)
@@ -135,16 +134,17 @@ class CudaPlan:
         self.keep.append(m)
         return int(m.ptr)
 
-    def launch(self, name: str, n: int, args: tuple, block: int = THREADS, grid=None, smem: int = 0) -> None:
+    def launch(self, name: str, n: int, args: tuple, block: int = THREADS, grid=None, smem: int = 0,
+               cluster: int = 1) -> None:  # fmt: skip
         """Queue kernel ``name`` (compiler.name's spelling): on ``grid``, or a grid-stride grid over
-        ``n`` items."""
+        ``n`` items; ``cluster`` > 1: in thread-block clusters of that many blocks along x."""
         self.kernel_names.append(name)
         if grid is None:
             grid = (max(1, min((n + block - 1) // block, 65535)),)
         # a graph's first launch waits for all earlier work in the stream (kernels/common.cuh: pdl_enter)
         pdl = self.pdl and bool(self.steps)
         stream = self.sctx.stream.ptr
-        self.steps.append(Launch(name, self.fns[name], grid, (block,), smem, stream, args, pdl))
+        self.steps.append(Launch(name, self.fns[name], grid, (block,), smem, stream, args, pdl, cluster))
 
     def library_call(self, step: Callable[[], None]) -> None:
         """Queue a library (cuBLAS) call, made on the plan's stream when ``step`` runs."""

@@ -21,7 +21,7 @@ def fits(plan, f: RopeCache) -> bool:
     n, q, k, k_set, v_set, _ = f
     if not (matvec.takes_row(n) and n.type == T.F32 and n.is_contiguous() and n.nrows == 1):
         return False
-    _, rt, lpr = matvec.row1_shape(n)
+    _, rt, lpr = matvec.row1_shape(n, plan.fns.sm_count)
     if not lpr or (rt * 128 // lpr) % 2:
         return False
     m = n.ne[0]

@@ -93,10 +93,21 @@ def contig_copy(plan, t, ty: T) -> tuple[int, list[int]]:
     if t.is_contiguous() and t.type in CTYPE:
         P = plan.params([t.nelements])
         args = (P, np.uint64(ptr), plan.ptr(t))
-        plan.launch(convert_name(ty, t.type), t.nelements, args)
+        vec = (ptr | int(plan.ptr(t))) % 16 == 0  # k_convert's eight elements a thread
+        plan.launch(convert_name(ty, t.type), -(-t.nelements // 8) if vec else t.nelements, args)
     else:
         copy(plan, t, tmp, dp=np.uint64(ptr))
     return ptr, list(tmp.nb)
+
+
+def converted(plan, t, ty: T, node) -> tuple[int, list[int]]:
+    """:func:`contig_copy` of ``t`` for ``node``, made once a run for every node that reads ``t``
+    (the Q, K and V projections of one activation; a MoE layer's gate and up products)."""
+    got = plan.derived(ty.name, t, node)
+    if got is None:
+        got = contig_copy(plan, t, ty)
+        plan.remember(ty.name, t, got, node)
+    return got
 
 
 OPS = {Op.GET_ROWS: get_rows, Op.SET_ROWS: set_rows, Op.CPY: cpy, Op.CONT: cpy, Op.DUP: cpy,

@@ -304,12 +304,16 @@ def test_norm_mul_fused(op, keep_norm):
     assert plan.fused == ([] if keep_norm else [(op, "MUL")])
 
 
-@pytest.mark.parametrize("ne0", [2048, 2050, 8192, 20480])
-def test_add_norm_mul_fused(ne0):
+@pytest.mark.parametrize("ne0, w_apart", [(2048, False), (2048, True), (2050, False), (8192, True),
+                                          (20480, False)])  # fmt: skip
+def test_add_norm_mul_fused(ne0, w_apart):
     """A residual ADD, the RMS_NORM of its sum and the MUL by the norm weights run as one
     launch that also writes the sum, which the next residual ADD reads: the vector kernel for
     aligned rows of up to 16384 elements (one float4 per thread up to 4096, four above), the
-    general one otherwise."""
+    general one otherwise. Weights in a buffer of their own (``w_apart``, as a model's) are
+    loaded before the kernel waits for its predecessor."""
+    from accelplane.runtime.backend import BufferUsage
+
     dev = _cuda()
     rng = np.random.default_rng(4)
     ctx = Context()
@@ -319,7 +323,8 @@ def test_add_norm_mul_fused(ne0):
     s = ctx.add(a, b)
     y = ctx.add(ctx.mul(ctx.rms_norm(s, 1e-5), w), s)
     g = ctx.graph(y)
-    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    wbuf = alloc_tensors([w], dev.buffer_type, BufferUsage.WEIGHTS) if w_apart else None
+    buf = alloc_tensors([t for t in ctx.tensors + list(g.nodes) if not (w_apart and t is w)], dev.buffer_type)
     vals = {t: rng.standard_normal(t.shape).astype(np.float32) for t in (a, b, w)}
     for t, v in vals.items():
         t.set(v)
@@ -333,9 +338,12 @@ def test_add_norm_mul_fused(ne0):
         sd = vals[a].astype(np.float64) + vals[b]
         want = sd / np.sqrt((sd * sd).mean(-1, keepdims=True) + 1e-5) * vals[w] + sd
         np.testing.assert_allclose(y.get(), want, rtol=1e-4, atol=1e-5)
+        assert (id(w.buffer) not in plan.written) == w_apart
     finally:
         be.free()
         buf.free()
+        if wbuf is not None:
+            wbuf.free()
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -582,26 +590,33 @@ def test_qkv_projection_fused(monkeypatch, wtype, k, cache_type, v_rows):
     wbuf.free()
 
 
-@pytest.mark.parametrize("kv, d, rows, nkv, mtype, n_ctx", [
-    ("F16", 128, 4, 200, "F16", 1032), ("F16", 64, 8, 1, "F32", 1032), ("F32", 64, 1, 32, "F16", 1032),
-    ("F16", 128, 2, 1000, None, 1032), ("F32", 96, 3, 45, "F32", 1032), ("F16", 64, 9, 64, "F16", 1032),
-    ("F16", 128, 4, 128, "F16", 128), ("F16", 128, 4, 45, "F16", 48), ("F16", 64, 4, 45, None, 45),
-    ("F32", 128, 4, 8192, "F32", 8192), ("F16", 128, 4, 256, "F16", 1032), ("F16", 128, 1, 512, "F32", 1032),
-    ("F16", 64, 4, 520, "F16", 1032)])  # fmt: skip
-def test_attention_fused(kv, d, rows, nkv, mtype, n_ctx):
+@pytest.mark.parametrize("kv, d, rows, nkv, mtype, n_ctx, split", [
+    ("F16", 128, 4, 200, "F16", 1032, 8), ("F16", 64, 8, 1, "F32", 1032, 8),
+    ("F32", 64, 1, 32, "F16", 1032, 8), ("F16", 128, 2, 1000, None, 1032, 8),
+    ("F16", 128, 2, 1000, "F16", 1032, 1), ("F32", 96, 3, 45, "F32", 1032, 8),
+    ("F16", 64, 9, 64, "F16", 1032, 8), ("F16", 128, 4, 128, "F16", 128, 8),
+    ("F16", 128, 4, 45, "F16", 48, 8), ("F16", 64, 4, 45, None, 45, 8),
+    ("F32", 128, 4, 8192, "F32", 8192, 8), ("F16", 128, 4, 256, "F16", 1032, 8),
+    ("F16", 128, 1, 512, "F32", 1032, 8), ("F16", 64, 4, 520, "F16", 1032, 8),
+    ("F16", 256, 2, 300, "F16", 1032, 8), ("F16", 64, 8, 250, "F32", 256, 8)])  # fmt: skip
+def test_attention_fused(monkeypatch, kv, d, rows, nkv, mtype, n_ctx, split):
     """MUL_MAT(K, Q) → SOFT_MAX(scale, mask) → MUL_MAT(V, ·) over a KV cache laid out as the
     llama model's (K rows per position, V transposed, views of longer caches, query heads
     broadcast over KV heads) runs as one k_attention launch (9 query rows: the three kernels),
-    replays (the combining count resets) and matches float64 numpy, masked positions too. A
-    second attention over a shorter window in the same graph shares the first one's scratch. A
-    Q4_0 output projection of the first one's result (through a reshape, as the model's) reads
-    the activations the attention kernel quantized: no k_quant_x launch. The V cache has a
-    buffer of its own, so a cache of n_ctx = n_kv or not a multiple of 32 positions ends at the
-    buffer's end (the kernel must not read whole chunks there), and unaligned rows (45
-    positions) take the element-wise loads; 128 positions are one block per head, 8192 the
-    most blocks. Masks: the last position hidden; a decode window's padding (every position
-    past a fifth hidden: whole chunks and blocks of nothing but masked positions); a hole in the
-    middle."""
+    replays and matches float64 numpy, masked positions too. A second attention over a shorter
+    window in the same graph runs too. A Q4_0 output projection of the first one's result
+    (through a reshape, as the model's) reads the activations the attention kernel quantized: no
+    k_quant_x launch. The V cache has a buffer of its own, so a cache of n_ctx = n_kv or not a
+    multiple of 8 positions ends at the buffer's end (the kernel must not read whole words
+    there), and unaligned rows (45 positions) take the element-wise loads. Up to 256 positions
+    are one block per row; longer caches several blocks of a cluster per row (on sm_90+), 8192
+    the most, or with ``split`` 1 one block looping over tiles of 256 (as on older GPUs); K rows
+    of 256 F16 and of 96 F32 take two passes of loads, as do V rows of 96 F32. Masks: the last
+    position hidden; a decode window's padding (every position past a fifth hidden: whole tiles
+    and blocks of nothing but masked positions); a hole in the middle."""
+    from accelplane_cuda import attention
+
+    monkeypatch.setattr(attention, "MAX_SPLIT", split)
     dev = _cuda()
     kt = T[kv]
     hkv, g, dv = 2, 2, d
@@ -681,8 +696,9 @@ def test_attention_fused(kv, d, rows, nkv, mtype, n_ctx):
             assert plan.fused == [("MUL_MAT", "SOFT_MAX", "MUL_MAT")] * 2, plan.fused
             assert all(n.startswith("k_attention<") for n in names) and len(names) == 2, plan.kernel_names
             assert "k_quant_x" not in plan.kernel_names, plan.kernel_names  # the attention quantized
-        else:
-            assert not plan.fused and len(names) == 6, plan.kernel_names
+        else:  # the queries converted to F16 once for both products that read them
+            assert not plan.fused and len(names) == 5, plan.kernel_names
+            assert sum(n.startswith("k_convert") for n in names) == 3, plan.kernel_names
     finally:
         be.free()
         buf.free()
@@ -863,7 +879,7 @@ def test_x8_weights(wtype):
     assert any(n.startswith(f"k_mmv_ring<{x8},") for n in names) == (wt == T.Q4_K), names  # one row, K 2048
     assert f"k_get_rows_q<{x8}>" in names, names
     assert f"k_cpy_dq<{x8}>" in names
-    assert f"k_dequant_staged<{x8}>" in names or f"k_dequant_f16<{x8}>" in names
+    assert f"k_dequant_x8<{x8}>" in names, names
     want = [xs[x1] @ wf.T, xs[x3] @ wf.T, xs[x64] @ wf.T, wf[[3, 0, 71, 8, 3]], wf, xs[x1] @ wf[8:24].T]
     for i, (o, wv) in enumerate(zip(outs, want, strict=True)):
         got = o.get().reshape(wv.shape)

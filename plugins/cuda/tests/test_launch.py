@@ -31,7 +31,8 @@ def test_every_kernel_waits_for_its_predecessor():
     """The contract that makes programmatic launches safe (kernels/common.cuh: pdl_enter): every
     kernel calls pdl_enter first, or pdl_enter_params (its parameters, written at plan time,
     copied to shared memory before the wait), except the mat-vecs (k_mmv_row, k_mmv_row1,
-    k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15]);
+    k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15]),
+    and the vector norm, which may load its MUL's weights before it likewise (P[32]);
     k_mmv_row1_id, whose expert comes from an earlier kernel, waits first."""
     bodies = _kernels()
     assert len(bodies) >= 30
@@ -53,6 +54,11 @@ def test_every_kernel_waits_for_its_predecessor():
             assert wait in body
             issue = body[body.index("auto issue"): body.index("const bool early")]
             assert "cp_async16(slots" in issue and "dst" not in issue and "xq" not in issue
+        elif name == "k_norm_vec":  # its parameters, the weights where the plan allows (P[32]), the wait
+            before = body[: body.index("pdl_enter();")]
+            assert not any(w in before for w in ("src", "dst", "sum", "xq", " b ")), before
+            assert before.rstrip().endswith("if (early) load_g();") and "if (!early) load_g();" in body
+            assert "const bool early = Ps[32] != 0;" in before and "Ps[i] = P[i]" in before
         elif stmts[0].startswith("__shared__ i64 Ps["):  # the plan-time parameters, then the wait
             wait = stmts[1]
             assert re.fullmatch(r"pdl_enter_params<[^>]+>\(P, Ps(, [^;]+)?\)", wait), (name, wait)

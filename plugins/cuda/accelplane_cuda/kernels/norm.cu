@@ -54,20 +54,40 @@ __global__ void k_norm(const i64* __restrict__ P, char* dst, const char* src, co
 
 // k_norm for contiguous F32 rows of ne0 % 4 == 0 elements, at most 4 NV per thread (norm.py
 // picks it and the block size): the row is read once into registers as float4s, the sums
-// come from there, and every access is a 16-byte one. Same P and arguments as k_norm, plus xq:
+// come from there, and every access is a 16-byte one. k_norm's P and arguments (P[32] below), plus xq:
 // when not null (rows of a multiple of 32 elements, ne2 = ne3 = 1), the result is also written
 // quantized as k_quant_x writes it, for the register mat-vecs that read it (saving that launch).
 // NV = 1 (rows up to 4096 elements) keeps the body a quarter of NV = 4's: a decode runs it twice
 // a layer from a cold instruction cache, where fetching the code costs more than the arithmetic.
+// P[32] set (norm.py: no kernel of the graph writes the MUL's weights' buffer): the weights are
+// loaded before waiting for the kernel that wrote the row, so their round trip (usually from
+// DRAM: a decode streams its weights through L2 between two norms) overlaps that kernel's end.
 template <int NV>
 __global__ void __launch_bounds__(1024) k_norm_vec(const i64* __restrict__ P, char* dst, const char* src,
                                                    const char* w, const char* b, char* sum, char* xq) {
-    __shared__ i64 Ps[32];
-    pdl_enter_params<32>(P, Ps);
+    __shared__ i64 Ps[33];
+    for (int i = threadIdx.x; i < 33; i += blockDim.x) Ps[i] = P[i];  // written at plan time
+    __syncthreads();
     const int n4 = (int)(Ps[0] / 4);
     int r = blockIdx.x;
     const int i1 = r % (int)Ps[1]; r /= (int)Ps[1];
     const int i2 = r % (int)Ps[2], i3 = r / (int)Ps[2];
+    // the MUL's weights (or ones), loaded before the row where allowed, else with it: no round
+    // trip after the reductions
+    float4 g[NV];
+    const float4* wr = Ps[14] != 0 ? (const float4*)(w + (i1 % (int)Ps[16]) * Ps[20] + (i2 % (int)Ps[17]) * Ps[21] +
+                                                    (i3 % (int)Ps[18]) * Ps[22]) : nullptr;
+    auto load_g = [&]() {
+        #pragma unroll
+        for (int k = 0; k < NV; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            g[k] = wr && c < n4 ? wr[c] : make_float4(1.f, 1.f, 1.f, 1.f);
+        }
+    };
+    const bool early = Ps[32] != 0;
+    if (early) load_g();
+    pdl_enter();
+    if (!early) load_g();
     const float4* s = (const float4*)(src + i1 * Ps[5] + i2 * Ps[6] + i3 * Ps[7]);
     float4* d = (float4*)(dst + i1 * Ps[9] + i2 * Ps[10] + i3 * Ps[11]);
     const int op = (int)Ps[12];
@@ -76,15 +96,6 @@ __global__ void __launch_bounds__(1024) k_norm_vec(const i64* __restrict__ P, ch
     for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         v[k] = c < n4 ? s[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    // the MUL's weights (or ones) load with the row, not after the reductions: one round trip
-    float4 g[NV];
-    const float4* wr = Ps[14] != 0 ? (const float4*)(w + (i1 % (int)Ps[16]) * Ps[20] + (i2 % (int)Ps[17]) * Ps[21] +
-                                                    (i3 % (int)Ps[18]) * Ps[22]) : nullptr;
-    #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        g[k] = wr && c < n4 ? wr[c] : make_float4(1.f, 1.f, 1.f, 1.f);
     }
     if (Ps[23] != 0) {  // fused ADD: rows of src + b, the sum written too
         const float4* br = (const float4*)(b + i1 * Ps[25] + i2 * Ps[26] + i3 * Ps[27]);
