@@ -29,9 +29,10 @@ __device__ __forceinline__ double pf(const i64* P, int i) { return __longlong_as
 // contract that keeps that safe: every kernel calls pdl_enter before it touches memory that another
 // kernel writes or reads. pdl_enter first lets the next kernel launch (it will wait in its own
 // pdl_enter), then waits until the previous kernel has finished and its writes are visible; since
-// that one waited for its own predecessor, the order is transitive. Only the mat-vecs may read
-// before it: weights in a buffer no kernel of the graph writes (k_mmv_row, k_mmv_row1 and
-// k_mmv_ring, P[15]; k_mmv_ring copies them into its own shared memory); and
+// that one waited for its own predecessor, the order is transitive. Only the mat-vecs and the
+// vector norm may read before it: weights in a buffer no kernel of the graph writes (k_mmv_row,
+// k_mmv_row1 and k_mmv_ring, P[15]; k_mmv_ring copies them into its own shared memory; k_norm_vec
+// its MUL's, P[32]); and
 // a graph's first launch goes without the attribute, so nothing earlier in the stream overlaps.
 // Without the attribute (or below sm_90) both instructions are no-ops.
 __device__ __forceinline__ void pdl_enter() {
