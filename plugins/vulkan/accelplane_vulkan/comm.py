@@ -33,7 +33,7 @@ from accelplane.core.types import GGMLType, np_dtype
 from accelplane.errors import ComputeError
 from accelplane.runtime.collective import canonical_sum, compress_threshold_default
 
-from .runtime import Memory, Stream, cmd_copy, cmd_to_host
+from .runtime import Memory, Stream
 from .tuning import Tuning
 
 T = GGMLType
@@ -164,10 +164,7 @@ class VkComm:
 
         def download(r: int, c: int) -> None:
             s, (mem, offs), lo, ln = streams[r], src[r], chunks[c][0] * es, chunks[c][1] * es
-            cmd = s.begin()
-            cmd_copy(cmd, mem.buf, offs + lo, lay.host[r].buf, lo, ln)
-            cmd_to_host(cmd)
-            down_values[r][c] = s.submit((cmd,))
+            down_values[r][c] = s.copy(mem, offs + lo, lay.host[r], lo, ln, to_host=True)
 
         def upload(r: int, c: int) -> None:
             s, (mem, offs), lo, ln = streams[r], src[r], chunks[c][0] * es, chunks[c][1] * es

@@ -71,6 +71,10 @@ class Tuning:
     comm_chunk: int = env.field(env.integer(
         "ACCELPLANE_VK_COMM_CHUNK", DEFAULT_CHUNK, "bytes per chunk of the host-staged all-reduce",
         min=4096, owner=OWNER))  # fmt: skip
+    transfer_queue: bool = env.field(env.flag(
+        "ACCELPLANE_VK_TRANSFER_QUEUE", True,
+        "copies on a transfer-only queue family where the device has one (its copy engines, beside the "
+        "compute queues)", OWNER))  # fmt: skip
     delay_us: float | None = env.field(env.TEST_DELAY_US)
 
 

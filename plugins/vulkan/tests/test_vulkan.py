@@ -174,6 +174,54 @@ def test_work_is_asynchronous(vk_devices, monkeypatch):
     buf.free()
 
 
+@pytest.mark.parametrize("xfer", [False, True])
+def test_copies_on_the_transfer_queue(vk_devices, monkeypatch, xfer):
+    """A device with a transfer-only queue family runs every stream's copies (uploads,
+    downloads, copies between tensors) on that family's queue, recorded from a pool of its own;
+    the stream's semaphore keeps them in order with its kernels, and another stream's copy
+    waits for what it reads. Lavapipe has one family: ``xfer`` stands its compute family in
+    (the copies then go to its last queue, through the same pools and submissions);
+    ACCELPLANE_VK_TRANSFER_QUEUE=0 keeps copies on the streams' own queues."""
+    from accelplane_vulkan.runtime import device as vkdev
+
+    monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "3000")  # device work lags the host
+    if xfer:
+        monkeypatch.setattr(vkdev, "transfer_family", lambda h: 0)
+    else:
+        monkeypatch.setenv("ACCELPLANE_VK_TRANSFER_QUEUE", "0")
+    dev = vk_devices()[0]
+    x, y, g, buf = _affine_graph(dev)
+    ctx = Context()
+    z = ctx.new_tensor(T.F32, (1000,), "z")
+    zbuf = alloc_tensors([z], dev.buffer_type)
+    be, pf = dev.new_backend(), dev.new_backend()
+    s = be.ctx
+    if xfer and s.dev.family != 0:
+        pytest.skip("the compute family is not family 0")
+    assert (s.xqueue is not None) == xfer and (s.dev.xfer_family is not None) == xfer
+    out = np.zeros(y.nbytes, np.uint8)
+    for i in range(4):
+        be.set_tensor_async(x, np.full(1000, float(i), np.float32).view(np.uint8))
+        be.graph_compute(g)
+        ev = dev.new_event()
+        ev.record(be)
+        ev.wait(pf)  # the other stream copies y only once it is computed
+        assert tensor_copy_async(pf, pf, y, z)
+        be.get_tensor_async(y, out)
+        be.synchronize()
+        pf.synchronize()
+        ev.free()
+        np.testing.assert_allclose(out.view(np.float32), (3 * i + 1) / 2)
+        np.testing.assert_allclose(z.get(), (3 * i + 1) / 2)
+    assert s.stats["xfer_submits"] == (8 if xfer else 0), s.stats  # an upload and a download a round
+    assert pf.ctx.stats["xfer_submits"] == (4 if xfer else 0), pf.ctx.stats
+    assert s.stats["dispatches_recorded"] == 3, s.stats  # the kernels stay on the compute queue
+    be.free()
+    pf.free()
+    buf.free()
+    zbuf.free()
+
+
 def test_free_while_queued_does_not_fault(vk_devices, monkeypatch):
     monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "20000")
     dev = vk_devices()[0]

@@ -99,11 +99,16 @@ def _unary_fn(t: Tensor) -> Callable[[np.ndarray], np.ndarray]:
     if op is Op.CLAMP:
         lo, hi = F32(p[0]), F32(p[1])
         return lambda x: np.minimum(np.maximum(x, lo), hi)
-    if op is Op.LEAKY_RELU:
+    if op is Op.LEAKY_RELU:  # ggml's (x > 0 ? x : 0) + k (x < 0 ? x : 0): +0 for a negative x and k 0
         k = F32(p[0])
-        return lambda x: np.where(x > 0, x, x * k)
+        return lambda x: _leaky_relu(x, k)
     u = UnaryOp(p[0])
     return _UNARY[u]
+
+
+def _leaky_relu(x, k):
+    with np.errstate(invalid="ignore"):  # k 0 times -inf: NaN, as ggml gives
+        return np.where(x > 0, x, F32(0)) + k * np.where(x < 0, x, F32(0))
 
 
 def _sigmoid(x):

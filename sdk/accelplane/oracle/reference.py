@@ -581,8 +581,10 @@ _OPS: dict[Op, Callable] = {
     Op.COS: lambda n, s: np.cos(s[0]),
     # ggml: MAX(MIN(x, max), min)
     Op.CLAMP: lambda n, s: np.maximum(np.minimum(s[0], n.op_params[1]), n.op_params[0]),
+    # ggml: (x > 0 ? x : 0) + slope * (x < 0 ? x : 0), the slope an F32 op parameter (a
+    # negative x times a zero slope adds -0 to +0: +0, as ggml gives)
     Op.LEAKY_RELU: lambda n, s: (
-        np.where(s[0] > 0, s[0], 0.0) + n.op_params[0] * np.where(s[0] < 0, s[0], 0.0)
+        np.where(s[0] > 0, s[0], 0.0) + float(np.float32(n.op_params[0])) * np.where(s[0] < 0, s[0], 0.0)
     ),
     Op.UNARY: _unary,
     Op.GLU: _glu,

@@ -41,7 +41,7 @@ __device__ __forceinline__ float unary_op(int op, float x, float p0, float p1) {
         case 104: return cosf(x);
         case 105: return x * p0 + p1;
         case 106: return fmaxf(fminf(x, p1), p0);
-        case 107: return x > 0.0f ? x : x * p0;
+        case 107: return (x > 0.0f ? x : 0.0f) + p0 * (x < 0.0f ? x : 0.0f);  // ggml's LEAKY_RELU
     }
     return x;
 }

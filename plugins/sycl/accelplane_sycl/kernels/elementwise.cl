@@ -52,7 +52,7 @@ inline float unary_f(int op, float x, float f0, float f1) {
     case U_COS: return cos(x);
     case U_SCALE: return x * f0 + f1;
     case U_CLAMP: return fmin(fmax(x, f0), f1);
-    case U_LEAKY: return x > 0.0f ? x : x * f0;
+    case U_LEAKY: return (x > 0.0f ? x : 0.0f) + f0 * (x < 0.0f ? x : 0.0f);  /* ggml's */
     case U_ABS: return fabs(x);
     case U_NEG: return -x;
     case U_TANH: return tanh(x);

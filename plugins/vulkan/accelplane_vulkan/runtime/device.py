@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from accelplane.errors import AllocationError, DeviceError
 
+from .. import tuning
 from ..probe import PhysInfo
 from .stream import Stream
 from .vk import NULL, V, check, ffi, lib, new_struct
@@ -41,16 +42,30 @@ def _compute_family(phys: PhysInfo, h, label: str) -> tuple[int, int]:
     return family, max(1, min(fams[family].queueCount, MAX_QUEUES))
 
 
-def _create_device(phys: PhysInfo, h, family: int, nq: int):
-    """vkCreateDevice with ``nq`` queues of ``family`` and the features the kernels use."""
+def transfer_family(h) -> int | None:
+    """A transfer-only queue family of physical device ``h`` (its copy engines: no compute, no
+    graphics), or None."""
+    n = ffi.new("uint32_t*")
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
+    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
+    other = V.VK_QUEUE_COMPUTE_BIT | V.VK_QUEUE_GRAPHICS_BIT
+    flags = [fams[i].queueFlags for i in range(n[0])]
+    only = [i for i, f in enumerate(flags) if f & V.VK_QUEUE_TRANSFER_BIT and not f & other]
+    return only[0] if only else None
+
+
+def _create_device(phys: PhysInfo, h, family: int, nq: int, xfam: int | None):
+    """vkCreateDevice with ``nq`` queues of ``family`` (and one of ``xfam`` when it is another
+    family) and the features the kernels use."""
     prio = ffi.new("float[]", [1.0] * nq)
-    qci = new_struct(
-        "VkDeviceQueueCreateInfo",
-        V.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
-        queueFamilyIndex=family,
-        queueCount=nq,
-        pQueuePriorities=prio,
-    )
+    qci = ffi.new("VkDeviceQueueCreateInfo[2]")
+    for i, (fam, count) in enumerate([(family, nq)] + ([(xfam, 1)] if xfam not in (None, family) else [])):
+        qci[i].sType = V.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO
+        qci[i].queueFamilyIndex = fam
+        qci[i].queueCount = count
+        qci[i].pQueuePriorities = prio
+    n_qci = 1 + (xfam not in (None, family))
     f12 = new_struct(
         "VkPhysicalDeviceVulkan12Features",
         V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
@@ -75,7 +90,7 @@ def _create_device(phys: PhysInfo, h, family: int, nq: int):
         "VkDeviceCreateInfo",
         V.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
         pNext=f2,
-        queueCreateInfoCount=1,
+        queueCreateInfoCount=n_qci,
         pQueueCreateInfos=qci,
     )
     out = ffi.new("VkDevice*")
@@ -93,12 +108,23 @@ class LogicalDevice:
         self.label = label
         self.phys_handle = ffi.cast("VkPhysicalDevice", phys.handle)  # the probe's, through ctypes
         self.family, nq = _compute_family(phys, self.phys_handle, label)
-        self.handle = _create_device(phys, self.phys_handle, self.family, nq)
+        # copies go to a transfer-only family's queue where there is one (ACCELPLANE_VK_TRANSFER_QUEUE):
+        # the copy engines, so they overlap the compute queues' kernels (a MoE's expert prefetch)
+        self.xfer_family = transfer_family(self.phys_handle) if tuning.read().transfer_queue else None
+        self.handle = _create_device(phys, self.phys_handle, self.family, nq, self.xfer_family)
         self.queues = []
         for i in range(nq):
             q = ffi.new("VkQueue*")
             lib.vkGetDeviceQueue(self.handle, self.family, i, q)
             self.queues.append(Queue(q[0]))
+        self.xfer_queue: Queue | None = None  # None: copies on the stream's own queue
+        if self.xfer_family == self.family:  # (a family given for tests: its last queue)
+            self.xfer_queue = self.queues[-1]
+        elif self.xfer_family is not None:
+            q = ffi.new("VkQueue*")
+            lib.vkGetDeviceQueue(self.handle, self.xfer_family, 0, q)
+            self.xfer_queue = Queue(q[0])
+            self.queues.append(self.xfer_queue)  # (locked by wait_idle; never a stream's compute queue)
         self._next_queue = 0
         self._pick_memory_types()
         self._make_layouts()
@@ -232,9 +258,18 @@ class LogicalDevice:
             return out[0]
 
     def next_queue(self) -> Queue:
-        q = self.queues[self._next_queue % len(self.queues)]
+        """A compute queue for a new stream (round-robin)."""
+        n = len(self.queues) - (self.xfer_family not in (None, self.family))
+        q = self.queues[self._next_queue % n]
         self._next_queue += 1
         return q
+
+    def sharing(self) -> tuple[int, list[int]]:
+        """(sharing mode, queue families) of every buffer: concurrent over the compute and the
+        transfer family where copies have a family of their own (no ownership transfers)."""
+        if self.xfer_family in (None, self.family):
+            return V.VK_SHARING_MODE_EXCLUSIVE, []
+        return V.VK_SHARING_MODE_CONCURRENT, [self.family, self.xfer_family]
 
     def new_timeline(self, initial: int = 0):
         tci = new_struct(

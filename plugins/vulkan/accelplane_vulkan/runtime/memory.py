@@ -27,12 +27,16 @@ class Memory:
             | V.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
             | V.VK_BUFFER_USAGE_TRANSFER_DST_BIT
         )
+        mode, fams = dev.sharing()
+        c_fams = ffi.new("uint32_t[]", fams) if fams else NULL
         bci = new_struct(
             "VkBufferCreateInfo",
             V.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
             size=vsize,
             usage=usage,
-            sharingMode=V.VK_SHARING_MODE_EXCLUSIVE,
+            sharingMode=mode,
+            queueFamilyIndexCount=len(fams),
+            pQueueFamilyIndices=c_fams,
         )
         out = ffi.new("VkBuffer*")
         check(lib.vkCreateBuffer(dev.handle, bci, NULL, out), f"vkCreateBuffer({size} bytes)")

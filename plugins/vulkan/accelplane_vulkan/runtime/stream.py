@@ -64,28 +64,25 @@ class Staging:
 class Stream:
     """An in-order stream on a LogicalDevice: a queue (maybe shared), a command pool, a
     timeline semaphore chaining every submission, staging areas, host tasks that run once a
-    value completes (copies into the caller's arrays), and a host bridge when needed."""
+    value completes (copies into the caller's arrays), and a host bridge when needed. Its
+    copies (upload, download, copy, fill) go to the device's transfer queue where it has one,
+    recorded from a second pool of that family: the semaphore keeps them in the stream's order."""
 
     def __init__(self, dev: LogicalDevice, label: str) -> None:
         self.dev = dev
         self.label = label
         self.queue = dev.next_queue()
-        ci = new_struct(
-            "VkCommandPoolCreateInfo",
-            V.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
-            flags=V.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
-            queueFamilyIndex=dev.family,
-        )
-        out = ffi.new("VkCommandPool*")
-        check(lib.vkCreateCommandPool(dev.handle, ci, NULL, out), "vkCreateCommandPool")
-        self.pool = out[0]
+        self.pool = self._new_pool(dev.family)
+        self.xqueue = dev.xfer_queue
+        self.xpool = None  # made at the first copy
         self.sem = dev.new_timeline()
         self.submitted = 0
         self._done = 0
         self.drained = 0  # host tasks up to this value have run
         self.closed = False
         self.idle_cmds: list = []
-        self.busy_cmds: collections.deque = collections.deque()  # (value, cmd)
+        self.idle_xcmds: list = []  # the transfer pool's
+        self.busy_cmds: collections.deque = collections.deque()  # (value, cmd, its idle list)
         self.host_tasks: collections.deque = collections.deque()  # (value, fn)
         self.garbage: list[tuple[list, Callable[[], None]]] = []  # ([value], destroy)
         self.staging: list[Staging] = []
@@ -171,7 +168,8 @@ class Stream:
             self.host_tasks.popleft()[1]()
         self.drained = done
         while self.busy_cmds and self.busy_cmds[0][0] <= done:
-            self.idle_cmds.append(self.busy_cmds.popleft()[1])
+            _, cmd, idle = self.busy_cmds.popleft()
+            idle.append(cmd)
         if self.garbage:
             keep = []
             for cell, destroy in self.garbage:
@@ -182,11 +180,22 @@ class Stream:
             self.garbage = keep
 
     # recording and submission
-    def alloc_cmd(self):
+    def _new_pool(self, family: int):
+        ci = new_struct(
+            "VkCommandPoolCreateInfo",
+            V.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+            flags=V.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+            queueFamilyIndex=family,
+        )
+        out = ffi.new("VkCommandPool*")
+        check(lib.vkCreateCommandPool(self.dev.handle, ci, NULL, out), "vkCreateCommandPool")
+        return out[0]
+
+    def alloc_cmd(self, pool=None):
         ai = new_struct(
             "VkCommandBufferAllocateInfo",
             V.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
-            commandPool=self.pool,
+            commandPool=self.pool if pool is None else pool,
             level=V.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
             commandBufferCount=1,
         )
@@ -194,13 +203,19 @@ class Stream:
         check(lib.vkAllocateCommandBuffers(self.dev.handle, ai, out), "vkAllocateCommandBuffers")
         return out[0]
 
-    def begin(self, flags: int = V.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT, cmd=None):
-        """A command buffer in the recording state (a recycled one when possible)."""
+    def begin(self, flags: int = V.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT, cmd=None, xfer: bool = False):
+        """A command buffer in the recording state (a recycled one when possible); ``xfer``: of
+        the transfer pool, for submit(.., xfer=True) (copies only)."""
         if cmd is None:
             self.drain()
-            if self.idle_cmds:
-                cmd = self.idle_cmds.pop()
+            idle = self.idle_xcmds if xfer else self.idle_cmds
+            if idle:
+                cmd = idle.pop()
                 lib.vkResetCommandBuffer(cmd, 0)
+            elif xfer:
+                if self.xpool is None:
+                    self.xpool = self._new_pool(self.dev.xfer_family)
+                cmd = self.alloc_cmd(self.xpool)
             else:
                 cmd = self.alloc_cmd()
         bi = new_struct(
@@ -209,9 +224,10 @@ class Stream:
         check(lib.vkBeginCommandBuffer(cmd, bi), "vkBeginCommandBuffer")
         return cmd
 
-    def submit(self, cmds: tuple = (), waits: tuple = (), transient: bool = True) -> int:
+    def submit(self, cmds: tuple = (), waits: tuple = (), transient: bool = True, xfer: bool = False) -> int:
         """Queue ``cmds`` after everything queued so far and after ``waits`` ((semaphore,
-        value) pairs of the same VkDevice); returns the value that marks their completion."""
+        value) pairs of the same VkDevice); returns the value that marks their completion.
+        ``xfer``: on the transfer queue (``cmds`` from begin(xfer=True): copies only)."""
         if self.closed:
             raise DeviceError(f"Vulkan stream {self.label} used after free")
         if transient:  # recorded by begin(): end them here (plans end theirs when recorded)
@@ -249,14 +265,15 @@ class Stream:
             signalSemaphoreCount=1,
             pSignalSemaphores=sig,
         )
-        with self.queue.lock:
-            r = lib.vkQueueSubmit(self.queue.handle, 1, si, NULL)
+        queue = self.xqueue if xfer else self.queue
+        with queue.lock:
+            r = lib.vkQueueSubmit(queue.handle, 1, si, NULL)
         check(r, f"vkQueueSubmit ({self.label})")
         self.submitted = v
-        self.stats["submits"] += 1
+        self.stats["xfer_submits" if xfer else "submits"] += 1
         if transient:
             for c in cmds:
-                self.busy_cmds.append((v, c))
+                self.busy_cmds.append((v, c, self.idle_xcmds if xfer else self.idle_cmds))
         return v
 
     def after(self, value: int, fn: Callable[[], None]) -> None:
@@ -289,9 +306,10 @@ class Stream:
         size = data.size
         st = self.stage(size)
         st.mem.host[:size] = data
-        cmd = self.begin()
+        x = self.xqueue is not None
+        cmd = self.begin(xfer=x)
         cmd_copy(cmd, st.mem.buf, 0, mem.buf, offset, size)
-        v = self.submit((cmd,), waits)
+        v = self.submit((cmd,), waits, xfer=x)
         st.busy = (self, v)
         return v
 
@@ -299,10 +317,7 @@ class Stream:
         """Queue mem[offset:offset+size] → ``out`` (written when the value completes and the
         stream drains: at synchronize or event_synchronize)."""
         st = self.stage(size)
-        cmd = self.begin()
-        cmd_copy(cmd, mem.buf, offset, st.mem.buf, 0, size)
-        cmd_to_host(cmd)
-        v = self.submit((cmd,))
+        v = self.copy(mem, offset, st.mem, 0, size, to_host=True)
         st.busy = (self, v)
         host = st.mem.host
 
@@ -312,17 +327,23 @@ class Stream:
         self.after(v, land)
         return v
 
-    def copy(self, src: Memory, src_off: int, dst: Memory, dst_off: int, size: int, waits: tuple = ()) -> int:
-        cmd = self.begin()
+    def copy(self, src: Memory, src_off: int, dst: Memory, dst_off: int, size: int, waits: tuple = (),
+             to_host: bool = False) -> int:  # fmt: skip
+        """Queue src[src_off:] → dst[dst_off:]; ``to_host``: made visible to host reads of dst."""
+        x = self.xqueue is not None
+        cmd = self.begin(xfer=x)
         cmd_copy(cmd, src.buf, src_off, dst.buf, dst_off, size)
-        return self.submit((cmd,), waits)
+        if to_host:
+            cmd_to_host(cmd)
+        return self.submit((cmd,), waits, xfer=x)
 
     def fill(self, mem: Memory, offset: int, size: int, value: int) -> int:
         """vkCmdFillBuffer: offset and size multiples of 4."""
-        cmd = self.begin()
+        x = self.xqueue is not None
+        cmd = self.begin(xfer=x)
         word = (value & 0xFF) * 0x01010101
         lib.vkCmdFillBuffer(cmd, mem.buf, offset, size, word)
-        return self.submit((cmd,))
+        return self.submit((cmd,), xfer=x)
 
     # blocking transfers in pieces (bounded staging), for buffer_set/get_tensor
     def upload_blocking(self, mem: Memory, offset: int, data: np.ndarray) -> None:
@@ -388,6 +409,8 @@ class Stream:
         self.closed = True
         self._done = self.submitted
         lib.vkDestroyCommandPool(self.dev.handle, self.pool, NULL)
+        if self.xpool is not None:
+            lib.vkDestroyCommandPool(self.dev.handle, self.xpool, NULL)
         lib.vkDestroySemaphore(self.dev.handle, self.sem, NULL)
 
 
