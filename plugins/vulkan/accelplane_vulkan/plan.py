@@ -225,7 +225,7 @@ class Plan:
         check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
 
     def replay(self) -> int:
-        v = self.stream.submit((self.cmd,), transient=False)
+        v = self.stream.run_recorded(self.cmd)
         self._last[0] = v
         return v
 

@@ -34,7 +34,7 @@ def _rt():
 # --- registration ------------------------------------------------------------------------------
 @hookimpl
 def api_version():
-    return (1, 1)  # the interface version this plugin was written for: a literal, never the SDK's
+    return (1, 3)  # the interface version this plugin was written for: a literal, never the SDK's
 
 
 def _open(ctx: probe.DeviceCtx):
@@ -252,6 +252,17 @@ def cpy_tensor_async(backend_src, backend_dst, src, dst):
         ds.upload(dmem, dst.offs, src.buffer.host_array[src.offs : src.offs + n])
         return True
     return False
+
+
+# --- timeline: device timestamps around each copy and compute ------------------------------------------
+@hookimpl
+def timeline_begin(backend):
+    return backend.ctx.timeline_begin()
+
+
+@hookimpl
+def timeline_end(backend):
+    return backend.ctx.timeline_end()
 
 
 # --- events --------------------------------------------------------------------------------------------

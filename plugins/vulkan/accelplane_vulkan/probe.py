@@ -257,6 +257,7 @@ class PhysInfo:
     subgroup_size: int
     subgroup_arith: bool = False  # subgroupAdd & co. in compute shaders
     int_dot: bool = False  # shaderIntegerDotProduct (Vulkan 1.3): packed 4x8-bit dot products
+    host_query_reset: bool = False  # query pools reset from the host (timestamps on transfer queues)
 
     @property
     def usable(self) -> str:
@@ -320,9 +321,10 @@ class Instance:
             "maxPushConstantsSize": lim.maxPushConstantsSize,
             "maxMemoryAllocationSize": 1 << 30,
             "maxBufferSize": 1 << 62,
+            "timestampPeriod": float(lim.timestampPeriod),  # nanoseconds per timestamp tick
         }
         driver, subgroup, arith = "", 0, False
-        storage16 = int16 = timeline = int_dot = False
+        storage16 = int16 = timeline = int_dot = host_reset = False
         if api >= (1, 2):
             v11, drv = new("VkPhysicalDeviceVulkan11Properties"), new("VkPhysicalDeviceDriverProperties")
             m4, chain = None, [v11, drv]
@@ -346,13 +348,14 @@ class Instance:
             lib.vkGetPhysicalDeviceFeatures2(hp, ctypes.byref(f2))
             storage16, int16 = bool(f11.storageBuffer16BitAccess), bool(f2.features.shaderInt16)
             timeline = bool(f12.timelineSemaphore)
+            host_reset = bool(f12.hostQueryReset)
             int_dot = f13 is not None and bool(f13.shaderIntegerDotProduct)
         mp = new("VkPhysicalDeviceMemoryProperties")
         lib.vkGetPhysicalDeviceMemoryProperties(hp, ctypes.byref(mp))
         heap = max((mp.memoryHeaps[i].size for i in range(mp.memoryHeapCount)
                     if mp.memoryHeaps[i].flags & HEAP_DEVICE_LOCAL), default=0)  # fmt: skip
         return PhysInfo(h, _text(p.deviceName), p.deviceType, api, driver, limits, storage16, int16, timeline,
-                        heap, subgroup, arith, int_dot)  # fmt: skip
+                        heap, subgroup, arith, int_dot, host_reset)  # fmt: skip
 
 
 _instance: Instance | None = None

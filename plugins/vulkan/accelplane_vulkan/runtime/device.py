@@ -42,6 +42,15 @@ def _compute_family(phys: PhysInfo, h, label: str) -> tuple[int, int]:
     return family, max(1, min(fams[family].queueCount, MAX_QUEUES))
 
 
+def timestamp_bits(h, family: int) -> int:
+    """timestampValidBits of queue family ``family`` of physical device ``h`` (0: no timestamps)."""
+    n = ffi.new("uint32_t*")
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
+    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
+    return int(fams[family].timestampValidBits)
+
+
 def transfer_family(h) -> int | None:
     """A transfer-only queue family of physical device ``h`` (its copy engines: no compute, no
     graphics), or None."""
@@ -70,6 +79,7 @@ def _create_device(phys: PhysInfo, h, family: int, nq: int, xfam: int | None):
         "VkPhysicalDeviceVulkan12Features",
         V.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
         timelineSemaphore=1,
+        hostQueryReset=int(phys.host_query_reset),  # the timeline's timestamp pools
     )
     f13 = new_struct(  # kept referenced until vkCreateDevice: pNext does not own it
         "VkPhysicalDeviceVulkan13Features",
@@ -126,6 +136,12 @@ class LogicalDevice:
             self.xfer_queue = Queue(q[0])
             self.queues.append(self.xfer_queue)  # (locked by wait_idle; never a stream's compute queue)
         self._next_queue = 0
+        # device timestamps for the streams' timelines (Backend.timeline_begin): both families'
+        # queues stamp, the pools reset from the host; seconds = (ticks - origin) * period
+        fams = {self.family, self.family if self.xfer_family is None else self.xfer_family}
+        self.timestamps = phys.host_query_reset and phys.limits["timestampPeriod"] > 0 and all(
+            timestamp_bits(self.phys_handle, f) for f in fams)
+        self.ts_origin: int | None = None
         self._pick_memory_types()
         self._make_layouts()
         self.modules: dict[str, object] = {}
@@ -270,6 +286,19 @@ class LogicalDevice:
         if self.xfer_family in (None, self.family):
             return V.VK_SHARING_MODE_EXCLUSIVE, []
         return V.VK_SHARING_MODE_CONCURRENT, [self.family, self.xfer_family]
+
+    def new_query_pool(self, n: int):
+        """A pool of ``n`` timestamp queries, reset."""
+        ci = new_struct(
+            "VkQueryPoolCreateInfo",
+            V.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+            queryType=V.VK_QUERY_TYPE_TIMESTAMP,
+            queryCount=n,
+        )
+        out = ffi.new("VkQueryPool*")
+        check(lib.vkCreateQueryPool(self.handle, ci, NULL, out), "vkCreateQueryPool")
+        lib.vkResetQueryPool(self.handle, out[0], 0, n)
+        return out[0]
 
     def new_timeline(self, initial: int = 0):
         tci = new_struct(
