@@ -25,6 +25,7 @@ from accelplane.errors import ComputeError, DeviceError
 from .. import tuning
 from .memory import Memory
 from .sync import Bridge
+from .timestamps import Timeline
 from .vk import NULL, V, check, cmd_copy, cmd_to_host, ffi, lib, new_struct
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ ERRORS = {
     4: "MUL_MAT_ID: an expert id out of range (its output was written as zeros)",
 }
 STAGING_CHUNK = 16 << 20  # blocking transfers go through staging in pieces of this size
-TS_POOL = 256  # timestamp queries per pool of a timeline (two a noted copy or compute)
 WAIT_SLICE_NS = 200_000_000  # host waits wake up this often (Ctrl-C, timeout checks)
 
 
@@ -96,9 +96,7 @@ class Stream:
         self.err.host[:] = 0
         self._counter = ffi.new("uint64_t*")
         self.plans = None  # a PlanCache, set by the plugin for backend streams
-        self.timeline: list | None = None  # (kind, query pool, first query) while noting
-        self._tpools: list = []
-        self._tnext = TS_POOL
+        self.timeline: Timeline | None = None  # while noting (Backend.timeline_begin)
         # ACCELPLANE_TEST_DELAY_US (set for backend streams): each submission also waits for a
         # host bridge job that sleeps a random time, so queued work lags the host and ordering
         # bugs show up in the conformance suite's race cases
@@ -333,7 +331,7 @@ class Stream:
         """Queue src[src_off:] → dst[dst_off:]; ``to_host``: made visible to host reads of dst."""
         x = self.xqueue is not None
         cmd = self.begin(xfer=x)
-        q = self._stamps("copy")
+        q = self.timeline.stamps("copy") if self.timeline is not None else None
         if q:
             lib.vkCmdWriteTimestamp(cmd, V.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, q[0], q[1])
         cmd_copy(cmd, src.buf, src_off, dst.buf, dst_off, size)
@@ -346,7 +344,7 @@ class Stream:
     def run_recorded(self, cmd) -> int:
         """Queue ``cmd``, recorded once and resubmitted (a plan's), after everything queued so
         far; between two timestamps of its own while a timeline is noted."""
-        q = self._stamps("compute")
+        q = self.timeline.stamps("compute") if self.timeline is not None else None
         if not q:
             return self.submit((cmd,), transient=False)
         stamps = []
@@ -359,47 +357,6 @@ class Stream:
         v = self.submit((stamps[0], cmd, stamps[1]), transient=False)
         self.busy_cmds.extend((v, c, self.idle_cmds) for c in stamps)
         return v
-
-    # timeline (Backend.timeline_begin): device timestamps around each copy and graph compute
-    def timeline_begin(self) -> bool:
-        if not self.dev.timestamps:
-            return False
-        self.timeline_end()  # (a timeline still being noted is dropped)
-        self.timeline = []
-        return True
-
-    def _stamps(self, kind: str) -> tuple | None:
-        """Two timestamp queries for work being recorded (pool, first), noted as ``kind``; None
-        when no timeline is being noted."""
-        if self.timeline is None:
-            return None
-        if self._tnext + 2 > TS_POOL:
-            self._tpools.append(self.dev.new_query_pool(TS_POOL))
-            self._tnext = 0
-        q = (self._tpools[-1], self._tnext)
-        self._tnext += 2
-        self.timeline.append((kind, *q))
-        return q
-
-    def timeline_end(self) -> list[tuple[str, float, float]]:
-        """(kind, start, end) of what was noted since timeline_begin, in seconds from the
-        device's origin (its first timestamp read); stops noting. The caller synchronized."""
-        if self.timeline is None:
-            return []
-        out, data = [], ffi.new("uint64_t[2]")
-        period = self.dev.phys.limits["timestampPeriod"] * 1e-9
-        flags = V.VK_QUERY_RESULT_64_BIT | V.VK_QUERY_RESULT_WAIT_BIT
-        for kind, pool, i in self.timeline:
-            r = lib.vkGetQueryPoolResults(self.dev.handle, pool, i, 2, 16, data, 8, flags)
-            check(r, "vkGetQueryPoolResults")
-            if self.dev.ts_origin is None:
-                self.dev.ts_origin = int(data[0])
-            t0, t1 = ((int(x) - self.dev.ts_origin) * period for x in (data[0], data[1]))
-            out.append((kind, t0, t1))
-        for pool in self._tpools:
-            lib.vkDestroyQueryPool(self.dev.handle, pool, NULL)
-        self.timeline, self._tpools, self._tnext = None, [], TS_POOL
-        return out
 
     def fill(self, mem: Memory, offset: int, size: int, value: int) -> int:
         """vkCmdFillBuffer: offset and size multiples of 4."""
@@ -469,9 +426,9 @@ class Stream:
         for st in self.staging:
             st.mem.free()
         self.staging = []
-        for pool in self._tpools:
-            lib.vkDestroyQueryPool(self.dev.handle, pool, NULL)
-        self._tpools, self.timeline = [], None
+        if self.timeline is not None:
+            self.timeline.free()
+            self.timeline = None
         self.err.free()
         self.closed = True
         self._done = self.submitted
