@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 from accelplane.errors import AllocationError, DeviceError
 
@@ -27,40 +28,39 @@ class Queue:
         self.lock = threading.Lock()  # vkQueueSubmit needs external synchronization
 
 
+class _Family(NamedTuple):
+    flags: int
+    count: int
+    timestamp_bits: int
+
+
+def _families(h) -> list[_Family]:
+    """The queue families of physical device ``h`` (copied out of the driver's structs)."""
+    n = ffi.new("uint32_t*")
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
+    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
+    return [_Family(f.queueFlags, f.queueCount, f.timestampValidBits) for f in (fams[i] for i in range(n[0]))]
+
+
 def _compute_family(phys: PhysInfo, h, label: str) -> tuple[int, int]:
     """(queue family, queues to ask of it) of ``phys`` (``h``: its handle): a compute-only
     family if there is one (async compute engines), else the first with compute."""
-    n = ffi.new("uint32_t*")
-    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
-    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
-    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
-    compute = [i for i in range(n[0]) if fams[i].queueFlags & V.VK_QUEUE_COMPUTE_BIT]
+    fams = _families(h)
+    compute = [i for i, f in enumerate(fams) if f.flags & V.VK_QUEUE_COMPUTE_BIT]
     if not compute:
         raise DeviceError(f"{label}: no compute queue family on {phys.name}")
-    only = [i for i in compute if not fams[i].queueFlags & V.VK_QUEUE_GRAPHICS_BIT]
+    only = [i for i in compute if not fams[i].flags & V.VK_QUEUE_GRAPHICS_BIT]
     family = (only or compute)[0]
-    return family, max(1, min(fams[family].queueCount, MAX_QUEUES))
-
-
-def timestamp_bits(h, family: int) -> int:
-    """timestampValidBits of queue family ``family`` of physical device ``h`` (0: no timestamps)."""
-    n = ffi.new("uint32_t*")
-    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
-    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
-    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
-    return int(fams[family].timestampValidBits)
+    return family, max(1, min(fams[family].count, MAX_QUEUES))
 
 
 def transfer_family(h) -> int | None:
     """A transfer-only queue family of physical device ``h`` (its copy engines: no compute, no
     graphics), or None."""
-    n = ffi.new("uint32_t*")
-    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, NULL)
-    fams = ffi.new("VkQueueFamilyProperties[]", n[0])
-    lib.vkGetPhysicalDeviceQueueFamilyProperties(h, n, fams)
     other = V.VK_QUEUE_COMPUTE_BIT | V.VK_QUEUE_GRAPHICS_BIT
-    flags = [fams[i].queueFlags for i in range(n[0])]
-    only = [i for i, f in enumerate(flags) if f & V.VK_QUEUE_TRANSFER_BIT and not f & other]
+    only = [i for i, f in enumerate(_families(h))
+            if f.flags & V.VK_QUEUE_TRANSFER_BIT and not f.flags & other]  # fmt: skip
     return only[0] if only else None
 
 
@@ -138,9 +138,10 @@ class LogicalDevice:
         self._next_queue = 0
         # device timestamps for the streams' timelines (Backend.timeline_begin): both families'
         # queues stamp, the pools reset from the host; seconds = (ticks - origin) * period
-        fams = {self.family, self.family if self.xfer_family is None else self.xfer_family}
+        props = _families(self.phys_handle)
+        used = (self.family, self.family if self.xfer_family is None else self.xfer_family)
         self.timestamps = phys.host_query_reset and phys.limits["timestampPeriod"] > 0 and all(
-            timestamp_bits(self.phys_handle, f) for f in fams)
+            props[f].timestamp_bits for f in used)
         self.ts_origin: int | None = None
         self._pick_memory_types()
         self._make_layouts()
