@@ -2,8 +2,9 @@
 
 CuPy launches kernels with ``cuLaunchKernel``, which cannot carry launch attributes. On sm_90
 and newer, a launch with the programmatic-stream-serialization attribute lets a kernel start
-while the one before it in the stream drains: its blocks are scheduled as SMs free up and wait
-inside the kernel (kernels/common.cuh: ``pdl_enter``) for the previous kernel's results. Between the
+while the one before it in the stream runs (once that one is past its own wait): its blocks are
+scheduled as SMs free up and wait inside the kernel (kernels/common.cuh: ``pdl_enter``) for the
+previous kernel's results. Between the
 short kernels of a decode step this hides the launch and ramp-up gap; the register mat-vec
 also streams its first weights during that wait. A stream capture records the attribute as a
 programmatic edge of the CUDA graph, so replays keep the overlap.
