@@ -10,10 +10,11 @@ from . import compiler, matvec
 from .args import HALF_TYPES, f64
 
 MAX_R, MAX_D, MAX_DV = 8, 256, 256  # query rows, K row length, V rows it takes (Dv <= the block)
-# cache positions a block takes before a row is split over several blocks of a cluster (a 1B
-# decode step on an H100: 569 us at 256, 578 at 64, 594 at 128); blocks per row at most (a
-# portable cluster)
-POSITIONS, MAX_SPLIT = 256, 8
+# a block's share of a row: cache positions times the K and V row lengths (D + Dv) it takes
+# before the row is split over several blocks of a cluster (a 1B decode step on an H100, D = Dv
+# = 64: 569 us at 256 positions, 578 at 64, 594 at 128; a qwen3moe's, D = Dv = 128: 1306 us at
+# 256, 1259 at 64); blocks per row at most (a portable cluster)
+POSITION_WORK, MAX_SPLIT = 256 * 128, 8
 _CTYPE = {T.F16: "__half", T.F32: "float"}
 
 FAMILY = compiler.family("attention", {
@@ -49,14 +50,15 @@ def fits(kq, sm, kqv) -> bool:
 def attention(plan, kq, sm, kqv) -> None:
     """Decode attention as one launch: a block per query row and head batch over a run of cache
     positions, a tile of up to 256 at a time; where the device has thread-block clusters
-    (sm_90+), a cache longer than POSITIONS is split over up to MAX_SPLIT blocks of one cluster
-    per row, combined in distributed shared memory."""
+    (sm_90+), a cache longer than POSITION_WORK / (D + Dv) positions is split over up to
+    MAX_SPLIT blocks of one cluster per row, combined in distributed shared memory."""
     k, q = kq.src
     mask = sm.src[1]
     v = kqv.src[0]
     nkv, r, ne2, ne3 = kq.ne
     batches, dv = ne2 * ne3, v.ne[1]
-    split = min(MAX_SPLIT, -(-nkv // POSITIONS)) if plan.fns.cc >= 90 else 1
+    positions = max(8, POSITION_WORK // (k.ne[0] + dv))
+    split = min(MAX_SPLIT, -(-nkv // positions)) if plan.fns.cc >= 90 else 1
     per = -(-nkv // split)
     pc = -(-per // 8) * 8  # positions per block, whole 16-byte words of V
     split = -(-nkv // pc)

@@ -608,9 +608,10 @@ def test_attention_fused(monkeypatch, kv, d, rows, nkv, mtype, n_ctx, split):
     (through a reshape, as the model's) reads the activations the attention kernel quantized: no
     k_quant_x launch. The V cache has a buffer of its own, so a cache of n_ctx = n_kv or not a
     multiple of 8 positions ends at the buffer's end (the kernel must not read whole words
-    there), and unaligned rows (45 positions) take the element-wise loads. Up to 256 positions
-    are one block per row; longer caches several blocks of a cluster per row (on sm_90+), 8192
-    the most, or with ``split`` 1 one block looping over tiles of 256 (as on older GPUs); K rows
+    there), and unaligned rows (45 positions) take the element-wise loads. A block takes up to
+    attention.POSITION_WORK / (D + Dv) positions of a row (256 at D = 64, 128 at D = 128); longer
+    caches several blocks of a cluster per row (on sm_90+), 8192 the most, or with ``split`` 1
+    one block looping over tiles of 256 (as on older GPUs); K rows
     of 256 F16 and of 96 F32 take two passes of loads, as do V rows of 96 F32. Masks: the last
     position hidden; a decode window's padding (every position past a fifth hidden: whole tiles
     and blocks of nothing but masked positions); a hole in the middle."""
