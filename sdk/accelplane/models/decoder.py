@@ -354,6 +354,9 @@ class _Step:
     # traced or forced routing (DecoderModel.eval): per MoE layer, its probabilities [T, E] and
     # the experts used: the ARGSORT [T, E] (the first k are used), or the forced ids input [T, k]
     routes: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # several tokens: each token's mask row repeated on the device for its query heads, mask[i]
+    # = input[mask_rows[i]] (one token: the inputs hold those rows themselves)
+    mask_rows: Tensor | None = None
 
 
 @dataclass
@@ -894,12 +897,23 @@ class DecoderModel:
         tokens = self.tok_state if chain else ctx.new_tensor(T.I32, (n_tok,), "inp_tokens").set_input()
         pos = ctx.new_tensor(T.I32, (n_tok,), "inp_pos").set_input()
         g = n_head // n_kv_head
-        # row t * g + r: token t, query head r of its group (see the attention below)
-        mask = mask_swa = None
+        # row t * g + r: token t, query head r of its group (see the attention below). Several
+        # tokens: the masks come in a row per token and are repeated on the device (a GET_ROWS
+        # by mask_rows), so a prompt uploads n_kv floats a token, not g times as many
+        mask_rows = None
+        if n_tok > 1 and g > 1:
+            mask_rows = ctx.new_tensor(T.I32, (n_tok * g,), "inp_kq_mask_rows").set_input()
+        rows = n_tok * g if mask_rows is None else n_tok
+
+        def mask_input(name: str) -> tuple[Tensor, Tensor]:  # (the input, the mask read)
+            m = ctx.new_tensor(T.F32, (rows, n_kv), name).set_input()
+            return m, m if mask_rows is None else cb(ctx.get_rows(m, mask_rows), name + "_heads")
+
+        mask = mask_swa = mask_in = mask_swa_in = None
         if not all(cfg.is_swa(il) for il in range(cfg.n_layers)):  # a layer attends to the whole cache
-            mask = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask").set_input()
+            mask_in, mask = mask_input("inp_kq_mask")
         if cfg.has_swa:  # the sliding-window layers' own mask
-            mask_swa = ctx.new_tensor(T.F32, (n_tok * g, n_kv), "inp_kq_mask_swa").set_input()
+            mask_swa_in, mask_swa = mask_input("inp_kq_mask_swa")
         v_idx = ctx.new_tensor(T.I32, (n_tok * e_kv,), "inp_v_idxs").set_input()
         ff = w.get("rope_freqs.weight")
         esz = self.cache_type.type_size
@@ -965,8 +979,8 @@ class DecoderModel:
         if chain:
             ids = cb(ctx.cpy(ids, self.tok_state), "result_fed")
         graph = ctx.graph(logits, ids, *(t for r in routes for t in r), expand=gating)
-        return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask, v_idx, logits, ids, groups, mask_swa,
-                     routes)  # fmt: skip
+        return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask_in, v_idx, logits, ids, groups,
+                     mask_swa_in, routes, mask_rows)  # fmt: skip
 
     def _linear(self, ctx: Context, cb: _Namer, base: str, x: Tensor, name: str) -> Tensor:
         """``x`` times weight ``base``.weight, plus ``base``.bias when the model has one."""
@@ -1062,11 +1076,15 @@ class DecoderModel:
         # slots up to each token's own position are visible
         visible = slot <= pos[:, None]
         zero, hidden = np.float32(0), np.float32(-np.inf)
+        # a row per token, repeated for the g query heads of its kv head here or on the device
+        reps = g if st.mask_rows is None else 1
+        if st.mask_rows is not None:
+            set_bytes(st.mask_rows, np.repeat(np.arange(n, dtype=np.int32), g))
         if st.mask is not None:
-            set_bytes(st.mask, np.repeat(np.where(visible, zero, hidden), g, axis=0))
+            set_bytes(st.mask, np.repeat(np.where(visible, zero, hidden), reps, axis=0))
         if st.mask_swa is not None:
             visible &= pos[:, None] - slot < self.cfg.n_swa
-            set_bytes(st.mask_swa, np.repeat(np.where(visible, zero, hidden), g, axis=0))
+            set_bytes(st.mask_swa, np.repeat(np.where(visible, zero, hidden), reps, axis=0))
         if self.meta is None:
             if self._v_base is None:
                 self._v_base = np.arange(self.cfg.n_embd_kv, dtype=np.int32) * np.int32(self.n_ctx)
