@@ -1,7 +1,8 @@
 """Runs of nodes launched as one kernel, where accelplane.core.fusion allows it and a fused kernel
 takes the shapes: ROPE → view → SET_ROWS, ADD + norm (+ MUL), norm + MUL, norm + MUL + ROPE (→
 view → SET_ROWS), the Q/K/V projection with its ropes and cache writes, the decode attention, a
-MoE layer's gating, its gate and up products (one launch) and its weighted sum over the experts."""
+MoE layer's gating (a decode's with its router product), its gate and up products (one launch)
+and its weighted sum over the experts."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def fuse(plan, fusion: Fusion, i: int, nodes) -> int:
         g = fusion.moe_gating(i)
         if g is not None and moe.gating_fits(g):
             moe.gating(plan, g)
-            plan.fused.append(("SOFT_MAX", "ARGSORT", "GET_ROWS", *(("SUM_ROWS", "DIV") if g.normed else ())))
+            plan.fused.append(_gating_ops(g))
             return g.covered
         return 0
     # (nothing is left unwritten: only ACCELPLANE_FUSION=0 stops it)
@@ -59,6 +60,11 @@ def fuse(plan, fusion: Fusion, i: int, nodes) -> int:
         plan.fused.append((n.op.name, "MUL"))
         return 2
     if n.op is Op.MUL_MAT:
+        g = fusion.moe_gating(i + 1) if i + 1 < len(nodes) and nodes[i + 1].op is Op.SOFT_MAX else None
+        if g is not None and moe.gating_fits(g) and moe.router_fits(n, g):
+            moe.router_gating(plan, n, g)
+            plan.fused.append(("MUL_MAT", *_gating_ops(g)))
+            return 1 + g.covered
         f = fusion.product_rope_cache(i)
         if f is not None and qkv.fits(plan, f):
             qkv.run(plan, f)
@@ -70,6 +76,10 @@ def fuse(plan, fusion: Fusion, i: int, nodes) -> int:
             plan.fused.append(tuple(o.name for o in _ATTENTION))
             return 3
     return 0
+
+
+def _gating_ops(g) -> tuple[str, ...]:
+    return ("SOFT_MAX", "ARGSORT", "GET_ROWS", *(("SUM_ROWS", "DIV") if g.normed is not None else ()))
 
 
 def _add_norm(plan, fusion: Fusion, i: int, nodes) -> int:

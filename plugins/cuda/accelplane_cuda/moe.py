@@ -11,7 +11,8 @@ inside the plan's CUDA graph; one route serves the layer's products of the same 
 fly): an expert's weights are read once per 64 of its rows instead of once per row.
 
 Around the products, two fused runs (accelplane.core.fusion): the gating (softmax → argsort →
-top-k weights → renormalized) as ``k_moe_gating``, and the weighted sum over the used experts
+top-k weights → renormalized) as ``k_moe_gating`` (a decode's with the router product before it
+as ``k_moe_router``), and the weighted sum over the used experts
 (MUL and its chain of ADDs) as ``k_moe_sum``; and a decode's gate and up products of the same
 activations as one k_mmv_row1_id launch (``pairs``): k + 5 launches fewer per decode layer.
 A decode's products read their activations quantized by the norm and the SWIGLU that wrote
@@ -38,6 +39,7 @@ FAMILY = compiler.family("moe", {
     "k_moe_route": [()],
     "k_moe_gemm": compiler.product(WEIGHT_TYPES),
     "k_moe_gating": [()],
+    "k_moe_router": [()],
     "k_moe_sum": [()],
 })  # fmt: skip
 
@@ -134,17 +136,48 @@ def gating_fits(g: MoeGating) -> bool:
             and p.ne[0] <= MAX_EXPERTS and 0 < g.k <= 32 and (p.ne[1] == 1 or _tokens_apart(g)))  # fmt: skip
 
 
-def gating(plan, g: MoeGating) -> None:
+def _gating_args(plan, g: MoeGating, extra: list[int] = ()) -> tuple[np.uint64, tuple, int]:
+    """k_moe_gating's parameters (with ``extra`` after them), its result pointers and its dynamic
+    shared memory."""
     p, o, w, total, normed = g.probs, g.order, g.weights, g.total, g.normed
     E, n_tok = p.ne[0], p.ne[1]
     norm = normed is not None
     P = plan.params([E, n_tok, p.src[0].nb[1], p.nb[1], o.nb[1], g.k, w.nb[2], total.nb[1] if norm else 0,
-                     normed.nb[1] if norm else 0, int(norm)])  # fmt: skip
+                     normed.nb[1] if norm else 0, int(norm), *extra])  # fmt: skip
     zero = np.uint64(0)
-    E4 = -(-E // 4) * 4
-    plan.launch("k_moe_gating", 0, (P, plan.ptr(p.src[0]), plan.ptr(p), plan.ptr(o), plan.ptr(w),
-                                    plan.ptr(total) if norm else zero, plan.ptr(normed) if norm else zero),
-                block=-(-E // 32) * 32, grid=(n_tok,), smem=(2 * E4 + E) * 4)  # fmt: skip
+    out = (plan.ptr(p), plan.ptr(o), plan.ptr(w), plan.ptr(total) if norm else zero,
+           plan.ptr(normed) if norm else zero)  # fmt: skip
+    return P, out, (2 * -(-E // 4) * 4 + E) * 4
+
+
+def gating(plan, g: MoeGating) -> None:
+    P, out, smem = _gating_args(plan, g)
+    plan.launch("k_moe_gating", 0, (P, plan.ptr(g.probs.src[0]), *out), block=-(-g.probs.ne[0] // 32) * 32,
+                grid=(g.probs.ne[1],), smem=smem)  # fmt: skip
+
+
+def router_fits(n, g: MoeGating) -> bool:
+    """MUL_MAT ``n`` is the router product whose logits gating run ``g`` reads, in the shape
+    k_moe_router takes: one token, F32 weights [K, E] of 16-byte aligned contiguous rows (K a
+    multiple of 4), F32 activations contiguous and 16-byte aligned, F32 logits."""
+    a, b = n.src
+    aligned = all((t.buffer.ctx.ptr + t.offs) % 16 == 0 for t in (a, b))
+    return (g.probs.src[0] is n and n.type == a.type == b.type == T.F32 and n.is_contiguous()
+            and a.ne[0] % 4 == 0 and a.nb[0] == 4 and a.nb[1] % 16 == 0 and a.ne[2] == a.ne[3] == 1
+            and tuple(b.ne) == (a.ne[0], 1, 1, 1) and b.is_contiguous() and aligned
+            and tuple(n.ne) == (a.ne[1], 1, 1, 1) and a.ne[1] <= MAX_EXPERTS)  # fmt: skip
+
+
+def router_gating(plan, n, g: MoeGating) -> None:
+    """The router product ``n`` and gating run ``g`` as one k_moe_router launch (router_fits
+    said yes): a warp per expert, blocks of at least 128 threads and of the experts' count."""
+    a, b = n.src
+    early = int(id(a.buffer) not in plan.written)
+    P, out, smem = _gating_args(plan, g, [a.ne[0], a.nb[1], early])
+    counter = plan.params([0])  # zeroed; each launch's last block zeroes it again
+    threads = max(128, -(-a.ne[1] // 32) * 32)
+    plan.launch("k_moe_router", 0, (P, plan.ptr(n), plan.ptr(a), plan.ptr(b), *out, counter), block=threads,
+                grid=(-(-a.ne[1] // (threads // 32)),), smem=smem)  # fmt: skip
 
 
 def sum_fits(s: MoeSum) -> bool:

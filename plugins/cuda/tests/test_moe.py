@@ -192,6 +192,64 @@ def test_gating_ties_keep_the_lower_expert_first(monkeypatch):
     assert np.allclose(w[1], 0.25)
 
 
+def _router_graph(n_exp, k, kdim, fusion, monkeypatch, seed):
+    """A decode's router product (F32 weights in a weights buffer) and the gating after it, on
+    the GPU, computed twice (the second a replay): the plan's fused runs, both computes' logits,
+    order and weights, and the inputs."""
+    from accelplane.models.decoder import moe_gating
+
+    monkeypatch.setenv("ACCELPLANE_FUSION", "1" if fusion else "0")
+    rng = np.random.default_rng(seed)
+    ctx = Context()
+    wr = ctx.new_tensor_ne(T.F32, kdim, n_exp, name="router")
+    x = ctx.new_tensor_ne(T.F32, kdim, 1, name="x")
+    logits = ctx.mul_mat(wr, x)
+    ids, wts = moe_gating(ctx, logits, k, norm=True)
+    graph = ctx.graph(wts, ids.view_src, logits)
+    dev = _cuda()
+    wbuf = alloc_tensors([wr], dev.buffer_type, BufferUsage.WEIGHTS)
+    buf = alloc_tensors([x, *graph.nodes], dev.buffer_type)
+    be = dev.new_backend()
+    wv = rng.standard_normal((n_exp, kdim)).astype(np.float32) / np.sqrt(kdim)
+    xv = rng.standard_normal((1, kdim)).astype(np.float32)
+    try:
+        wr.set(wv)
+        x.set(xv)
+        runs = []
+        for _ in range(2):
+            be.compute(graph)
+            runs.append((logits.get().reshape(-1), ids.view_src.get().reshape(-1), wts.get().reshape(-1)))
+        fused = be.ctx.plans.get(graph).fused
+    finally:
+        be.free()
+        buf.free()
+        wbuf.free()
+    return fused, runs, wv, xv
+
+
+@pytest.mark.parametrize("n_exp, k, kdim", [(64, 8, 2048), (128, 8, 4096), (256, 8, 1000), (8, 2, 64)])
+def test_router_and_gating_fused(monkeypatch, n_exp, k, kdim):
+    """A decode's router product and its gating as one k_moe_router launch (its last block
+    gates, on a counter it zeroes again, so a replay gives the same results): the logits within
+    F32 rounding of float64, the experts ranked as float64 ranks them, the renormalized top-k
+    weights; the unfused launches pick the same experts with the same weights."""
+    fused, runs, wv, xv = _router_graph(n_exp, k, kdim, True, monkeypatch, n_exp + k)
+    assert fused == [("MUL_MAT", "SOFT_MAX", "ARGSORT", "GET_ROWS", "SUM_ROWS", "DIV")], fused
+    lw = wv.astype(np.float64) @ xv[0].astype(np.float64)
+    p = np.exp(lw - lw.max())
+    p /= p.sum()
+    want_order = np.argsort(-p, kind="stable")
+    want_w = p[want_order[:k]] / p[want_order[:k]].sum()
+    for lg, order, w in runs:
+        assert np.abs(lg - lw).max() < 1e-5 * np.abs(lw).max() + 1e-6
+        assert (order[:k] == want_order[:k]).all()
+        assert np.abs(w - want_w).max() < 1e-5
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+    unfused, plain, _, _ = _router_graph(n_exp, k, kdim, False, monkeypatch, n_exp + k)
+    assert unfused == []
+    assert (plain[0][1][:k] == runs[0][1][:k]).all() and np.abs(plain[0][2] - runs[0][2]).max() < 1e-6
+
+
 @pytest.mark.parametrize("fusion", [True, False])
 def test_gate_and_up_share_the_quantized_activations(monkeypatch, fusion):
     """Two decode products of the same activations (a MoE layer's gate and up): one k_quant_x

@@ -281,15 +281,13 @@ __global__ void __launch_bounds__(2 * MOE_TN) k_moe_gemm(const i64* __restrict__
 // the first warp takes the top k probabilities and, when norm, their sum and each divided by it
 // (k_sum_rows' and the DIV's arithmetic). Every result is written. A probability is >= 0 or NaN,
 // so ranking the key (NaN -> -1) by (key desc, index asc) puts NaN last as k_argsort does.
-// E <= MOE_MAX_EXP, k <= 32, blockDim = E rounded up to a warp; dynamic shared memory:
+// E <= MOE_MAX_EXP, k <= 32, blockDim >= E rounded up to a warp; dynamic shared memory:
 // 2 E4 floats and E ints (E4 = E rounded up to 4). P: [E, T, nbl1, nbp1, nbo1, k, nbw2, nbt1,
-// nbn1, norm]
-__global__ void k_moe_gating(const i64* __restrict__ P, const char* logits, char* probs, char* order,
-                             char* weights, char* total, char* normed) {
-    pdl_enter();
+// nbn1, norm]. The logits are read from L2 (__ldcg): k_moe_router's other blocks wrote them.
+__device__ __forceinline__ void moe_gate(const i64* __restrict__ P, i64 t, const char* logits, char* probs,
+                                         char* order, char* weights, char* total, char* normed) {
     extern __shared__ float gsm[];
     const int tid = threadIdx.x, lane = tid & 31;
-    const i64 t = blockIdx.x;
     const int E = (int)P[0], k = (int)P[5], E4 = (E + 3) & ~3;
     float* p = gsm;
     float* key = gsm + E4;
@@ -297,11 +295,11 @@ __global__ void k_moe_gating(const i64* __restrict__ P, const char* logits, char
     if (tid < 32) {
         const float* l = (const float*)(logits + t * P[2]);
         float mx = -AP_INF;
-        for (int i = lane; i < E; i += 32) mx = fmaxf(mx, l[i]);
+        for (int i = lane; i < E; i += 32) mx = fmaxf(mx, __ldcg(l + i));
         mx = warp_max(mx);
         float sum = 0.0f;
         for (int i = lane; i < E; i += 32) {
-            const float e = expf(l[i] - mx);
+            const float e = expf(__ldcg(l + i) - mx);
             p[i] = e;
             sum += e;
         }
@@ -342,6 +340,65 @@ __global__ void k_moe_gating(const i64* __restrict__ P, const char* logits, char
             if (lane < k) ((float*)(normed + t * P[8]))[lane] = w / s;
         }
     }
+}
+
+// the gating alone: moe_gate, a block per token
+__global__ void k_moe_gating(const i64* __restrict__ P, const char* logits, char* probs, char* order,
+                             char* weights, char* total, char* normed) {
+    pdl_enter();
+    moe_gate(P, blockIdx.x, logits, probs, order, weights, total, normed);
+}
+
+// A decode's router product and its gating as one kernel (moe.py: router_gating): a warp per
+// expert's row of F32 weights (its first ROUTER_PRE float4 per lane loaded before the wait when
+// no kernel of the graph writes them, P[12]), dot the token's activations, the logit written;
+// then the last block to finish (counted on a zeroed counter it zeroes again) runs moe_gate
+// over the written logits, saving the gating's launch and its wait. One token; blockDim >= E
+// rounded up to a warp, a multiple of 32; moe_gate's dynamic shared memory. P: moe_gate's 10,
+// then K (a multiple of 4), the weights' row stride in bytes (16-byte aligned rows), early.
+#define ROUTER_PRE 16
+__global__ void k_moe_router(const i64* __restrict__ P, char* logits, const char* w, const char* x, char* probs,
+                             char* order, char* weights, char* total, char* normed, unsigned int* counter) {
+    const int lane = threadIdx.x & 31;
+    const int E = (int)P[0], k4 = (int)(P[10] / 4);
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool live = row < E;
+    const float4* wr = (const float4*)(w + (i64)(live ? row : 0) * P[11]);
+    float4 wv[ROUTER_PRE];
+    auto load = [&]() {
+        #pragma unroll
+        for (int i = 0; i < ROUTER_PRE; ++i)
+            if (lane + 32 * i < k4) wv[i] = __ldg(wr + lane + 32 * i);
+    };
+    const bool early = P[12] != 0;
+    if (early) load();
+    pdl_enter();
+    if (!early) load();
+    const float4* xv = (const float4*)x;
+    float s = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < ROUTER_PRE; ++i) {
+        const int c = lane + 32 * i;
+        if (c < k4) {
+            const float4 a = xv[c];
+            s += wv[i].x * a.x + wv[i].y * a.y + wv[i].z * a.z + wv[i].w * a.w;
+        }
+    }
+    for (int c = lane + 32 * ROUTER_PRE; c < k4; c += 32) {
+        const float4 v = __ldg(wr + c), a = xv[c];
+        s += v.x * a.x + v.y * a.y + v.z * a.z + v.w * a.w;
+    }
+    s = warp_sum(s);
+    if (live && lane == 0) *(float*)(logits + row * 4) = s;
+    // the last block to finish gates: every block's logits are visible to it after its count
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) *counter = 0u;  // for the next launch (the stream orders them)
+    moe_gate(P, 0, logits, probs, order, weights, total, normed);
 }
 
 // The weighted sum over a MoE layer's experts (accelplane.core.fusion: moe_sum): dst[c, t] =
