@@ -32,8 +32,9 @@ def test_every_kernel_waits_for_its_predecessor():
     kernel calls pdl_enter first, or pdl_enter_params (its parameters, written at plan time,
     copied to shared memory before the wait), except the mat-vecs (k_mmv_row, k_mmv_row1,
     k_mmv_ring), which may only load weights before it, and only when the plan allows it (P[15]),
-    and the vector norm, which may load its MUL's weights before it likewise (P[32]);
-    k_mmv_row1_id, whose expert comes from an earlier kernel, waits first."""
+    and the vector norm, which may load its MUL's weights before it likewise (P[32]), as may the
+    MoE router (k_moe_router) its weights (P[12]); k_mmv_row1_id, whose expert comes from an
+    earlier kernel, waits first."""
     bodies = _kernels()
     assert len(bodies) >= 30
     for name, body in bodies.items():
@@ -59,6 +60,12 @@ def test_every_kernel_waits_for_its_predecessor():
             assert not any(w in before for w in ("src", "dst", "sum", "xq", " b ")), before
             assert before.rstrip().endswith("if (early) load_g();") and "if (!early) load_g();" in body
             assert "const bool early = Ps[32] != 0;" in before and "Ps[i] = P[i]" in before
+        elif name == "k_moe_router":  # the router's weights where the plan allows (P[12]), then the wait
+            before = body[: body.index("pdl_enter();")]
+            assert before.rstrip().endswith("const bool early = P[12] != 0;\n    if (early) load();"), before
+            assert "if (!early) load();" in body
+            load = before[before.index("auto load") :]
+            assert "__ldg(wr + " in load and not any(w in load for w in ("logits", "xv", "probs", "counter"))
         elif stmts[0].startswith("__shared__ i64 Ps["):  # the plan-time parameters, then the wait
             wait = stmts[1]
             assert re.fullmatch(r"pdl_enter_params<[^>]+>\(P, Ps(, [^;]+)?\)", wait), (name, wait)
