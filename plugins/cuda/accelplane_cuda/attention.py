@@ -11,9 +11,10 @@ from .args import HALF_TYPES, f64
 
 MAX_R, MAX_D, MAX_DV = 8, 256, 256  # query rows, K row length, V rows it takes (Dv <= the block)
 # a block's share of a row: cache positions times the K and V row lengths (D + Dv) it takes
-# before the row is split over several blocks of a cluster (a 1B decode step on an H100, D = Dv
-# = 64: 569 us at 256 positions, 578 at 64, 594 at 128; a qwen3moe's, D = Dv = 128: 1306 us at
-# 256, 1259 at 64); blocks per row at most (a portable cluster)
+# before the row is split over several blocks of a cluster. Decode steps on an H200 at 256 * 128,
+# 128 * 128 and 64 * 128: a 1B's (D = Dv = 64) after a 64-token prompt 523, 528, 531 us, after
+# 512 tokens 708, 692, 692 us; a qwen3moe's (D = Dv = 128) 1086, 1077, 1105 us. MAX_SPLIT: blocks
+# per row at most (a portable cluster)
 POSITION_WORK, MAX_SPLIT = 256 * 128, 8
 _CTYPE = {T.F16: "__half", T.F32: "float"}
 
