@@ -136,7 +136,7 @@ def gating_fits(g: MoeGating) -> bool:
             and p.ne[0] <= MAX_EXPERTS and 0 < g.k <= 32 and (p.ne[1] == 1 or _tokens_apart(g)))  # fmt: skip
 
 
-def _gating_args(plan, g: MoeGating, extra: list[int] = ()) -> tuple[np.uint64, tuple, int]:
+def _gating_args(plan, g: MoeGating, extra: tuple[int, ...] = ()) -> tuple[np.uint64, tuple, int]:
     """k_moe_gating's parameters (with ``extra`` after them), its result pointers and its dynamic
     shared memory."""
     p, o, w, total, normed = g.probs, g.order, g.weights, g.total, g.normed
@@ -173,7 +173,7 @@ def router_gating(plan, n, g: MoeGating) -> None:
     said yes): a warp per expert, blocks of at least 128 threads and of the experts' count."""
     a, b = n.src
     early = int(id(a.buffer) not in plan.written)
-    P, out, smem = _gating_args(plan, g, [a.ne[0], a.nb[1], early])
+    P, out, smem = _gating_args(plan, g, (a.ne[0], a.nb[1], early))
     counter = plan.params([0])  # zeroed; each launch's last block zeroes it again
     threads = max(128, -(-a.ne[1] // 32) * 32)
     plan.launch("k_moe_router", 0, (P, plan.ptr(n), plan.ptr(a), plan.ptr(b), *out, counter), block=threads,

@@ -23,7 +23,7 @@ from accelplane.errors import ComputeError, UnsupportedOpError
 from accelplane.runtime.progress import phase
 
 from . import kernels
-from .runtime import N_BINDINGS, NULL, Memory, Stream, V, check, cmd_barrier, ffi, lib, new_struct
+from .runtime import N_BINDINGS, NULL, Memory, Stream, V, check, cmd_barrier, create, ffi, lib, new_struct
 
 _WHOLE = 0xFFFFFFFFFFFFFFFF  # VK_WHOLE_SIZE (the bindings spell it -1)
 _SCRATCH = object()  # stands for the plan's scratch buffer until it is allocated
@@ -140,9 +140,7 @@ class Plan:
             poolSizeCount=1,
             pPoolSizes=size,
         )
-        out = ffi.new("VkDescriptorPool*")
-        check(lib.vkCreateDescriptorPool(dev.handle, pci, NULL, out), "vkCreateDescriptorPool")
-        pool = out[0]
+        pool = create("DescriptorPool", dev.handle, pci)
         layouts = ffi.new("VkDescriptorSetLayout[]", [dev.set_layout] * n)
         ai = new_struct(
             "VkDescriptorSetAllocateInfo",

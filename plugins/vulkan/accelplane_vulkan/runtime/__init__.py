@@ -21,10 +21,10 @@ from .memory import Memory
 from .stream import ERRORS, Staging, Stream, copy_across, memory_of, stream_of
 from .sync import Bridge, EventState
 from .timestamps import Timeline
-from .vk import NULL, V, check, cmd_barrier, cmd_copy, cmd_to_host, ffi, lib, new_struct
+from .vk import NULL, V, check, cmd_barrier, cmd_copy, cmd_to_host, create, ffi, lib, new_struct
 
 __all__ = [
     "ERRORS", "NULL", "N_BINDINGS", "Bridge", "EventState", "LogicalDevice", "Memory", "Queue", "Staging",
-    "Stream", "Timeline", "V", "check", "cmd_barrier", "cmd_copy", "cmd_to_host", "copy_across", "ffi", "lib",
-    "memory_of", "new_struct", "stream_of",
+    "Stream", "Timeline", "V", "check", "cmd_barrier", "cmd_copy", "cmd_to_host", "copy_across", "create",
+    "ffi", "lib", "memory_of", "new_struct", "stream_of",
 ]  # fmt: skip

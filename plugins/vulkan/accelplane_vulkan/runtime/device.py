@@ -14,7 +14,7 @@ from accelplane.errors import AllocationError, DeviceError
 from .. import tuning
 from ..probe import PhysInfo
 from .stream import Stream
-from .vk import NULL, V, check, ffi, lib, new_struct
+from .vk import NULL, V, check, create, ffi, lib, new_struct
 
 MAX_QUEUES = 4  # queues asked of the compute family; streams share them round-robin
 N_BINDINGS = 5  # storage buffers of every pipeline: A, B, C, D and the stream's error word
@@ -103,9 +103,7 @@ def _create_device(phys: PhysInfo, h, family: int, nq: int, xfam: int | None):
         queueCreateInfoCount=n_qci,
         pQueueCreateInfos=qci,
     )
-    out = ffi.new("VkDevice*")
-    check(lib.vkCreateDevice(h, dci, NULL, out), f"vkCreateDevice ({phys.name})")
-    return out[0]
+    return create("Device", h, dci, f"vkCreateDevice ({phys.name})")
 
 
 class LogicalDevice:
@@ -193,9 +191,7 @@ class LogicalDevice:
             bindingCount=N_BINDINGS,
             pBindings=binds,
         )
-        out = ffi.new("VkDescriptorSetLayout*")
-        check(lib.vkCreateDescriptorSetLayout(self.handle, ci, NULL, out), "vkCreateDescriptorSetLayout")
-        self.set_layout = out[0]
+        self.set_layout = create("DescriptorSetLayout", self.handle, ci)
         pcr = ffi.new("VkPushConstantRange*", {"stageFlags": V.VK_SHADER_STAGE_COMPUTE_BIT, "size": 128})
         sl = ffi.new("VkDescriptorSetLayout[1]", [self.set_layout])
         pci = new_struct(
@@ -206,9 +202,7 @@ class LogicalDevice:
             pushConstantRangeCount=1,
             pPushConstantRanges=pcr,
         )
-        out2 = ffi.new("VkPipelineLayout*")
-        check(lib.vkCreatePipelineLayout(self.handle, pci, NULL, out2), "vkCreatePipelineLayout")
-        self.pipeline_layout = out2[0]
+        self.pipeline_layout = create("PipelineLayout", self.handle, pci)
 
     def load_shaders(self) -> None:
         """Every shader module, built once (all or nothing, before any backend exists: a shader
@@ -230,9 +224,7 @@ class LogicalDevice:
             codeSize=len(code),
             pCode=ffi.cast("uint32_t*", buf),
         )
-        out = ffi.new("VkShaderModule*")
-        check(lib.vkCreateShaderModule(self.handle, ci, NULL, out), "vkCreateShaderModule")
-        return out[0]
+        return create("ShaderModule", self.handle, ci)
 
     def pipeline(self, shader: str, spec: tuple[int, ...]):
         """The compute pipeline of ``shader`` with specialization constants 0..n-1 = ``spec``."""
@@ -296,10 +288,9 @@ class LogicalDevice:
             queryType=V.VK_QUERY_TYPE_TIMESTAMP,
             queryCount=n,
         )
-        out = ffi.new("VkQueryPool*")
-        check(lib.vkCreateQueryPool(self.handle, ci, NULL, out), "vkCreateQueryPool")
-        lib.vkResetQueryPool(self.handle, out[0], 0, n)
-        return out[0]
+        pool = create("QueryPool", self.handle, ci)
+        lib.vkResetQueryPool(self.handle, pool, 0, n)
+        return pool
 
     def new_timeline(self, initial: int = 0):
         tci = new_struct(
@@ -309,9 +300,7 @@ class LogicalDevice:
             initialValue=initial,
         )
         ci = new_struct("VkSemaphoreCreateInfo", V.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, pNext=tci)
-        out = ffi.new("VkSemaphore*")
-        check(lib.vkCreateSemaphore(self.handle, ci, NULL, out), "vkCreateSemaphore")
-        return out[0]
+        return create("Semaphore", self.handle, ci)
 
     # deferred destruction: a freed buffer may still be read by queued work (a caller error by
     # docs/ordering.md rule 8, but it must not fault the device), so it dies when every stream

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from accelplane.errors import AllocationError
 
-from .vk import NULL, V, check, ffi, lib, new_struct, result_name
+from .vk import NULL, V, check, create, ffi, lib, new_struct, result_name
 
 if TYPE_CHECKING:
     from .device import LogicalDevice
@@ -38,9 +38,7 @@ class Memory:
             queueFamilyIndexCount=len(fams),
             pQueueFamilyIndices=c_fams,
         )
-        out = ffi.new("VkBuffer*")
-        check(lib.vkCreateBuffer(dev.handle, bci, NULL, out), f"vkCreateBuffer({size} bytes)")
-        self.buf = out[0]
+        self.buf = create("Buffer", dev.handle, bci, f"vkCreateBuffer({size} bytes)")
         req = ffi.new("VkMemoryRequirements*")
         lib.vkGetBufferMemoryRequirements(dev.handle, self.buf, req)
         try:

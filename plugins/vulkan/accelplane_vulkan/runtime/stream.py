@@ -26,7 +26,7 @@ from .. import tuning
 from .memory import Memory
 from .sync import Bridge
 from .timestamps import Timeline
-from .vk import NULL, V, check, cmd_copy, cmd_to_host, ffi, lib, new_struct
+from .vk import NULL, V, check, cmd_copy, cmd_to_host, create, ffi, lib, new_struct
 
 if TYPE_CHECKING:
     from .device import LogicalDevice
@@ -189,9 +189,7 @@ class Stream:
             flags=V.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
             queueFamilyIndex=family,
         )
-        out = ffi.new("VkCommandPool*")
-        check(lib.vkCreateCommandPool(self.dev.handle, ci, NULL, out), "vkCreateCommandPool")
-        return out[0]
+        return create("CommandPool", self.dev.handle, ci)
 
     def alloc_cmd(self, pool=None):
         ai = new_struct(

@@ -47,6 +47,14 @@ def check(r: int, what: str) -> None:
     raise ComputeError(msg)
 
 
+def create(kind: str, parent, info, what: str | None = None):
+    """The handle ``vkCreate<kind>(parent, info, NULL, &handle)`` makes (``Vk<kind>``), its
+    result checked (``what`` names the call in the error; default the function's name)."""
+    out = ffi.new(f"Vk{kind}*")
+    check(getattr(lib, f"vkCreate{kind}")(parent, info, NULL, out), what or f"vkCreate{kind}")
+    return out[0]
+
+
 def new_struct(ctype: str, stype: int | None = None, **fields):
     """A zeroed ``ctype`` struct (a cffi pointer) with ``fields`` set and sType = ``stype``."""
     s = ffi.new(ctype + "*", fields)
