@@ -141,6 +141,79 @@ def test_relaxed_syncs_fewer(reg):
     assert counts["relaxed"] < counts["strict"], counts
 
 
+@pytest.mark.parametrize("policy", ["strict", "relaxed"])
+@pytest.mark.parametrize("n_copies", [1, 2])
+def test_graph_input_copied_once_per_backend(reg, policy, n_copies):
+    """A graph input read by two device splits (a host split between them) is copied to the
+    device once per compute, by the first split; the second reads that copy (``reused``). The
+    results, over randomized delay schedules, are the float64 oracle's. An input a node writes
+    into is copied again by every split that reads it (its value changes within the compute)."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    ctx = Context()
+    x = ctx.new_tensor(GGMLType.F32, (16, 64), "x").set_input()
+    w = ctx.new_tensor(GGMLType.F32, (16, 64), "w")
+    m0 = ctx.mul(x, w)
+    h = ctx.scale(m0, 0.5)  # on the host
+    m1 = ctx.mul(h, w)
+    y = ctx.add(m1, x)  # the device again, reading x again
+    g = ctx.graph(y)
+    bufs = [alloc_tensors([w], dev.buffer_type), alloc_tensors([x], cpu.buffer_type)]
+    db, cb = dev.new_backend(), cpu.new_backend()
+    s = Scheduler([db, cb], n_copies=n_copies, policy=policy)
+    for n in (m0, m1, y):
+        s.set_tensor_backend(n, db)
+    s.set_tensor_backend(h, cb)
+    rng = np.random.default_rng(6)
+    wv = rng.standard_normal((16, 64)).astype(np.float32)
+    w.set(wv)
+    try:
+        for _ in range(max(4, SCHEDULES // 100)):
+            s.alloc_graph(g)
+            xv = rng.standard_normal((16, 64)).astype(np.float32)
+            x.set(xv)
+            s.compute(g)
+            want = reference.evaluate(g, {x: xv, w: wv})[y].reshape(16, 64)
+            np.testing.assert_allclose(y.get(), want, rtol=1e-5, atol=1e-6)
+        splits = s._plans[next(iter(s._plans))].splits
+        assert [sp.backend for sp in splits] == [0, 1, 0]
+        assert [i.src for i in splits[0].inputs] == [x] and not splits[0].reused
+        assert [i.src for i in splits[2].reused] == [x] and x not in [i.src for i in splits[2].inputs]
+        assert s.stats.copies == 3, "x to the device once, the host split's input and output"
+    finally:
+        s.free()
+        db.free()
+        cb.free()
+        for b in bufs:
+            b.free()
+    # an input written in place by a node: each device split copies it itself
+    ctx = Context()
+    x = ctx.new_tensor(GGMLType.F32, (16, 64), "x").set_input()
+    d0 = ctx.scale(x, 2.0)
+    h = ctx.scale(d0, 0.5)
+    c = ctx.cpy(h, x)
+    d1 = ctx.scale(c, 3.0)
+    y = ctx.add(d1, x)
+    g = ctx.graph(y)
+    buf = alloc_tensors([x], cpu.buffer_type)
+    db, cb = dev.new_backend(), cpu.new_backend()
+    s = Scheduler([db, cb], n_copies=n_copies, policy=policy)
+    for n in (d0, d1, y):
+        s.set_tensor_backend(n, db)
+    s.set_tensor_backend(h, cb)
+    s.set_tensor_backend(c, cb)
+    try:
+        s.alloc_graph(g)
+        splits = s._plans[next(iter(s._plans))].splits
+        dev_splits = [sp for sp in splits if sp.backend == 0]
+        assert len(dev_splits) == 2 and all(not sp.reused for sp in dev_splits)
+        assert all(x in [i.src for i in sp.inputs] for sp in dev_splits)
+    finally:
+        s.free()
+        db.free()
+        cb.free()
+        buf.free()
+
+
 def test_inputs_released(reg):
     """Scheduler.inputs_released: after graph_compute, True when every graph input was copied
     to its split's device (so the caller may write the next step's while the device runs);

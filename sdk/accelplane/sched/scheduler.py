@@ -72,7 +72,9 @@ class SplitInput:
 class Split:
     backend: int
     nodes: list[Tensor] = field(default_factory=list)
-    inputs: list[SplitInput] = field(default_factory=list)
+    inputs: list[SplitInput] = field(default_factory=list)  # copied in before the split runs
+    # graph inputs an earlier split on the same backend copied in this compute: read, not copied
+    reused: list[SplitInput] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)  # one per copy slot
     keep: frozenset[int] | None = None  # memory read outside the split (accelplane.core.fusion)
 
@@ -396,6 +398,10 @@ class Scheduler(GraphRunner):
         splits: list[Split] = []
         cur: Split | None = None
         copies: dict[tuple[int, int], SplitInput] = {}
+        # graph inputs no node writes into keep their value through a compute: copied to a
+        # backend once, by its first split that reads them (ggml's rule for every input)
+        written = {id(memory_owner(n)) for n in graph.nodes
+                   if n.op not in VIEW_OPS and n.view_src is not None}  # fmt: skip
         for n in graph.nodes:
             b = a[id(n)]
             if n.op in VIEW_OPS:
@@ -415,6 +421,10 @@ class Scheduler(GraphRunner):
                     continue
                 key = (id(s), b)
                 inp = copies.get(key)
+                if inp is not None and inp.user_input and id(memory_owner(s)) not in written:
+                    if inp not in cur.inputs and inp not in cur.reused:
+                        cur.reused.append(inp)
+                    continue
                 if inp is None:
                     user = bool(s.flags & TensorFlag.INPUT)
                     cps = []
@@ -443,7 +453,7 @@ class Scheduler(GraphRunner):
         # per-slot split graphs: nodes whose sources were copied get a clone that reads the
         # copy and writes the original's memory (the clone is a view of the original)
         for sp in splits:
-            remap_inputs = {id(i.src): i for i in sp.inputs}
+            remap_inputs = {id(i.src): i for i in sp.inputs + sp.reused}
             for c in range(self.n_copies):
                 remap: dict[int, Tensor] = {k: v.copies[c] for k, v in remap_inputs.items()}
                 nodes = []
@@ -594,7 +604,7 @@ class Scheduler(GraphRunner):
     @staticmethod
     def _reads_input_in_place(sp: Split) -> bool:
         """A node of ``sp`` reads a graph input (or a view of one) that was not copied in."""
-        copied = {id(i.src) for i in sp.inputs}
+        copied = {id(i.src) for i in sp.inputs + sp.reused}
         return any(t is not None and (t.view_src or t).flags & TensorFlag.INPUT and id(t) not in copied
                    for n in sp.nodes for t in n.src)  # fmt: skip
 
@@ -830,8 +840,10 @@ class Scheduler(GraphRunner):
         for k, sp in enumerate(plan.splits):
             ins = ", ".join(f"{i.src.name or i.src.uid}<-{self.backends[i.src_backend].device.name}"
                             for i in sp.inputs)  # fmt: skip
+            names = ", ".join(str(i.src.name or i.src.uid) for i in sp.reused)
+            reused = f", reused [{names}]" if sp.reused else ""
             print(f"  split {k}: {self.backends[sp.backend].device.name}, {len(sp.nodes)} nodes,"
-                  f" inputs [{ins}]", file=out)  # fmt: skip
+                  f" inputs [{ins}]{reused}", file=out)  # fmt: skip
             if self._debug >= 2:
                 for n in sp.nodes:
                     why = plan.cause.get(id(n), "")
