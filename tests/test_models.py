@@ -449,6 +449,43 @@ def test_installed_plugins_64_tokens(models, device):
     assert nmse(got, want) <= NMSE_TOL
 
 
+def test_cpu_computes_in_the_device_host_memory(reg, models, monkeypatch):
+    """One accelerator with a host buffer type it reaches only through copies (a GPU's pinned
+    memory; the asynchronous test device's): the CPU's compute memory is of that type, and a
+    CPU split (experts in host memory) gives the CPU-only model's logits, whose copies read it
+    when they run. A device that would read that memory in place keeps the CPU's own type (the
+    copies into the scheduler's slots keep a queued step's CPU outputs from the last's)."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    host = dev.host_buffer_type
+    toks = [3, 17, 42, 5, 99, 7]
+
+    def logits(m) -> np.ndarray:  # a 4-token prefill, then two decode steps
+        steps = [m.eval(toks[:4], all_logits=True).logits] + [m.eval([t]).logits for t in toks[4:]]
+        return np.concatenate(steps)
+
+    want = LlamaModel.from_gguf(models["qwen3moe"], [cpu], cpu=cpu, n_ctx=64)
+    try:
+        ref = logits(want)
+    finally:
+        want.free()
+    m = LlamaModel.from_gguf(models["qwen3moe"], [dev], cpu=cpu, cpu_moe=2, n_ctx=64)
+    try:
+        assert host is not None and m.sched.bufts[-1] is host
+        got = logits(m)
+        last = len(m.sched.backends) - 1  # the CPU
+        cpu_out = [n for sp in m.sched._computed.splits if sp.backend == last for n in sp.nodes]
+        assert cpu_out and all(n.buffer.buft is host for n in cpu_out if n.view_src is None)
+    finally:
+        m.free()
+    assert nmse(got, ref) < 1e-9
+    monkeypatch.setitem(dev._fn, "supports_buft", lambda device, buft: buft.device is device)
+    m = LlamaModel.from_gguf(models["qwen3moe"], [dev], cpu=cpu, n_ctx=64)
+    try:
+        assert m.sched.bufts[-1] is cpu.buffer_type
+    finally:
+        m.free()
+
+
 @pytest.mark.parametrize("device", _installed_devices())
 def test_experts_in_host_memory(models, device):
     """cpu_moe (--experts cpu, --n-cpu-moe N): the expert tensors of the first N layers live in

@@ -5,6 +5,7 @@ check-results mode and planning errors — every result against the float64 orac
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -80,6 +81,28 @@ def test_two_async_devices(reg, policy):
     assert {0, 1} <= used
 
 
+@contextmanager
+def _device_and_cpu(reg, *, on_device=(), on_cpu=(), device_leafs=(), cpu_leafs=(), **kw):
+    """A scheduler over ASYNC0 and the CPU with those nodes pinned and those leafs allocated on
+    each; yields (scheduler, the device's backend) and frees it all."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    bufs = [alloc_tensors(list(ts), d.buffer_type) for ts, d in ((device_leafs, dev), (cpu_leafs, cpu)) if ts]
+    db, cb = dev.new_backend(), cpu.new_backend()
+    s = Scheduler([db, cb], **kw)
+    for n in on_device:
+        s.set_tensor_backend(n, db)
+    for n in on_cpu:
+        s.set_tensor_backend(n, cb)
+    try:
+        yield s, db
+    finally:
+        s.free()
+        db.free()
+        cb.free()
+        for b in bufs:
+            b.free()
+
+
 @pytest.mark.parametrize("policy", ["strict", "relaxed"])
 def test_computes_queued_behind_each_other(reg, policy):
     """Computes queued back to back without a synchronize (two copy slots), each one's result
@@ -87,21 +110,17 @@ def test_computes_queued_behind_each_other(reg, policy):
     feeding the device must not overwrite its output while the last compute still copies it
     to the device, nor the inputs be overwritten under a queued copy. Every result against the
     float64 oracle; each compute after the first counts as queued behind."""
-    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
     ctx = Context()
     x = ctx.new_tensor(GGMLType.F32, (16, 64), "x").set_input()
     w = ctx.new_tensor(GGMLType.F32, (16, 64), "w")
     h = ctx.scale(x, 2.0)
     y = ctx.mul(h, w)
     g = ctx.graph(y)
-    bufs = [alloc_tensors([w], dev.buffer_type), alloc_tensors([x], cpu.buffer_type)]
-    db, cb = dev.new_backend(), cpu.new_backend()
-    s = Scheduler([db, cb], n_copies=2, policy=policy)
-    s.set_tensor_backend(h, cb)
     rng = np.random.default_rng(5)
     wv = rng.standard_normal((16, 64)).astype(np.float32)
-    w.set(wv)
-    try:
+    with _device_and_cpu(reg, on_cpu=[h], device_leafs=[w], cpu_leafs=[x], n_copies=2,
+                         policy=policy) as (s, db):  # fmt: skip
+        w.set(wv)
         for _ in range(max(4, SCHEDULES // 100)):
             xs = [rng.standard_normal((16, 64)).astype(np.float32) for _ in range(6)]
             outs = [np.zeros(y.nbytes, np.uint8) for _ in xs]
@@ -116,12 +135,6 @@ def test_computes_queued_behind_each_other(reg, policy):
             for xv, out in zip(xs, outs, strict=True):
                 want = reference.evaluate(g, {x: xv, w: wv})[y].reshape(16, 64)
                 np.testing.assert_allclose(out.view(np.float32).reshape(16, 64), want, rtol=1e-6)
-    finally:
-        s.free()
-        db.free()
-        cb.free()
-        for b in bufs:
-            b.free()
 
 
 def test_relaxed_syncs_fewer(reg):
@@ -148,7 +161,6 @@ def test_graph_input_copied_once_per_backend(reg, policy, n_copies):
     device once per compute, by the first split; the second reads that copy (``reused``). The
     results, over randomized delay schedules, are the float64 oracle's. An input a node writes
     into is copied again by every split that reads it (its value changes within the compute)."""
-    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
     ctx = Context()
     x = ctx.new_tensor(GGMLType.F32, (16, 64), "x").set_input()
     w = ctx.new_tensor(GGMLType.F32, (16, 64), "w")
@@ -157,16 +169,11 @@ def test_graph_input_copied_once_per_backend(reg, policy, n_copies):
     m1 = ctx.mul(h, w)
     y = ctx.add(m1, x)  # the device again, reading x again
     g = ctx.graph(y)
-    bufs = [alloc_tensors([w], dev.buffer_type), alloc_tensors([x], cpu.buffer_type)]
-    db, cb = dev.new_backend(), cpu.new_backend()
-    s = Scheduler([db, cb], n_copies=n_copies, policy=policy)
-    for n in (m0, m1, y):
-        s.set_tensor_backend(n, db)
-    s.set_tensor_backend(h, cb)
     rng = np.random.default_rng(6)
     wv = rng.standard_normal((16, 64)).astype(np.float32)
-    w.set(wv)
-    try:
+    with _device_and_cpu(reg, on_device=[m0, m1, y], on_cpu=[h], device_leafs=[w], cpu_leafs=[x],
+                         n_copies=n_copies, policy=policy) as (s, _):  # fmt: skip
+        w.set(wv)
         for _ in range(max(4, SCHEDULES // 100)):
             s.alloc_graph(g)
             xv = rng.standard_normal((16, 64)).astype(np.float32)
@@ -179,12 +186,6 @@ def test_graph_input_copied_once_per_backend(reg, policy, n_copies):
         assert [i.src for i in splits[0].inputs] == [x] and not splits[0].reused
         assert [i.src for i in splits[2].reused] == [x] and x not in [i.src for i in splits[2].inputs]
         assert s.stats.copies == 3, "x to the device once, the host split's input and output"
-    finally:
-        s.free()
-        db.free()
-        cb.free()
-        for b in bufs:
-            b.free()
     # an input written in place by a node: each device split copies it itself
     ctx = Context()
     x = ctx.new_tensor(GGMLType.F32, (16, 64), "x").set_input()
@@ -194,24 +195,12 @@ def test_graph_input_copied_once_per_backend(reg, policy, n_copies):
     d1 = ctx.scale(c, 3.0)
     y = ctx.add(d1, x)
     g = ctx.graph(y)
-    buf = alloc_tensors([x], cpu.buffer_type)
-    db, cb = dev.new_backend(), cpu.new_backend()
-    s = Scheduler([db, cb], n_copies=n_copies, policy=policy)
-    for n in (d0, d1, y):
-        s.set_tensor_backend(n, db)
-    s.set_tensor_backend(h, cb)
-    s.set_tensor_backend(c, cb)
-    try:
+    with _device_and_cpu(reg, on_device=[d0, d1, y], on_cpu=[h, c], cpu_leafs=[x], n_copies=n_copies,
+                         policy=policy) as (s, _):  # fmt: skip
         s.alloc_graph(g)
-        splits = s._plans[next(iter(s._plans))].splits
-        dev_splits = [sp for sp in splits if sp.backend == 0]
+        dev_splits = [sp for sp in s._plans[next(iter(s._plans))].splits if sp.backend == 0]
         assert len(dev_splits) == 2 and all(not sp.reused for sp in dev_splits)
         assert all(x in [i.src for i in sp.inputs] for sp in dev_splits)
-    finally:
-        s.free()
-        db.free()
-        cb.free()
-        buf.free()
 
 
 def test_inputs_released(reg):

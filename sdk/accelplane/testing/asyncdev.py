@@ -1,6 +1,8 @@
 """The asynchronous test device: a plugin whose streams are worker threads with random
 delays, whose memory is not host-visible (only reachable through its hooks), whose events
-are real cross-thread events and whose freed memory is poisoned.
+are real cross-thread events and whose freed memory is poisoned. Its host buffer type (as a
+GPU's pinned host memory) is host memory the CPU computes on and the device reaches only
+through copies, which read it when their task runs, as a DMA would.
 
 It is a test double for the SDK's ordering logic, not a backend. Load it with
 ``ACCELPLANE_EXTRA_PLUGINS=asynctest=accelplane.testing.asyncdev``.
@@ -88,11 +90,12 @@ class Stream:
 
 
 class Memory:
-    __slots__ = ("mem", "device")
+    __slots__ = ("mem", "device", "host")
 
-    def __init__(self, size: int, device) -> None:
+    def __init__(self, size: int, device, host: bool = False) -> None:
         self.mem = np.full(size, POISON, np.uint8)
         self.device = device
+        self.host = host  # the device's host buffer type: not counted in its memory
 
 
 class DevState:
@@ -142,7 +145,8 @@ def _bytes(t) -> np.ndarray:
 
 
 def _is_ours(buffer) -> bool:
-    return isinstance(buffer.ctx, Memory)
+    """Device memory of this plugin (its host buffers are host memory like any other)."""
+    return isinstance(buffer.ctx, Memory) and not buffer.ctx.host
 
 
 # --- registration ------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ def api_version():
 @hookimpl
 def get_devices():
     n = env.ASYNCDEV_NDEV.get()
-    caps = DeviceCaps(async_=True, events=True)
+    caps = DeviceCaps(async_=True, events=True, host_buffer=True)
     return [DeviceSpec(f"ASYNC{i}", "asynchronous test device (worker-thread stream, random "
                        "delays; a test double, not a backend)", DeviceType.GPU, caps,
                        DevState(i)) for i in range(n)]  # fmt: skip
@@ -183,17 +187,34 @@ def get_buffer_type(device):
 
 
 @hookimpl
+def get_host_buffer_type(device):
+    return BufferTypeSpec(f"{device.name}_Host", "host")
+
+
+@hookimpl
+def buft_is_host(buft):
+    return buft.ctx == "host"
+
+
+@hookimpl
+def buffer_host_array(buffer):
+    return buffer.ctx.mem
+
+
+@hookimpl
 def supports_op(device, op):
     return op.op in _SUPPORTED
 
 
 @hookimpl
 def supports_buft(device, buft):
-    return buft.device is device
+    return buft.device is device and buft.ctx != "host"
 
 
 @hookimpl
 def buft_alloc(buft, buffer, size):
+    if buft.ctx == "host":
+        return Memory(size, buft.device, host=True)
     st = buft.device.ctx
     with st.lock:
         if st.allocated + size > TOTAL_MEMORY:
@@ -217,6 +238,8 @@ def buft_max_size(buft):
 def buffer_free(buffer):
     # poison: work still queued on a stream that reads this memory now sees garbage
     buffer.ctx.mem[:] = POISON
+    if buffer.ctx.host:
+        return
     st = buffer.buft.device.ctx
     with st.lock:
         st.allocated -= buffer.size
