@@ -9,6 +9,7 @@ import numpy as np
 from accelplane.core.types import GGMLType as T
 
 from .layout import X8Type
+from .runtime import address
 
 CTYPE = {T.F32: "float", T.F16: "__half", T.BF16: "__nv_bfloat16"}  # element type → the kernels' C type
 HALF_TYPES = ("float", "__half")  # kernels compiled for F32 and F16 only
@@ -38,10 +39,6 @@ def fastdiv(d: int) -> list[int]:
     shift = max(0, math.ceil(math.log2(d)))
     mul = ((1 << 32) * ((1 << shift) - d)) // d + 1
     return [mul & 0xFFFFFFFF, shift, d]
-
-
-def address(t) -> int:
-    return t.buffer.ctx.ptr + t.offs
 
 
 def rows_contig(t) -> bool:
