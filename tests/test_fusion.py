@@ -571,3 +571,26 @@ def test_norm_rope_runs_in_a_qwen3moe_decode(tmp_path):
             (f"blk.{i}.{q}rope", c) for i in (0, 1) for q, c in (("K", 5), ("Q", 3))]
     finally:
         m.free()
+
+
+def test_walk_starts_a_step_at_each_compute_node_after_the_last_steps_run():
+    """Fusion.walk: a step starts at every node that is not a view and not computed by the last
+    step (a fused run covers the nodes after it, views among them); a step that says it computed
+    nothing counts as one node."""
+    ctx = Context()
+    a = ctx.scale(ctx.new_tensor(T.F32, (4, 8), "x"), 2.0)  # 0
+    b = ctx.reshape(a, (8, 4))  # 1: a view
+    c = ctx.scale(b, 3.0)  # 2
+    d = ctx.scale(ctx.reshape(c, (4, 8)), 0.5)  # 3: view, 4
+    g = ctx.graph(ctx.scale(d, 1.0))  # 5
+    assert [n.op is Op.RESHAPE for n in g.nodes] == [False, True, False, True, False, False]
+    cases = (({}, [0, 2, 4, 5]), ({0: 3}, [0, 4, 5]), ({2: 3}, [0, 2, 5]), ({0: 0}, [0, 2, 4, 5]))
+    for covers, want in cases:
+        seen: list[int] = []
+
+        def step(i: int, covers=covers, seen=seen) -> int:
+            seen.append(i)
+            return covers.get(i, 1)
+
+        Fusion(g).walk(step)
+        assert seen == want, covers

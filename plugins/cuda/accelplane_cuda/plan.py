@@ -79,19 +79,19 @@ class CudaPlan:
 
     def _build(self, graph) -> None:
         fusion = Fusion(graph)
-        covered = 0  # nodes still to skip: computed by the last fused kernel
-        for i, n in enumerate(graph.nodes):  # (the SDK checked that every tensor is allocated)
-            if covered:
-                covered -= 1
-                continue
-            if n.op in VIEW_OPS:
-                continue
-            covered = max(0, fuse.fuse(self, fusion, i, graph.nodes) - 1)
-            if not covered:
-                build = BUILDERS.get(n.op)
-                if build is None:  # pragma: no cover - supports() keeps these out
-                    raise ComputeError(f"CUDA plugin has no kernel for {n.op.name}")
-                build(self, n)
+
+        def launch(i: int) -> int:  # (the SDK checked that every tensor is allocated)
+            covered = fuse.fuse(self, fusion, i, graph.nodes)
+            if covered > 1:
+                return covered
+            n = graph.nodes[i]
+            build = BUILDERS.get(n.op)
+            if build is None:  # pragma: no cover - supports() keeps these out
+                raise ComputeError(f"CUDA plugin has no kernel for {n.op.name}")
+            build(self, n)
+            return 1
+
+        fusion.walk(launch)
 
     # --- what the op modules build launches with --------------------------------------------------
     def params(self, vals: list[int]) -> np.uint64:

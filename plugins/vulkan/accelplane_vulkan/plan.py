@@ -17,7 +17,6 @@ import struct
 import weakref
 
 from accelplane.core.fusion import Fusion
-from accelplane.core.ops import VIEW_OPS
 from accelplane.core.tensor import Tensor
 from accelplane.errors import ComputeError, UnsupportedOpError
 from accelplane.runtime.progress import phase
@@ -83,21 +82,19 @@ class Plan:
         """The dispatches of the graph's compute nodes, their memory and ranges resolved."""
         work: list[_Work] = []
         fusion = Fusion(graph)
-        covered = 0  # nodes still to skip: computed by the last fused dispatch
-        for i, node in enumerate(graph.nodes):
-            if covered:
-                covered -= 1
-                continue
-            if node.op in VIEW_OPS:
-                continue
+
+        def record(i: int) -> int:
+            node = graph.nodes[i]
             n_nodes, ds = self._node_dispatches(dev, graph.nodes, i, caps, fusion)
-            covered = n_nodes - 1
             for d in ds:
                 w = _Work.of(d, node, dev)
                 if d.scratch is not None and not regions.bind(w, d, _mem(d.scratch.src, node, dev)):
                     continue  # this copy was made earlier and its source is unchanged
                 regions.invalidate(w.write)
                 work.append(w)
+            return n_nodes
+
+        fusion.walk(record)
         return work
 
     def _node_dispatches(self, dev, nodes, i: int, caps: kernels.Caps, fusion: Fusion):

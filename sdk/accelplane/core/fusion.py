@@ -20,7 +20,7 @@ in :meth:`Fusion.match`); those may have other readers. A graph whose ``keep`` i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from accelplane import env
@@ -112,6 +112,18 @@ class Fusion:
                 srcs.add(id(n.view_src))
             for k in srcs:
                 self.uses[k] = self.uses.get(k, 0) + 1
+
+    def walk(self, step: Callable[[int], int]) -> None:
+        """Call ``step(i)`` at each node where a plan's next step starts, in graph order: every
+        node that is not a view, after the nodes the last step computed. ``step`` builds that
+        step and returns how many nodes from ``i`` on it computes (a fused kernel's run, views
+        among them; at least 1)."""
+        i, end = 0, len(self.nodes)
+        while i < end:
+            if self.nodes[i].op in VIEW_OPS:
+                i += 1
+            else:
+                i += max(1, step(i))
 
     def match(self, i: int, ops: Sequence[Op], written: Sequence[int] = ()) -> bool:
         """Nodes ``i .. i+len(ops)-1`` have these ops and may run as one kernel (module

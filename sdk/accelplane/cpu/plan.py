@@ -16,7 +16,6 @@ import numpy as np
 from accelplane.core.fusion import Fusion
 from accelplane.core.ops import (
     ROPE_TYPE_NEOX,
-    VIEW_OPS,
     GluOp,
     Op,
     SortOrder,
@@ -841,26 +840,24 @@ class Plan:
         self.nodes: list[Tensor] = []  # the last node each step computes
         self.fused: list[tuple[str, ...]] = []  # the ops of each fused step (tests, debugging)
         fusion = Fusion(graph)
-        covered = 0  # nodes still to skip: computed by the last fused step
-        for i, n in enumerate(graph.nodes):  # (the SDK checked that every tensor is allocated)
-            if covered:
-                covered -= 1
-                continue
-            if n.op in VIEW_OPS:
-                continue
+
+        def build(i: int) -> int:  # (the SDK checked that every tensor is allocated)
+            n = graph.nodes[i]
             if repack.x8_owner(n) is not None:
                 raise ComputeError(
                     f"{n.op.name} {n.name!r} writes into {repack.NAME} memory: that buffer holds weights"
                 )
             k, step = fused_step(graph.nodes, i, fusion, view)
             if step is not None:
-                covered = k - 1
                 self.steps.append(step)
                 self.nodes.append(graph.nodes[i + k - 1])
                 self.fused.append(tuple(x.op.name for x in graph.nodes[i : i + k]))
-                continue
+                return k
             self.steps.append(BUILDERS[n.op](n, view))
             self.nodes.append(n)
+            return 1
+
+        fusion.walk(build)
 
     def run(self, callback=None) -> None:
         for u in self.unpack:
