@@ -203,6 +203,32 @@ def test_graph_input_copied_once_per_backend(reg, policy, n_copies):
         assert all(x in [i.src for i in sp.inputs] for sp in dev_splits)
 
 
+def test_cpu_buffer_type_is_the_accelerators_host_memory(reg, monkeypatch):
+    """A scheduler's default buffer types: with one accelerator whose host buffer type it reaches
+    only through copies (the asynchronous test device's, as a GPU's pinned memory), the CPU's is
+    that type; with two accelerators, or one that computes on its host memory, the CPU's own."""
+    cpu, d0, d1 = reg.device("CPU"), reg.device("ASYNC0"), reg.device("ASYNC1")
+    cases = [([d0], d0.host_buffer_type), ([d0, d0], d0.host_buffer_type), ([d0, d1], cpu.buffer_type)]
+    for devs, want in cases:
+        backends = [d.new_backend() for d in (*devs, cpu)]
+        try:
+            s = Scheduler(backends)
+            assert want is not None and s.bufts[-1] is want, [d.name for d in devs]
+            s.free()
+        finally:
+            for b in backends:
+                b.free()
+    monkeypatch.setitem(d0._fn, "supports_buft", lambda device, buft: buft.device is device)
+    backends = [d0.new_backend(), cpu.new_backend()]
+    try:
+        s = Scheduler(backends)
+        assert s.bufts[-1] is cpu.buffer_type
+        s.free()
+    finally:
+        for b in backends:
+            b.free()
+
+
 def test_inputs_released(reg):
     """Scheduler.inputs_released: after graph_compute, True when every graph input was copied
     to its split's device (so the caller may write the next step's while the device runs);

@@ -177,10 +177,11 @@ class Specs:
     @hookspec
     def get_host_buffer_type(self, device: Device) -> BufferTypeSpec | None:
         """A pinned host buffer type for faster transfers. Fallback: None (none). The decoder
-        model keeps host-memory experts there, and puts the CPU's compute memory there when the
-        device does not compute on that buffer type itself (``supports_buft`` False): the CPU
-        splits' inputs and outputs then cross as DMA copies, which may read the host memory after
-        ``cpy_tensor_async`` returns, until the destination stream synchronizes."""
+        model keeps host-memory experts there; a scheduler with this device as its one
+        accelerator puts the CPU's compute memory there when the device does not compute on that
+        buffer type itself (``supports_buft`` False): the CPU splits' inputs and outputs then
+        cross as DMA copies, which may read the host memory after ``cpy_tensor_async`` returns,
+        until the destination stream synchronizes."""
 
     @hookspec
     def get_extra_buffer_types(self, device: Device) -> list[BufferTypeSpec]:

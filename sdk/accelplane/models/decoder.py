@@ -639,17 +639,7 @@ class DecoderModel:
             # two copy slots: decode() queues a step while the last still computes (a slot's
             # inputs are not overwritten under it); host experts keep one (their device pools
             # would double)
-            bufts = [b.device.buffer_type for b in self.backends]
-            accel = sched_devs[0] if len(sched_devs) == 2 else None
-            host = accel.host_buffer_type if accel is not None else None
-            if (host is not None and host.is_host and cpu.supports_buft(host)
-                    and not accel.supports_buft(host)):  # fmt: skip
-                # the CPU computes in the device's pinned host memory (llama.cpp's choice): its
-                # splits' inputs and outputs cross to the device as DMA copies, without staging.
-                # Not where the device would read that memory in place: the copies into the
-                # scheduler's slots are what keep a queued step's CPU outputs from the last's
-                bufts[-1] = host
-            self.sched = Scheduler(self.backends, bufts, policy=policy, n_copies=1 if self.cpu_moe else 2)
+            self.sched = Scheduler(self.backends, policy=policy, n_copies=1 if self.cpu_moe else 2)
         self.n_past = 0
         self.load_s = 0.0  # set by from_gguf
         self._steps: dict[tuple[int, int, bool, str, bool], _Step] = {}  # step()'s key

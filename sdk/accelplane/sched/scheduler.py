@@ -137,7 +137,12 @@ class GraphRunner(ABC):
 class Scheduler(GraphRunner):
     """Schedules graphs over ``backends`` (priority order; the last must be a CPU device).
 
-    ``bufts``: buffer type per backend (default: each device's); ``n_copies`` > 1 enables
+    ``bufts``: buffer type per backend (default: each device's, except that with one
+    accelerator whose pinned host buffer type it does not compute on itself, the CPU computes in
+    that memory, as llama.cpp's CPU backend does beside a GPU: its splits' inputs and outputs
+    cross as DMA copies, without staging. An accelerator that would read that memory in place
+    keeps the CPU's own: the copies into the slots are what keep a queued compute's CPU outputs
+    from the last's); ``n_copies`` > 1 enables
     pipeline parallelism (input copies per slot, events per backend and slot);
     ``op_offload``: devices may take big ops whose weights live in host memory;
     ``policy``: 'strict' or 'relaxed' (see the module docstring);
@@ -165,7 +170,7 @@ class Scheduler(GraphRunner):
         if policy not in ("strict", "relaxed"):
             raise DeviceError(f"unknown sync policy {policy!r} (strict or relaxed)")
         self.backends = list(backends)
-        self.bufts = list(bufts) if bufts is not None else [b.device.buffer_type for b in backends]
+        self.bufts = list(bufts) if bufts is not None else _default_bufts(self.backends)
         for b, bt in zip(self.backends, self.bufts, strict=True):
             if not b.device.supports_buft(bt):
                 raise DeviceError(f"{b.device.name} cannot use buffer type {bt.name}")
@@ -851,6 +856,19 @@ class Scheduler(GraphRunner):
 
 
 _BUF_OFFS = attrgetter("buffer", "offs")
+
+
+def _default_bufts(backends: Sequence[Backend]) -> list[BufferType]:
+    """Each device's buffer type; the CPU's (last) in the one accelerator's pinned host memory
+    where that accelerator reaches it only through copies (the class docstring)."""
+    bufts = [b.device.buffer_type for b in backends]
+    accel = {id(b.device): b.device for b in backends[:-1]}
+    if len(accel) == 1:
+        dev, cpu = next(iter(accel.values())), backends[-1].device
+        host = dev.host_buffer_type
+        if host is not None and host.is_host and cpu.supports_buft(host) and not dev.supports_buft(host):
+            bufts[-1] = host
+    return bufts
 
 
 def _check_threshold(n: Tensor) -> float:
