@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=14336)
     ap.add_argument("--n", type=int, nargs="+", default=[1, 512])
     ap.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0", "q4_0", "q4_K", "q6_K"])
-    ap.add_argument("--isa", default="auto", choices=["auto", "avx2-vnni", "avx2", "portable"])
+    ap.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2-vnni", "avx2", "portable"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds of timing per case")
     ap.add_argument("--passes", type=int, default=1, help="repeat each case, keep the best")

@@ -113,12 +113,14 @@ def check_product(out: np.ndarray, wf: np.ndarray, x: np.ndarray, isa: str, t: G
     return err
 
 
-@pytest.fixture(params=["avx2-vnni", "avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2-vnni", "avx2", "portable"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "avx2" and not kernels.has_avx2():
         pytest.skip("CPU has no AVX2+FMA+F16C")
     if request.param == "avx2-vnni" and not kernels.has_avx2_vnni():
         pytest.skip("CPU has no AVX-VNNI or AVX512-VNNI")
+    if request.param == "avx512" and not kernels.has_avx512():
+        pytest.skip("CPU has no AVX-512 F+BW+VL+VNNI+VBMI")
     before = kernels.get_isa()
     assert kernels.set_isa(request.param) == request.param
     yield request.param
@@ -738,22 +740,23 @@ def test_isa_env_var_selects_portable() -> None:
 
 
 def test_set_isa_falls_back_to_the_best_level_below() -> None:
-    best = "avx2-vnni" if kernels.has_avx2_vnni() else "avx2" if kernels.has_avx2() else "portable"
+    levels = ["portable", "avx2", "avx2-vnni", "avx512"]
+    have = [True, kernels.has_avx2(), kernels.has_avx2_vnni(), kernels.has_avx512()]
+    assert have == sorted(have, reverse=True)  # each level needs the ones below it
+    best = max(i for i, h in enumerate(have) if h)
     before = kernels.get_isa()
     try:
-        assert kernels.set_isa("auto") == best
-        assert kernels.set_isa("AVX2-VNNI") == best
-        assert kernels.get_isa() == best
-        assert kernels.set_isa("avx2") == ("portable" if best == "portable" else "avx2")
-        assert kernels.set_isa("portable") == "portable"
+        assert kernels.set_isa("auto") == levels[best]
+        for i, name in enumerate(levels):
+            assert kernels.set_isa(name.upper()) == levels[min(i, best)]
+            assert kernels.get_isa() == levels[min(i, best)]
     finally:
         kernels.set_isa(before)
-    assert not kernels.has_avx2_vnni() or kernels.has_avx2()
 
 
 def test_set_isa_rejects_unknown() -> None:
     with pytest.raises(ValueError, match="unknown CPU kernel ISA"):
-        kernels.set_isa("avx512")
+        kernels.set_isa("avx1024")
 
 
 def test_default_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1107,3 +1110,35 @@ def test_prepare_moe_topk(layout: str) -> None:
     assert kernels.prepare_moe_topk(p, order, inside) is None
     assert kernels.prepare_moe_topk(p, order, np.empty((t, e + 1), np.float32)) is None  # k > E
     assert kernels.prepare_moe_topk(p, order[:, :4], w) is None  # order's shape
+
+
+@pytest.mark.parametrize("k", [128, 224, 2048 + 96])
+def test_avx512_q4_0_matvec(k: int) -> None:
+    """The avx512 level's Q4_0 mat-vec (four blocks per zmm register, 18-byte blocks gathered at
+    any alignment, the last K % 128 one block at a time) over padded rows with poisoned padding,
+    random and extreme quants (every nibble 0 or 15, activations quantized to +-127): against the
+    float64 oracle, and within float rounding of the avx2-vnni level's products, which sum the
+    same integers in another order."""
+    if not kernels.has_avx512():
+        pytest.skip("CPU has no AVX-512 F+BW+VL+VNNI+VBMI")
+    rng = np.random.default_rng(k)
+    m = 37
+    w, _ = make_weights(T.Q4_0, m, k, rng, pad=5)
+    quant = np.flatnonzero(np.arange(w.shape[1]) % 18 >= 2)  # the nibble bytes (not the scales)
+    w[::3, quant] = 0x00
+    w[1::3, quant] = 0xFF
+    wf = gguf_quants.dequantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q4_0)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    x[0, ::2] = np.abs(x[0]).max()
+    before = kernels.get_isa()
+    outs = {}
+    try:
+        for name in ("avx512", "avx2-vnni"):
+            assert kernels.set_isa(name) == name
+            out = np.full((1, m), np.nan, np.float32)
+            outs[name] = kernels.mul_mat(T.Q4_0, w, x, out, 1, strategy="direct")
+    finally:
+        kernels.set_isa(before)
+    check_product(outs["avx512"], wf.astype(np.float64), x, "avx512", T.Q4_0)
+    scale = np.abs(x).astype(np.float64) @ np.abs(wf.astype(np.float64)).T
+    assert np.all(np.abs(outs["avx512"] - outs["avx2-vnni"]) <= 1e-6 * scale)

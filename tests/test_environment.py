@@ -35,7 +35,7 @@ def test_flag(monkeypatch, value, want):
     ("ACCELPLANE_CHECK_RESULTS", "banana", "expected 1 or 0"),
     ("ACCELPLANE_NTHREADS", "abc", "expected an integer from 1 to 1024"),
     ("ACCELPLANE_NTHREADS", "0", "expected an integer from 1 to 1024"),
-    ("ACCELPLANE_CPU_ISA", "bogus", "expected one of auto, avx2-vnni, avx2, portable"),
+    ("ACCELPLANE_CPU_ISA", "bogus", "expected one of auto, avx512, avx2-vnni, avx2, portable"),
     ("ACCELPLANE_SCHED_DEBUG", "3", "expected one of 0, 1, 2"),
     ("ACCELPLANE_MPI_TIMEOUT", "nan", "expected a number >= 0.001"),
     ("ACCELPLANE_MPI_TIMEOUT", "-1", "expected a number >= 0.001"),

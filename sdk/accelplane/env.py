@@ -368,7 +368,7 @@ CPU_SPIN = integer(
     min=0,
 )  # fmt: skip
 CPU_ISA = choice(
-    "ACCELPLANE_CPU_ISA", "auto", ("auto", "avx2-vnni", "avx2", "portable"),
+    "ACCELPLANE_CPU_ISA", "auto", ("auto", "avx512", "avx2-vnni", "avx2", "portable"),
     "the CPU plugin's kernel code path (auto: the best the CPU has; a missing one falls back; "
     "portable: no AVX2, e.g. to compare)",
 )  # fmt: skip

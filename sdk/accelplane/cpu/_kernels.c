@@ -1,9 +1,11 @@
 /* accelplane CPU kernels (see _kernels.h).
  *
- * Three code paths, chosen at run time (no -march flags at build time, so one wheel runs anywhere):
+ * Four code paths, chosen at run time (no -march flags at build time, so one wheel runs anywhere):
  *  - AVX2+FMA+F16C with AVX-VNNI or AVX512-VNNI+VL: the AVX2 path, its 32-element block types'
  *    dot products (_kernels_q32.h) compiled again with vpdpbusd in place of vpmaddubsw +
  *    vpmaddwd (the same integer sums, one instruction instead of two).
+ *  - AVX-512 F, BW, VL, VNNI and VBMI: the VNNI path, with zmm kernels where they beat it (the
+ *    Q4_0 mat-vec in ggml's layout: rows_q4_0_z).
  *  - AVX2+FMA+F16C, compiled per function with __attribute__((target)). Quantized weights are
  *    dotted against activations quantized to int8 (like ggml: Q8 blocks of 32 for the 32-element
  *    block types, 256-blocks with per-16 sums for the K-quants and IQ4_XS) with vpmaddubsw. Measured on Zen 3, one
@@ -43,6 +45,7 @@
 #define AP_HAVE_VNNI 1
 #define AP_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define AP_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define AP_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 #else
 #define AP_HAVE_VNNI 0
 #endif
@@ -572,8 +575,49 @@ typedef struct {
     float *d;
     float *c;
     int16_t *bs;
+    uint8_t *z; /* AP_ISA_AVX512, Q4_0: each row's activations as rows_q4_0_z reads them, or NULL */
     int64_t K, nd;
 } act_t;
+
+/* Bytes of a row's z (rows_q4_0_z): 256 per four blocks, 64 more for alignment. Made for rows
+ * of up to Z_K_MAX elements: beyond that z crowds the L1 cache the weight rows stream through
+ * (Zen 4, K = 14336: slower than the VNNI kernel). */
+#define Z_ROW_BYTES(K) ((K) / (4 * QK) * 256 + 64)
+#define Z_K_MAX 8192
+#define Z_ROW(a, n) ((a)->z + (n) * Z_ROW_BYTES((a)->K))
+
+#if AP_HAVE_VNNI
+/* Q4_0 mat-vec with AVX-512 in ggml's layout, four blocks of a row per zmm register: one
+ * vpermt2b gathers the four blocks' 16 quant bytes (18-byte blocks, at any alignment) and one
+ * vpermw their f16 scales, so the int32 sums are converted and scaled once per four blocks
+ * rather than once per block. One row at a time: a second row read alongside (the AVX2 kernels'
+ * pairs) halved the rate from memory on Zen 4. The activations are rearranged once per call to
+ * match (arrange_z): for every four blocks, 64 bytes pairing the low nibbles' elements (0..15 of
+ * each block), 64 the high ones' (16..31), the -8 offset as each int32 lane's starting sum (-8
+ * times the sum of the eight activations the lane multiplies), and the blocks' scales, each
+ * repeated for its four lanes. */
+static AP_AVX512 void arrange_z(const int8_t *q, const float *d, int64_t nb, uint8_t *zraw) {
+    uint8_t *z = (uint8_t *)(((uintptr_t)zraw + 63) & ~(uintptr_t)63);
+    uint8_t lo[64], hi[64];
+    for (int i = 0; i < 64; i++) {
+        lo[i] = (uint8_t)(32 * (i / 16) + i % 16);
+        hi[i] = (uint8_t)(lo[i] + 16);
+    }
+    const __m512i losel = _mm512_loadu_si512(lo), hisel = _mm512_loadu_si512(hi);
+    const __m512i dsel = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i eight = _mm512_set1_epi8(8);
+    for (int64_t b = 0; b + 4 <= nb; b += 4, z += 256) {
+        const __m512i x0 = _mm512_loadu_si512(q + b * QK), x1 = _mm512_loadu_si512(q + b * QK + 64);
+        const __m512i xl = _mm512_permutex2var_epi8(x0, losel, x1);
+        const __m512i xh = _mm512_permutex2var_epi8(x0, hisel, x1);
+        const __m512i s8 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, xl), eight, xh);
+        _mm512_store_si512(z, xl);
+        _mm512_store_si512(z + 64, xh);
+        _mm512_store_si512(z + 128, _mm512_sub_epi32(_mm512_setzero_si512(), s8));
+        _mm512_store_ps(z + 192, _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(_mm_loadu_ps(d + b))));
+    }
+}
+#endif
 
 /* Quantize activation rows [n0, n1) for weight type `type` into a. */
 static AP_AVX2 void quant_rows(const act_t *a, int type, const float *x, int64_t xs, int64_t N,
@@ -585,6 +629,9 @@ static AP_AVX2 void quant_rows(const act_t *a, int type, const float *x, int64_t
             quant_ak(x + n * xs, K, a->q + n * K, a->d + n * a->nd, a->bs + n * (K / 16));
         else
             quant_a32(x + n * xs, K, a->q + n * K, a->d + n * a->nd, a->c + n * a->nd);
+#if AP_HAVE_VNNI
+        if (a->z) arrange_z(a->q + n * K, a->d + n * a->nd, K / QK, Z_ROW(a, n));
+#endif
     }
 }
 
@@ -750,6 +797,58 @@ typedef void (*rows_q_fn)(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, 
 #undef Q_DOT4
 #undef Q_DPADD
 #undef Q_DOT4_WIDE
+#endif
+
+#if AP_HAVE_VNNI
+/* Rows [m0, m1) of a Q4_0 matrix in ggml's layout (see arrange_z); N > 1, and activations
+ * without z (K > Z_K_MAX), through the VNNI kernels, which read them as quantized. */
+static AP_AVX512 void rows_q4_0_z(const uint8_t *w, int64_t ws, int64_t m0, int64_t m1, const act_t *a,
+                                  int64_t N, float *y, int64_t ys) {
+    if (N != 1 || !a->z) {
+        rows_q32_vnni512(AP_T_Q4_0)(w, ws, m0, m1, a, N, y, ys);
+        return;
+    }
+    const int64_t nb = a->K / QK, nb4 = nb / 4 * 4;
+    uint8_t qi[64];
+    uint16_t di[32];
+    for (int i = 0; i < 64; i++) /* blocks 0..2 from the load at the row's offset, 3 from the one 8 on */
+        qi[i] = (uint8_t)(i < 48 ? 2 + 18 * (i / 16) + i % 16 : 64 + 48 + i % 16);
+    for (int i = 0; i < 32; i++) di[i] = (uint16_t)(9 * (i / 4 % 4)); /* block j's scale: word 9 j */
+    const __m512i qsel = _mm512_loadu_si512(qi), dsel = _mm512_loadu_si512(di);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const uint8_t *z = (const uint8_t *)(((uintptr_t)a->z + 63) & ~(uintptr_t)63);
+    const int8_t *xq = a->q;
+    const float *xd = a->d;
+    /* rows of up to PREFETCH_ROW_MAX bytes: two rows ahead at the same offset asked for, as they
+     * end before the hardware prefetcher has ramped up on them; longer ones: left to it */
+    const int short_rows = nb * 18 <= PREFETCH_ROW_MAX;
+    for (int64_t m = m0; m < m1; m++) {
+        const uint8_t *row = w + m * ws, *next = w + (m + 2 < m1 ? m + 2 : m) * ws;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb4; b += 4) {
+            const uint8_t *p = row + b * 18, *za = z + b * 64;
+            if (short_rows) {
+                _mm_prefetch((const char *)(next + b * 18), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + b * 18 + 64), _MM_HINT_T0);
+            }
+            const __m512i at0 = _mm512_loadu_si512(p), at8 = _mm512_loadu_si512(p + 8);
+            const __m512i qv = _mm512_permutex2var_epi8(at0, qsel, at8);
+            __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(za + 128), _mm512_and_si512(qv, m4),
+                                            _mm512_load_si512(za));
+            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(qv, 4), m4), _mm512_load_si512(za + 64));
+            const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(dsel, at0)));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_load_ps(za + 192)), acc);
+        }
+        float r = _mm512_reduce_add_ps(acc);
+        for (int64_t b = nb4; b < nb; b++) { /* the last nb % 4 blocks one at a time */
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+            const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q4_unpack(row + b * 18 + 2), xv);
+            const __m256i s8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), xv);
+            r += ld_f16_x(row + b * 18) * xd[b] * (float)hsum_epi32(_mm256_sub_epi32(s, s8));
+        }
+        y[m] = r;
+    }
+}
 #endif
 
 /* Q4_K and Q5_K (the same but for a fifth bit, of sub-block j's element l in bit j of qh[l]):
@@ -1341,11 +1440,16 @@ static int cpu_has_evex_vnni(void) {
 
 static int cpu_has_avx2_vnni(void) { return cpu_has_vex_vnni() || cpu_has_evex_vnni(); }
 
+static int cpu_has_avx512(void) {
+    return cpu_has_evex_vnni() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
+}
+
 #else /* not x86 */
 
 static int cpu_has_avx2(void) { return 0; }
 static int cpu_has_avx2_vnni(void) { return 0; }
 static int cpu_has_vex_vnni(void) { return 0; }
+static int cpu_has_avx512(void) { return 0; }
 
 #endif
 
@@ -1357,18 +1461,22 @@ __attribute__((constructor)) static void ap_init(void) {
     for (uint32_t h = 0; h < 65536; h++) g_f16[h] = f16_to_f32_sw((uint16_t)h);
     /* the best level this CPU has; the Python boundary (kernels.py) applies ACCELPLANE_CPU_ISA
      * right after loading */
-    ap_set_isa(AP_ISA_AVX2_VNNI);
+    ap_set_isa(AP_ISA_AVX512);
 }
 
 int ap_cpu_has_avx2(void) { return cpu_has_avx2(); }
 
 int ap_cpu_has_avx2_vnni(void) { return cpu_has_avx2_vnni(); }
 
+int ap_cpu_has_avx512(void) { return cpu_has_avx512(); }
+
 int ap_set_isa(int isa) {
     g_vnni_evex = !cpu_has_vex_vnni(); /* VEX where both: no AVX-512 frequency licence */
-    if (isa == AP_ISA_AVX2_VNNI && cpu_has_avx2_vnni())
+    if (isa == AP_ISA_AVX512 && cpu_has_avx512())
+        g_isa = AP_ISA_AVX512;
+    else if (isa >= AP_ISA_AVX2_VNNI && cpu_has_avx2_vnni())
         g_isa = AP_ISA_AVX2_VNNI;
-    else if ((isa == AP_ISA_AVX2_VNNI || isa == AP_ISA_AVX2) && cpu_has_avx2())
+    else if (isa >= AP_ISA_AVX2 && cpu_has_avx2())
         g_isa = AP_ISA_AVX2;
     else
         g_isa = AP_ISA_PORTABLE;
@@ -1452,7 +1560,7 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
 #if AP_X86
     if (isa >= AP_ISA_AVX2 && c->x8) {
 #if AP_HAVE_VNNI
-        if (isa == AP_ISA_AVX2_VNNI) {
+        if (isa >= AP_ISA_AVX2_VNNI) {
             (g_vnni_evex ? rows_x8_vnni512 : rows_x8_vnni)(c->type, c->w, c->ws, c->M, m0, m1, c->a, c->N,
                                                             c->y, c->ys);
             return;
@@ -1463,9 +1571,10 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
     }
     if (isa >= AP_ISA_AVX2) { /* the VNNI level: its own 32-block kernels, AVX2's for the rest */
 #if AP_HAVE_VNNI
-        const rows_q_fn q32 = isa != AP_ISA_AVX2_VNNI ? rows_q32(c->type)
-                              : g_vnni_evex          ? rows_q32_vnni512(c->type)
-                                                     : rows_q32_vnni(c->type);
+        const rows_q_fn q32 = isa == AP_ISA_AVX512 && c->type == AP_T_Q4_0 ? rows_q4_0_z
+                              : isa < AP_ISA_AVX2_VNNI                    ? rows_q32(c->type)
+                              : g_vnni_evex                               ? rows_q32_vnni512(c->type)
+                                                                          : rows_q32_vnni(c->type);
 #else
         const rows_q_fn q32 = rows_q32(c->type);
 #endif
@@ -1517,6 +1626,7 @@ static void mm_item(const mm_ctx *base, int isa, const int64_t *gw, const int64_
         a.d += r0 * a.nd;
         a.c += r0 * a.nd;
         a.bs += r0 * (a.K / 16);
+        if (a.z) a.z = Z_ROW(&a, r0);
         c.a = &a;
     }
 #endif
@@ -1564,13 +1674,15 @@ static int mm_groups(int type, int x8, const uint8_t *w, int64_t ws, int64_t M, 
         a.nd = k_quant ? K / QKK : K / QK;
         const size_t nq = (size_t)(N * K), nd = (size_t)(N * a.nd);
         const size_t nbs = k_quant ? (size_t)(N * K / 16) : 0, nc = k_quant ? 0 : nd;
+        const size_t nz = isa == AP_ISA_AVX512 && type == AP_T_Q4_0 && !x8 && K <= Z_K_MAX ? (size_t)(N * Z_ROW_BYTES(K)) : 0;
         /* one allocation: floats first (alignment), then int16 sums, then int8 quants */
-        ws_mem = malloc((nd + nc) * sizeof(float) + nbs * sizeof(int16_t) + nq + 64);
+        ws_mem = malloc((nd + nc) * sizeof(float) + nbs * sizeof(int16_t) + nq + nz + 64);
         if (!ws_mem) return AP_ENOMEM;
         a.d = (float *)ws_mem;
         a.c = a.d + nd;
         a.bs = (int16_t *)(a.c + nc);
         a.q = (int8_t *)(a.bs + nbs);
+        a.z = nz ? (uint8_t *)a.q + nq : NULL;
     }
     /* Few activation rows are quantized before the parallel region (microseconds of work):
      * that saves a barrier, and a barrier is a futex sleep/wake when threads wait passively. */

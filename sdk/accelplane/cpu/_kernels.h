@@ -34,6 +34,7 @@
 #define AP_ISA_PORTABLE 0
 #define AP_ISA_AVX2 1 /* AVX2 + FMA + F16C */
 #define AP_ISA_AVX2_VNNI 2 /* AP_ISA_AVX2's code, int8 dot products with vpdpbusd (AVX-VNNI or AVX512-VNNI+VL) */
+#define AP_ISA_AVX512 3 /* AP_ISA_AVX2_VNNI's code, and zmm kernels where they are faster (AVX-512 F, BW, VL, VNNI, VBMI) */
 
 #define AP_OK 0
 #define AP_EINVAL -1 /* a size/stride that cannot be right (negative, K not a block multiple) */
@@ -45,6 +46,8 @@
 int ap_cpu_has_avx2(void);
 /* 1 when the CPU (and OS) support the AVX2 path and AVX-VNNI, and the build has that path. */
 int ap_cpu_has_avx2_vnni(void);
+/* 1 when the CPU (and OS) support the AVX2-VNNI path and AVX-512 F, BW, VL, VNNI and VBMI. */
+int ap_cpu_has_avx512(void);
 /* Select the code path (AP_ISA_*): the levels are ordered, each a superset of the one below;
  * an unsupported request falls back to the best supported level below it. Returns the one in
  * use. */

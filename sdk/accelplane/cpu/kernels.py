@@ -15,10 +15,12 @@ extents again as a backstop.
 
 The crossover N per type was measured with ``scripts/bench_cpu_kernels.py``.
 
-Code paths, in order: ``portable`` (C), ``avx2`` (AVX2+FMA+F16C) and ``avx2-vnni`` (the AVX2 code,
+Code paths, in order: ``portable`` (C), ``avx2`` (AVX2+FMA+F16C), ``avx2-vnni`` (the AVX2 code,
 its int8 dot products of the 32-element block types with vpdpbusd on ymm registers, AVX-VNNI's or
-AVX512-VNNI+VL's); the best the CPU has is the
-default. Environment: ``ACCELPLANE_CPU_ISA`` (``auto``, ``avx2-vnni``, ``avx2``, ``portable``) picks
+AVX512-VNNI+VL's) and ``avx512`` (the avx2-vnni code, and zmm kernels where they are faster: the
+Q4_0 mat-vec in ggml's layout; AVX-512 F, BW, VL, VNNI and VBMI); the best the CPU has is the
+default. Environment: ``ACCELPLANE_CPU_ISA`` (``auto``, ``avx512``, ``avx2-vnni``, ``avx2``,
+``portable``) picks
 one (``set_isa`` changes it at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count
 (else ``os.cpu_count()``).
 """
@@ -130,8 +132,8 @@ def _x8_names() -> str:
 
 Layout = Literal["ggml", "x8"]
 
-_ISA_NAMES: Final = {0: "portable", 1: "avx2", 2: "avx2-vnni"}  # AP_ISA_* of _kernels.h
-_ISA_CODES: Final = {"": 2, "auto": 2, **{name: code for code, name in _ISA_NAMES.items()}}
+_ISA_NAMES: Final = {0: "portable", 1: "avx2", 2: "avx2-vnni", 3: "avx512"}  # AP_ISA_* of _kernels.h
+_ISA_CODES: Final = {"": 3, "auto": 3, **{name: code for code, name in _ISA_NAMES.items()}}
 _CPU_COUNT: Final = os.cpu_count() or 1  # cached: os.cpu_count() reads sysfs, ~5 us a call
 _ERRORS: Final = {
     -1: (ShapeError, "invalid size or stride"),
@@ -156,22 +158,29 @@ def has_avx2_vnni() -> bool:
     return bool(_lib.ap_cpu_has_avx2_vnni())
 
 
-def set_isa(isa: str) -> str:
-    """Select the code path: ``"auto"`` (the best available), ``"avx2-vnni"``, ``"avx2"`` or
-    ``"portable"``.
+def has_avx512() -> bool:
+    """True when this CPU (and this build) runs the ``"avx512"`` path: the ``"avx2-vnni"`` path and
+    AVX-512 F, BW, VL, VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4 and later)."""
+    return bool(_lib.ap_cpu_has_avx512())
 
-    A path the CPU lacks falls back to the best one below it (``"avx2-vnni"`` to ``"avx2"``, that to
-    ``"portable"``). Returns the path now in use. Raises ConfigError for any other name.
+
+def set_isa(isa: str) -> str:
+    """Select the code path: ``"auto"`` (the best available), ``"avx512"``, ``"avx2-vnni"``,
+    ``"avx2"`` or ``"portable"``.
+
+    A path the CPU lacks falls back to the best one below it (``"avx512"`` to ``"avx2-vnni"``, that
+    to ``"avx2"``, that to ``"portable"``). Returns the path now in use. Raises ConfigError for any
+    other name.
     """
     code = _ISA_CODES.get(isa.strip().lower())
     if code is None:
-        expected = ", ".join(repr(n) for n in ("auto", "avx2-vnni", "avx2", "portable"))
+        expected = ", ".join(repr(n) for n in ("auto", "avx512", "avx2-vnni", "avx2", "portable"))
         raise ConfigError(f"unknown CPU kernel ISA {isa!r}; expected one of {expected}")
     return _ISA_NAMES[_lib.ap_set_isa(code)]
 
 
 def get_isa() -> str:
-    """The code path in use: ``"avx2-vnni"``, ``"avx2"`` or ``"portable"``."""
+    """The code path in use: ``"avx512"``, ``"avx2-vnni"``, ``"avx2"`` or ``"portable"``."""
     return _ISA_NAMES[_lib.ap_get_isa()]
 
 
