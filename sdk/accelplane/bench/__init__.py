@@ -126,9 +126,10 @@ SETS: dict[str, Callable[[], list[PerfCase]]] = {
     # the F16 and BF16 GEMMs as cuBLAS sees them (activations already in the weights' type: no
     # conversion)
     "gemm": lambda: [matmul_case(t, 4096, 512, 14336, t) for t in (T.F16, T.BF16)],
-    # the experts of qwen3moe 8b-a1b (64 of FFN 768 at d_model 2048, 8 used): gate/up and down,
-    # a decode's token and a prefill's 512
-    "moe": lambda: [mul_mat_id_case(t, m, k, 64, 8, n, b1) for t in (T.Q4_0, T.Q4_K) for n in (1, 512)
+    # experts of FFN 768 at d_model 2048, 8 used, 128 of them (qwen3-30b-a3b's; ggml's
+    # test-backend-ops perf has the gate/up case): gate/up and down, a decode's token and a
+    # prefill's 512
+    "moe": lambda: [mul_mat_id_case(t, m, k, 128, 8, n, b1) for t in (T.Q4_0, T.Q4_K) for n in (1, 512)
                     for m, k, b1 in ((768, 2048, 1), (2048, 768, 8))],
 }  # fmt: skip
 SETS["default"] = lambda: SETS["matmul"]() + [overhead_case()]
