@@ -70,6 +70,7 @@ __all__ = [
     "get_isa",
     "has_avx2",
     "has_avx2_vnni",
+    "has_avx512",
     "mul_mat",
     "mul_mat_id",
     "prepare_attention",
