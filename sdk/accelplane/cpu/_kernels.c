@@ -1,11 +1,11 @@
 /* accelplane CPU kernels (see _kernels.h).
  *
  * Four code paths, chosen at run time (no -march flags at build time, so one wheel runs anywhere):
+ *  - AVX-512 F, BW, VL, VNNI and VBMI: the VNNI path, with zmm kernels where they beat it (the
+ *    Q4_0 mat-vec in ggml's layout: rows_q4_0_z).
  *  - AVX2+FMA+F16C with AVX-VNNI or AVX512-VNNI+VL: the AVX2 path, its 32-element block types'
  *    dot products (_kernels_q32.h) compiled again with vpdpbusd in place of vpmaddubsw +
  *    vpmaddwd (the same integer sums, one instruction instead of two).
- *  - AVX-512 F, BW, VL, VNNI and VBMI: the VNNI path, with zmm kernels where they beat it (the
- *    Q4_0 mat-vec in ggml's layout: rows_q4_0_z).
  *  - AVX2+FMA+F16C, compiled per function with __attribute__((target)). Quantized weights are
  *    dotted against activations quantized to int8 (like ggml: Q8 blocks of 32 for the 32-element
  *    block types, 256-blocks with per-16 sums for the K-quants and IQ4_XS) with vpmaddubsw. Measured on Zen 3, one
