@@ -596,14 +596,25 @@ typedef struct {
  * each block), 64 the high ones' (16..31), the -8 offset as each int32 lane's starting sum (-8
  * times the sum of the eight activations the lane multiplies), and the blocks' scales, each
  * repeated for its four lanes. */
+/* The byte and word indices of the two kernels' permutes, filled once by ap_init (z_tables):
+ * the activations of four blocks' low and high nibbles (arrange_z), the quant bytes of four
+ * 18-byte blocks from loads at a row's offset and 8 on (blocks 0..2 from the first, 3 from the
+ * second), and each block's scale (word 9 j), repeated for its four lanes (rows_q4_0_z). */
+static uint8_t g_z_lo[64], g_z_hi[64], g_z_quants[64];
+static uint16_t g_z_scales[32];
+
+static void z_tables(void) {
+    for (int i = 0; i < 64; i++) {
+        g_z_lo[i] = (uint8_t)(32 * (i / 16) + i % 16);
+        g_z_hi[i] = (uint8_t)(g_z_lo[i] + 16);
+        g_z_quants[i] = (uint8_t)(i < 48 ? 2 + 18 * (i / 16) + i % 16 : 64 + 48 + i % 16);
+    }
+    for (int i = 0; i < 32; i++) g_z_scales[i] = (uint16_t)(9 * (i / 4 % 4));
+}
+
 static AP_AVX512 void arrange_z(const int8_t *q, const float *d, int64_t nb, uint8_t *zraw) {
     uint8_t *z = (uint8_t *)(((uintptr_t)zraw + 63) & ~(uintptr_t)63);
-    uint8_t lo[64], hi[64];
-    for (int i = 0; i < 64; i++) {
-        lo[i] = (uint8_t)(32 * (i / 16) + i % 16);
-        hi[i] = (uint8_t)(lo[i] + 16);
-    }
-    const __m512i losel = _mm512_loadu_si512(lo), hisel = _mm512_loadu_si512(hi);
+    const __m512i losel = _mm512_loadu_si512(g_z_lo), hisel = _mm512_loadu_si512(g_z_hi);
     const __m512i dsel = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i eight = _mm512_set1_epi8(8);
     for (int64_t b = 0; b + 4 <= nb; b += 4, z += 256) {
@@ -809,12 +820,7 @@ static AP_AVX512 void rows_q4_0_z(const uint8_t *w, int64_t ws, int64_t m0, int6
         return;
     }
     const int64_t nb = a->K / QK, nb4 = nb / 4 * 4;
-    uint8_t qi[64];
-    uint16_t di[32];
-    for (int i = 0; i < 64; i++) /* blocks 0..2 from the load at the row's offset, 3 from the one 8 on */
-        qi[i] = (uint8_t)(i < 48 ? 2 + 18 * (i / 16) + i % 16 : 64 + 48 + i % 16);
-    for (int i = 0; i < 32; i++) di[i] = (uint16_t)(9 * (i / 4 % 4)); /* block j's scale: word 9 j */
-    const __m512i qsel = _mm512_loadu_si512(qi), dsel = _mm512_loadu_si512(di);
+    const __m512i qsel = _mm512_loadu_si512(g_z_quants), dsel = _mm512_loadu_si512(g_z_scales);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint8_t *z = (const uint8_t *)(((uintptr_t)a->z + 63) & ~(uintptr_t)63);
     const int8_t *xq = a->q;
@@ -1459,6 +1465,9 @@ static int cpu_has_avx512(void) { return 0; }
 
 __attribute__((constructor)) static void ap_init(void) {
     for (uint32_t h = 0; h < 65536; h++) g_f16[h] = f16_to_f32_sw((uint16_t)h);
+#if AP_HAVE_VNNI
+    z_tables();
+#endif
     /* the best level this CPU has; the Python boundary (kernels.py) applies ACCELPLANE_CPU_ISA
      * right after loading */
     ap_set_isa(AP_ISA_AVX512);
