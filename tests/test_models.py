@@ -17,6 +17,7 @@ import accelplane
 import gguf
 import numpy as np
 import pytest
+from accelplane.core.ops import Op
 from accelplane.core.types import GGMLType, dequantize
 from accelplane.errors import ConfigError, DeviceError, GGUFError, OutOfRangeError, ShapeError
 from accelplane.interface import DeviceType
@@ -484,6 +485,45 @@ def test_cpu_computes_in_the_device_host_memory(reg, models, monkeypatch):
         assert m.sched.bufts[-1] is cpu.buffer_type
     finally:
         m.free()
+
+
+def test_decode_shares_host_experts_with_the_device(reg, models):
+    """Experts in host memory on a device that reads its host memory in place (the asynchronous
+    test device, with its randomized delays): a decode step computes each token's first slots on
+    the device, reading their experts where they are (no upload), queued behind the copies of
+    what the CPU needs, so the CPU computes the other slots meanwhile; a 6-token prefill none of
+    that; every step's logits are the CPU-only model's. 0 turns it off; a share outside [0, 1] is
+    refused."""
+    cpu, dev = reg.device("CPU"), reg.device("ASYNC0")
+    toks = [3, 17, 42, 5, 99, 7, 11, 23, 64]
+    ref = LlamaModel.from_gguf(models["qwen3moe"], [cpu], cpu=cpu, n_ctx=64)
+    try:
+        want = np.concatenate([ref.eval(toks[:6], all_logits=True).logits]
+                              + [ref.eval([t]).logits for t in toks[6:]])  # fmt: skip
+    finally:
+        ref.free()
+    for share, device_experts in ((0.375, True), (0.0, False)):
+        m = LlamaModel.from_gguf(models["qwen3moe"], [dev], cpu=cpu, cpu_moe=2, n_ctx=64,
+                                 moe_device_share=share)  # fmt: skip
+        try:
+            got = [m.eval(toks[:6], all_logits=True).logits]
+            for t in toks[6:]:
+                got.append(m.eval([t]).logits)
+                plan = m.sched._computed
+                on = ["CPU" if m.sched.backends[sp.backend].device is cpu else "dev" for sp in plan.splits]
+                assert not any(i.moe_ids is not None for sp in plan.splits for i in sp.inputs)
+                assert m.sched.stats.expert_bytes == 0
+                # per layer: attention and router, then (a share) the device's experts, then the CPU's
+                assert on == (["dev", "dev", "CPU"] * 2 if device_experts else ["dev", "CPU"] * 2) + ["dev"]
+                ids = [n for sp in plan.splits for n in sp.nodes if n.op is Op.MUL_MAT_ID]
+                assert len(ids) == (12 if device_experts else 6)
+                # what the CPU reads is copied out right behind the split computing it
+                assert sorted(plan.early) == ([0, 3] if device_experts else [0, 2])
+        finally:
+            m.free()
+        assert nmse(np.concatenate(got), want) < 1e-9, share
+    with pytest.raises(ConfigError, match="moe_device_share"):
+        LlamaModel.from_gguf(models["qwen3moe"], [dev], cpu=cpu, cpu_moe=2, n_ctx=64, moe_device_share=1.5)
 
 
 @pytest.mark.parametrize("device", _installed_devices())

@@ -355,6 +355,12 @@ MODEL_REPACK = flag(
     "the decoder model keeps its CPU matrices in the CPU's repack buffer type, whose layout multiplies "
     "faster (llama-bench --repack; 0: host memory as in the file)",
 )  # fmt: skip
+MODEL_MOE_DEVICE_SHARE = number(
+    "ACCELPLANE_MODEL_MOE_DEVICE_SHARE", 0.0,
+    "in a decode with experts in host memory, the share of each token's experts its layer's device "
+    "computes, reading them in place while the CPU computes the rest (0, the default: the CPU computes all)",
+    min=0.0, max=1.0,
+)  # fmt: skip
 
 
 # --- the CPU plugin (accelplane.cpu) -------------------------------------------------------------

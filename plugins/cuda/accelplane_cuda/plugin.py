@@ -61,7 +61,7 @@ def get_devices():
     found = probe()  # DeviceError when CuPy, the driver or a device is missing
     settings = tuning.read()
     out = []
-    caps = DeviceCaps(async_=True, host_buffer=True, events=True)
+    caps = DeviceCaps(async_=True, host_buffer=True, events=True, host_reads=True)
     for i, (name, cc, total) in enumerate(found):
         ctx = DevCtx(i, name, cc, total, settings)
         desc = f"{name} (sm_{cc[0]}{cc[1]}, {total / 2**30:.0f} GiB)"

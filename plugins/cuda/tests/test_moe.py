@@ -36,7 +36,7 @@ def _experts(t, rng) -> np.ndarray:
     return gguf.dequantize(raw, qt).reshape(e, m, k).astype(np.float64)
 
 
-def _run(dev, wtype, n_tok, b1, ids_v=None, m=200, k=512, n_exp=16, n_used=4):
+def _run(dev, wtype, n_tok, b1, ids_v=None, m=200, k=512, n_exp=16, n_used=4, host=False):
     rng = np.random.default_rng(n_tok)
     ctx = Context()
     w = ctx.new_tensor_ne(wtype, k, m, n_exp, name="experts")
@@ -44,7 +44,8 @@ def _run(dev, wtype, n_tok, b1, ids_v=None, m=200, k=512, n_exp=16, n_used=4):
     ids = ctx.new_tensor_ne(T.I32, n_used, n_tok, name="ids")
     y = ctx.mul_mat_id(w, x, ids)
     graph = ctx.graph(y)
-    wbuf = alloc_tensors([w], dev.buffer_type, BufferUsage.WEIGHTS)  # Q4_0/Q8_0/Q4_K: the x8 layouts
+    # Q4_0/Q8_0/Q4_K: the x8 layouts in device memory; host: the pinned host buffer, GGUF's layout
+    wbuf = alloc_tensors([w], dev.host_buffer_type if host else dev.buffer_type, BufferUsage.WEIGHTS)
     buf = alloc_tensors([x, ids, *graph.nodes], dev.buffer_type)
     be = dev.new_backend()
     try:
@@ -98,6 +99,23 @@ def test_expert_rows_of_every_length_equal_float64(wtype, k):
         assert any(n.startswith("k_mmv_row1_id<") for n in names), names
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 2e-2, (wtype, k, n_tok, err)
+
+
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q8_0, T.F16])
+@pytest.mark.parametrize("n_tok, b1", [(1, 1), (2, 4)])
+def test_experts_read_in_place_from_pinned_host_memory_equal_float64(wtype, n_tok, b1):
+    """Experts in the device's pinned host buffer (a decode's share the scheduler leaves where
+    it is): the warp-per-row kernel reads them through unified addressing."""
+    names, got, want = _run(_cuda(), wtype, n_tok, b1, host=True)
+    assert any(n.startswith("k_mul_mat_id<") for n in names), names
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4, (wtype, n_tok)
+
+
+def test_expert_index_out_of_range_in_pinned_host_memory_raises():
+    ids_v = np.zeros((1, 4), np.int32)
+    ids_v[0, 3] = 16  # n_exp is 16
+    with pytest.raises(ComputeError, match="out of range"):
+        _run(_cuda(), T.Q4_0, 1, 1, ids_v=ids_v, host=True)
 
 
 @pytest.mark.parametrize("wtype, b1", [(T.Q4_0, 1), (T.Q8_0, 4), (T.F16, 1)])

@@ -330,6 +330,41 @@ def test_cpy_from_host_buffer(ap_suite, ap_device, ap_backend, ap_rng):
             b.free()
 
 
+def test_host_reads_experts_in_place(ap_suite, ap_device, ap_backend, ap_rng):
+    """caps.host_reads: MUL_MAT_ID reads experts in the device's own host buffer type where they
+    are (accelplane.sched.experts), each compute seeing the host values and ids set before it."""
+    if not ap_device.caps.host_reads:
+        pytest.skip("the device does not read its host buffers in place (caps.host_reads)")
+    ctx = Context()
+    k, m, n_exp, n_used = 256, 96, 8, 2
+    w = ctx.new_tensor_ne(T.F32, k, m, n_exp, name="experts")
+    x = ctx.new_tensor_ne(T.F32, k, 1, 1, name="x")
+    ids = ctx.new_tensor_ne(T.I32, n_used, 1, name="ids")
+    y = ctx.mul_mat_id(w, x, ids)
+    if not ap_device.supports_op(y):
+        pytest.skip("the device does not run MUL_MAT_ID on F32 experts")
+    g = ctx.graph(y)
+    wbuf = alloc_tensors([w], ap_device.host_buffer_type, accelplane.runtime.backend.BufferUsage.WEIGHTS)
+    bufs = [wbuf, _alloc(ap_device, x, ids, y)]
+    try:
+        assert wbuf.is_host
+        for i in range(repeats(ap_suite, 4)):
+            wv = ap_rng.standard_normal((n_exp, m, k)).astype(np.float32)
+            xv = ap_rng.standard_normal(k).astype(np.float32)
+            sel = ap_rng.permutation(n_exp)[:n_used].astype(np.int32)
+            w.set(wv)
+            x.set(xv.reshape(1, 1, k))
+            ids.set(sel.reshape(1, n_used))
+            ap_backend.graph_compute(g)
+            ap_backend.synchronize()
+            want = wv[sel].astype(np.float64) @ xv.astype(np.float64)
+            got = y.get().reshape(n_used, m)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"repeat {i}")
+    finally:
+        for b in bufs:
+            b.free()
+
+
 def test_blocking_tensor_copy(ap_device, ap_rng):
     ctx = Context()
     a = ctx.new_tensor(T.F32, (300,))

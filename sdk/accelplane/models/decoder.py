@@ -75,6 +75,7 @@ from accelplane.runtime.alloc import alloc_tensors
 from accelplane.runtime.backend import Backend, Buffer, BufferType, BufferUsage, Device, Event
 from accelplane.runtime.data import set_bytes
 from accelplane.sched import Scheduler
+from accelplane.sched.experts import reads_in_place
 
 if TYPE_CHECKING:
     from accelplane.models.gguf import GGUFFile
@@ -378,6 +379,21 @@ class Routing:
     ids: np.ndarray
 
 
+def _made_from(out: Tensor, stops: Sequence[Tensor]) -> list[Tensor]:
+    """The computed tensors (op nodes and views) ``out`` is made from, itself included, up to but
+    not through ``stops`` and leaves."""
+    seen = {id(t) for t in stops}
+    found, todo = [], [out]
+    while todo:
+        t = todo.pop()
+        if t is None or id(t) in seen or t.op is None:
+            continue
+        seen.add(id(t))
+        found.append(t)
+        todo.extend(t.src)
+    return found
+
+
 def _packed(ctx: Context, cb: _Namer, t: Tensor, name: str) -> Tensor:
     """``t`` packed: a CONT where its layout needs one; a permute that moves only dimensions
     of size 1 (every single-token step) is already packed, and costs no copy."""
@@ -550,7 +566,11 @@ class DecoderModel:
     (``n_layers`` or more: every layer's), as llama.cpp's ``--n-cpu-moe`` / ``--cpu-moe``: in the
     layer device's pinned host buffers where it has them, else the CPU device's. The scheduler runs
     their products on the CPU, or, for a batch a device offloads (offload_op), uploads only the
-    experts the router selected. """
+    experts the router selected. ``moe_device_share`` (default ACCELPLANE_MODEL_MOE_DEVICE_SHARE,
+    else 0: the CPU computes them all): in a decode of such layers on a device that reads its
+    pinned host memory in place (caps.host_reads, with events; the relaxed policy), the share of
+    each token's experts (its first slots, rounded, at least one, never all) the device computes,
+    reading them over its link while the CPU computes the others. """
 
     def __init__(
         self,
@@ -568,6 +588,7 @@ class DecoderModel:
         merge: bool | None = None,
         embd: str | None = None,
         cpu_moe: int = 0,
+        moe_device_share: float | None = None,
     ) -> None:
         check_split(split)
         if not devices:
@@ -608,6 +629,10 @@ class DecoderModel:
         if cpu_moe and split == "tensor":
             raise ConfigError("cpu_moe: experts in host memory do not combine with split='tensor'")
         self.cpu_moe = min(cpu_moe, cfg.n_layers)
+        share = env.MODEL_MOE_DEVICE_SHARE.get() if moe_device_share is None else moe_device_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
+            raise ConfigError(f"moe_device_share must be a number in [0, 1], got {share!r}")
+        self.moe_device_share = float(share)
         self.layer_dev: list[Device] = (
             [self.devices[0]] * cfg.n_layers if split == "none"
             else [self.devices[i] for i in layer_devices(cfg.n_layers, len(self.devices))]
@@ -956,7 +981,8 @@ class DecoderModel:
             ffn_inp = cb(ctx.add(o, inp), "ffn_inp")
             x = norm(ffn_inp, p + "ffn_norm.weight", "ffn_norm")
             if cfg.is_moe:
-                f = self._moe(ctx, cb, x, p, n_tok, gating, routes if routing else None, routing == "forced")
+                f = self._moe(ctx, cb, x, p, n_tok, gating, routes if routing else None, routing == "forced",
+                              self._device_slots(il, n_tok))  # fmt: skip
             else:
                 f = self._ffn(ctx, cb, x, p)
             if cfg.post_norms:
@@ -1027,13 +1053,32 @@ class DecoderModel:
             a = cb(glu(g, u), act)
         return self._linear(ctx, cb, p + "ffn_down", a, "ffn_out")
 
+    def _device_slots(self, il: int, n_tok: int) -> int:
+        """How many of each token's expert slots layer ``il``'s device computes in a batch of
+        ``n_tok`` whose experts live in host memory (``moe_device_share``): where the device
+        reads them in place and the relaxed policy lets the CPU start before the device is done
+        (:meth:`_moe`); 0: the CPU computes all."""
+        k, dev = self.cfg.n_expert_used, self.layer_dev[il] if il < len(self.layer_dev) else None
+        if (il >= self.cpu_moe or k < 2 or self.moe_device_share <= 0.0 or dev is None
+                or dev is self.cpu or not (dev.caps.host_reads and dev.has_events)
+                or self.sched.policy != "relaxed"):  # fmt: skip
+            return 0
+        return min(k - 1, max(1, round(k * self.moe_device_share)))
+
     def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int, gating: list[Tensor],
-             routes: list[tuple[Tensor, Tensor]] | None = None, forced: bool = False) -> Tensor:  # fmt: skip
+             routes: list[tuple[Tensor, Tensor]] | None = None, forced: bool = False,
+             device_slots: int = 0) -> Tensor:  # fmt: skip
         """llama.cpp's build_moe_ffn for llama and qwen3moe: softmax gating, top-k, weights
         renormalized. The weights go to ``gating``: the graph orders their run (softmax →
         argsort → top-k view → get_rows → sum_rows → div) before the experts, as llama.cpp
         does, so a plugin can compute it as one kernel (accelplane.core.fusion: moe_gating).
-        ``routes``: gets (probabilities, ARGSORT or, ``forced``, the ids input) as outputs."""
+        ``routes``: gets (probabilities, ARGSORT or, ``forced``, the ids input) as outputs.
+        ``device_slots`` > 0 (experts in host memory): slots [0, device_slots) pinned to the
+        layer's device, which reads their experts in place (accelplane.sched.experts:
+        reads_in_place; else the CPU computes all), then the others on the CPU with the
+        weights, the two weighted sums added on the device. The device's come first in the
+        graph: the scheduler queues them behind the router and the copies of what the CPU needs,
+        and the CPU computes its slots while the device computes its own (docs/ordering.md)."""
         w, cfg = self.w, self.cfg
         k = cfg.n_expert_used
         logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
@@ -1050,11 +1095,33 @@ class DecoderModel:
             used = given if given is not None else ids.view_src  # the input, or the whole ARGSORT
             routes.append((named["ffn_moe_probs"].set_output(), used.set_output()))
         xb = ctx.reshape_ne(x, cfg.d_model, 1, n_tok)
-        g = cb(ctx.mul_mat_id(w[p + "ffn_gate_exps.weight"], xb, ids), "ffn_moe_gate")
-        u = cb(ctx.mul_mat_id(w[p + "ffn_up_exps.weight"], xb, ids), "ffn_moe_up")
-        a = cb(ctx.swiglu(g, u), "ffn_moe_swiglu")  # [T, k, ff_exp]
-        dn = cb(ctx.mul_mat_id(w[p + "ffn_down_exps.weight"], a, ids), "ffn_moe_down")  # [T, k, d]
-        return moe_weighted_sum(ctx, dn, wts, name=cb)
+
+        def experts(ids: Tensor, wts: Tensor) -> Tensor:
+            g = cb(ctx.mul_mat_id(w[p + "ffn_gate_exps.weight"], xb, ids), "ffn_moe_gate")
+            u = cb(ctx.mul_mat_id(w[p + "ffn_up_exps.weight"], xb, ids), "ffn_moe_up")
+            a = cb(ctx.swiglu(g, u), "ffn_moe_swiglu")  # [T, k, ff_exp]
+            dn = cb(ctx.mul_mat_id(w[p + "ffn_down_exps.weight"], a, ids), "ffn_moe_down")  # [T, k, d]
+            return moe_weighted_sum(ctx, dn, wts, name=cb)
+
+        if not device_slots:
+            return experts(ids, wts)
+
+        def slots(j0: int, j1: int) -> tuple[Tensor, Tensor]:
+            return (ctx.view(ids, (j1 - j0, n_tok), (ids.nb[0], ids.nb[1]), j0 * ids.nb[0]),
+                    ctx.view(wts, (1, j1 - j0, n_tok), (wts.nb[0], wts.nb[1], wts.nb[2]), j0 * wts.nb[1]))
+
+        dev = self.layer_dev[int(p.split(".")[1])]
+        mine = slots(0, device_slots)
+        if not reads_in_place(dev, w[p + "ffn_gate_exps.weight"], mine[0]):
+            return experts(ids, wts)
+        # an ADD lists its first operand's nodes first: the device's slots, then the host's
+        on_dev = experts(*mine)
+        host = experts(*slots(device_slots, k))
+        out = cb(ctx.add(on_dev, host), "ffn_moe_out")
+        backend = next(b for b in self.sched.backends if b.device is dev)
+        for t in _made_from(out, (host, xb, ids, wts)):
+            self.sched.set_tensor_backend(t, backend)
+        return out
 
     # --- running ------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -8,6 +8,12 @@ The i-th expert input of a compute (in split order, per device) takes slot i mod
 the most expert inputs one split reads plus the prefetch depth, so a split's inputs never share
 a slot, and neither do the inputs being prefetched and those of the split computing meanwhile.
 
+In place: a device whose kernels read its own pinned host memory (``caps.host_reads``, CUDA's
+unified addressing) reads a batch's experts where they are when the batch selects few of them
+(:data:`IN_PLACE_SHARE`: a decode's): each selected expert crosses the link once either way,
+and reading in place needs no host synchronization to learn the ids and no copy calls, so the
+device's products queue like any other node (:func:`reads_in_place`).
+
 Uploads: the ids are computed first (the split that reads the experts starts where they are
 known), then only the experts they select are copied, in runs of consecutive experts, on the
 split's own stream. With prefetch (``Scheduler(prefetch_experts=N)``), while split k computes,
@@ -29,9 +35,11 @@ from accelplane.runtime.backend import Backend, BufferType, BufferUsage, Event, 
 
 if TYPE_CHECKING:
     from accelplane.core.tensor import Tensor
+    from accelplane.runtime.backend import Device
     from accelplane.sched.scheduler import Scheduler, Split, SplitInput, _Plan
 
 PREFETCH_SHARE = 0.9  # prefetch whole tensors only where this share of the experts is expected in use
+IN_PLACE_SHARE = 0.25  # read in place while a batch's selections number at most this share of the experts
 
 
 @dataclass
@@ -53,6 +61,17 @@ class ExpertSlots:
 
 def is_expert_input(inp: SplitInput) -> bool:
     return inp.moe_ids is not None and not inp.user_input
+
+
+def reads_in_place(device: Device, weights: Tensor, ids: Tensor) -> bool:
+    """Whether ``device`` reads MUL_MAT_ID expert ``weights`` in a host weights buffer where
+    they are (its own host buffer type, which its kernels reach: ``caps.host_reads``) for the
+    selections ``ids`` holds: at most :data:`IN_PLACE_SHARE` of the experts, so that an upload
+    would move about as many bytes over the link."""
+    owner = weights.view_src or weights
+    buf = owner.buffer
+    return (device.caps.host_reads and buf is not None and buf.is_host and buf.buft is device.host_buffer_type
+            and ids.nelements <= IN_PLACE_SHARE * weights.ne[2])  # fmt: skip
 
 
 def expected_share(inp: SplitInput) -> float:

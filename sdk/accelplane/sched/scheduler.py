@@ -53,7 +53,7 @@ from accelplane.runtime.backend import (
     tensor_copy,
     tensor_copy_async,
 )
-from accelplane.sched.experts import ExpertSlots, ExpertUploads, is_expert_input
+from accelplane.sched.experts import ExpertSlots, ExpertUploads, is_expert_input, reads_in_place
 
 MAX_COPIES = 4
 EvalCallback = Callable[[Tensor, bool], bool]
@@ -105,6 +105,9 @@ class _Plan:
         self.views_placed = False  # clones' views placed for this layout
         self.inputs_released: bool | None = None  # Scheduler.inputs_released, once known
         self.experts = ExpertSlots()  # host expert inputs' slots (experts.py)
+        # split index -> later host splits' inputs it computes (and their backend): copied out
+        # right behind it (Scheduler._early_outputs)
+        self.early: dict[int, list[tuple[SplitInput, int]]] = {}
 
     def graphs(self):
         for sp in self.splits:
@@ -199,6 +202,9 @@ class Scheduler(GraphRunner):
         self.prefetch_experts = (env.PREFETCH_EXPERTS.get()
                                  if prefetch_experts is None else prefetch_experts)  # fmt: skip
         self._experts = ExpertUploads(self)
+        # (split, copy slot, backend) -> recorded after its copy-out (_copy_out)
+        self._out_events: dict[tuple[int, int, int], Event] = {}
+        self._copied_out: dict[int, Event] = {}  # id(SplitInput) -> its copy-out's event, this compute
         self._debug = int(env.SCHED_DEBUG.get())
         self._check = env.CHECK_RESULTS.get()
 
@@ -422,7 +428,7 @@ class Scheduler(GraphRunner):
                 if s is None:
                     continue
                 sb = a.get(id(s), a.get(id(s.view_src), b) if s.view_src is not None else b)
-                if sb == b or dev.supports_buft(self._tensor_buft(plan, s)):
+                if sb == b or dev.supports_buft(self._tensor_buft(plan, s)) or self._in_place(dev, n, s):
                     continue
                 key = (id(s), b)
                 inp = copies.get(key)
@@ -443,7 +449,10 @@ class Scheduler(GraphRunner):
                     inp = copies[key] = SplitInput(s, sb, cps, user, self._moe_ids(n, s))
                 if inp not in cur.inputs:
                     cur.inputs.append(inp)
+        if self.policy == "relaxed":
+            splits = self._cut_for_host(splits)
         plan.splits = splits
+        plan.early = self._early_outputs(splits) if self.policy == "relaxed" else {}
         plan.experts = self._experts.plan(splits)
         # what each split's plugin must still write if it fuses nodes (accelplane.core.fusion):
         # memory read by any other split, and what the caller asked for
@@ -509,6 +518,58 @@ class Scheduler(GraphRunner):
             return n.src[2]
         return None
 
+    def _in_place(self, dev: Device, n: Tensor, s: Tensor) -> bool:
+        """Whether node ``n`` on ``dev`` reads host experts ``s`` where they are (experts.py)."""
+        return self._moe_ids(n, s) is not None and reads_in_place(dev, s, n.src[2])
+
+    def _cut_for_host(self, splits: list[Split]) -> list[Split]:
+        """Cut a split of an asynchronous device with events after its last node whose result a
+        later host split reads, where a matrix product follows it in the split (work worth
+        running beside the host's; a few small nodes are not worth another launch): those
+        results are then copied out as soon as that node is queued (:meth:`_early_outputs`), and
+        the host split computes while the device runs the rest (docs/ordering.md)."""
+        out: list[Split] = []
+        for k, sp in enumerate(splits):
+            dev = self.backends[sp.backend].device
+            hosts = [h for h in splits[k + 1 :] if not self.backends[h.backend].device.caps.async_]
+            wanted = set() if not (dev.caps.async_ and dev.has_events) else {
+                id(memory_owner(i.src)) for h in hosts for i in h.inputs
+                if i.src_backend == sp.backend and not i.user_input}  # fmt: skip
+            last = max((j for j, n in enumerate(sp.nodes)
+                        if n.op not in VIEW_OPS and id(memory_owner(n)) in wanted), default=-1)  # fmt: skip
+            if last < 0 or not any(n.op in (Op.MUL_MAT, Op.MUL_MAT_ID) for n in sp.nodes[last + 1 :]):
+                out.append(sp)
+                continue
+            head, tail = Split(sp.backend, sp.nodes[: last + 1]), Split(sp.backend, sp.nodes[last + 1 :])
+            hs, ts = ({id(x) for n in part.nodes for x in n.src if x is not None} for part in (head, tail))
+            # an input goes with its first reader; the tail reads what the head copied in
+            head.inputs = [i for i in sp.inputs if id(i.src) in hs]
+            tail.inputs = [i for i in sp.inputs if id(i.src) not in hs]
+            head.reused = [i for i in sp.reused if id(i.src) in hs]
+            tail.reused = [i for i in (*sp.reused, *head.inputs) if id(i.src) in ts]
+            out += [head, tail]
+        return out
+
+    def _early_outputs(self, splits: list[Split]) -> dict[int, list[tuple[SplitInput, int]]]:
+        """Split index → the inputs of later host splits (with the host split's backend) that it
+        computes, on an asynchronous device with events: copied out right after it is queued."""
+        where: dict[int, int] = {}
+        for k, sp in enumerate(splits):
+            for n in sp.nodes:
+                if n.op not in VIEW_OPS:
+                    where[id(memory_owner(n))] = k
+        early: dict[int, list[tuple[SplitInput, int]]] = {}
+        for h, sp in enumerate(splits):
+            if self.backends[sp.backend].device.caps.async_:
+                continue
+            for i in sp.inputs:
+                k = where.get(id(memory_owner(i.src)), -1)
+                dev = self.backends[i.src_backend].device
+                if (0 <= k < h and splits[k].backend == i.src_backend and not i.user_input
+                        and not is_expert_input(i) and dev.caps.async_ and dev.has_events):  # fmt: skip
+                    early.setdefault(k, []).append((i, sp.backend))
+        return early
+
     def _moe_cut(self, plan: _Plan, n: Tensor, cur: Split) -> bool:
         """Start a new split at a MUL_MAT_ID that uploads host experts when its ids are computed
         in the current split: the ids must be known when the split's inputs are copied."""
@@ -516,7 +577,8 @@ class Scheduler(GraphRunner):
             return False
         s = n.src[0]
         dev = self.backends[cur.backend].device
-        if self._moe_ids(n, s) is None or dev.supports_buft(self._tensor_buft(plan, s)):
+        if (self._moe_ids(n, s) is None or dev.supports_buft(self._tensor_buft(plan, s))
+                or self._in_place(dev, n, s)):  # fmt: skip
             return False
         ids = n.src[2]
         produced = {id(x) for x in cur.nodes}
@@ -629,6 +691,9 @@ class Scheduler(GraphRunner):
                 if e is not None:
                     e.free()
         self._experts.free()
+        for e in self._out_events.values():
+            e.free()
+        self._out_events.clear()
         for g in self.galloc:
             g.free()
         self._key_memo.clear()  # it holds the leaves' buffers
@@ -703,6 +768,7 @@ class Scheduler(GraphRunner):
         c = self.cur_copy
         prev: int | None = None
         self.stats.expert_bytes = self.stats.expert_bytes_total = self.stats.prefetched = 0
+        self._copied_out.clear()
         self._experts.begin()
         for k, sp in enumerate(plan.splits):
             bi = sp.backend
@@ -741,7 +807,25 @@ class Scheduler(GraphRunner):
             if ev is not None:
                 ev.record(b)
             self._experts.computed(plan.experts, sp, b, c)
+            if k in plan.early and not behind:
+                self._copy_out(plan, k, b, c)
             prev = bi
+
+    def _copy_out(self, plan: _Plan, k: int, b: Backend, c: int) -> None:
+        """Right behind split ``k`` on ``b``: queue the copies of what later host splits read
+        from it, and an event after them that those splits wait for instead of ``b``'s stream
+        (which meanwhile runs the splits queued after ``k``)."""
+        done = [inp for inp, hb in plan.early[k]
+                if self._copy_async(b, self.backends[hb], inp.src, inp.copies[c], True)]  # fmt: skip
+        if not done:
+            return
+        key = (k, c, plan.splits[k].backend)
+        ev = self._out_events.get(key)
+        if ev is None:
+            ev = self._out_events[key] = b.device.new_event()
+        ev.record(b)
+        for inp in done:
+            self._copied_out[id(inp)] = ev
 
     def _copy_inputs_strict(self, plan: _Plan, sp: Split, bi: int, b: Backend, c: int) -> None:
         for inp in sp.inputs:
@@ -766,7 +850,14 @@ class Scheduler(GraphRunner):
             return
         self._sync(b)
         touched: dict[int, Backend] = {bi: b}
+        waited: set[int] = set()
         for inp in sp.inputs:
+            ev = self._copied_out.pop(id(inp), None)
+            if ev is not None:  # copied right behind the split that computed it
+                if id(ev) not in waited:
+                    waited.add(id(ev))
+                    self._event_sync(ev)
+                continue
             src_b = self.backends[inp.src_backend]
             dst = inp.copies[c]
             if is_expert_input(inp):

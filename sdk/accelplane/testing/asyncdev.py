@@ -1,8 +1,9 @@
 """The asynchronous test device: a plugin whose streams are worker threads with random
 delays, whose memory is not host-visible (only reachable through its hooks), whose events
 are real cross-thread events and whose freed memory is poisoned. Its host buffer type (as a
-GPU's pinned host memory) is host memory the CPU computes on and the device reaches only
-through copies, which read it when their task runs, as a DMA would.
+GPU's pinned host memory) is host memory the CPU computes on; copies from it read it when
+their task runs, as a DMA would, and its kernels read it in place when their task runs, as a
+GPU's do through unified addressing (caps.host_reads).
 
 It is a test double for the SDK's ordering logic, not a backend. Load it with
 ``ACCELPLANE_EXTRA_PLUGINS=asynctest=accelplane.testing.asyncdev``.
@@ -158,7 +159,7 @@ def api_version():
 @hookimpl
 def get_devices():
     n = env.ASYNCDEV_NDEV.get()
-    caps = DeviceCaps(async_=True, events=True, host_buffer=True)
+    caps = DeviceCaps(async_=True, events=True, host_buffer=True, host_reads=True)
     return [DeviceSpec(f"ASYNC{i}", "asynchronous test device (worker-thread stream, random "
                        "delays; a test double, not a backend)", DeviceType.GPU, caps,
                        DevState(i)) for i in range(n)]  # fmt: skip
