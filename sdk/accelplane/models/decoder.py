@@ -981,8 +981,7 @@ class DecoderModel:
             ffn_inp = cb(ctx.add(o, inp), "ffn_inp")
             x = norm(ffn_inp, p + "ffn_norm.weight", "ffn_norm")
             if cfg.is_moe:
-                f = self._moe(ctx, cb, x, p, n_tok, gating, routes if routing else None, routing == "forced",
-                              self._device_slots(il, n_tok))  # fmt: skip
+                f = self._moe(ctx, cb, x, il, n_tok, gating, routes if routing else None, routing == "forced")
             else:
                 f = self._ffn(ctx, cb, x, p)
             if cfg.post_norms:
@@ -1065,21 +1064,20 @@ class DecoderModel:
             return 0
         return min(k - 1, max(1, round(k * self.moe_device_share)))
 
-    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, p: str, n_tok: int, gating: list[Tensor],
-             routes: list[tuple[Tensor, Tensor]] | None = None, forced: bool = False,
-             device_slots: int = 0) -> Tensor:  # fmt: skip
+    def _moe(self, ctx: Context, cb: _Namer, x: Tensor, il: int, n_tok: int, gating: list[Tensor],
+             routes: list[tuple[Tensor, Tensor]] | None = None, forced: bool = False) -> Tensor:  # fmt: skip
         """llama.cpp's build_moe_ffn for llama and qwen3moe: softmax gating, top-k, weights
         renormalized. The weights go to ``gating``: the graph orders their run (softmax →
         argsort → top-k view → get_rows → sum_rows → div) before the experts, as llama.cpp
         does, so a plugin can compute it as one kernel (accelplane.core.fusion: moe_gating).
         ``routes``: gets (probabilities, ARGSORT or, ``forced``, the ids input) as outputs.
-        ``device_slots`` > 0 (experts in host memory): slots [0, device_slots) pinned to the
-        layer's device, which reads their experts in place (accelplane.sched.experts:
-        reads_in_place; else the CPU computes all), then the others on the CPU with the
-        weights, the two weighted sums added on the device. The device's come first in the
+        Where layer ``il`` gives its device slots (:meth:`_device_slots`; experts in host
+        memory): those first slots pinned to the device, which reads their experts in place
+        (accelplane.sched.experts: reads_in_place; else the CPU computes all), then the others
+        on the CPU with the weights, the two weighted sums added on the device. The device's come first in the
         graph: the scheduler queues them behind the router and the copies of what the CPU needs,
         and the CPU computes its slots while the device computes its own (docs/ordering.md)."""
-        w, cfg = self.w, self.cfg
+        w, cfg, p = self.w, self.cfg, f"blk.{il}."
         k = cfg.n_expert_used
         logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
         given = cb(ctx.new_tensor(T.I32, (n_tok, k)), "ffn_moe_ids").set_input() if forced else None
@@ -1103,6 +1101,7 @@ class DecoderModel:
             dn = cb(ctx.mul_mat_id(w[p + "ffn_down_exps.weight"], a, ids), "ffn_moe_down")  # [T, k, d]
             return moe_weighted_sum(ctx, dn, wts, name=cb)
 
+        device_slots = self._device_slots(il, n_tok)
         if not device_slots:
             return experts(ids, wts)
 
@@ -1110,7 +1109,7 @@ class DecoderModel:
             return (ctx.view(ids, (j1 - j0, n_tok), (ids.nb[0], ids.nb[1]), j0 * ids.nb[0]),
                     ctx.view(wts, (1, j1 - j0, n_tok), (wts.nb[0], wts.nb[1], wts.nb[2]), j0 * wts.nb[1]))
 
-        dev = self.layer_dev[int(p.split(".")[1])]
+        dev = self.layer_dev[il]
         mine = slots(0, device_slots)
         if not reads_in_place(dev, w[p + "ffn_gate_exps.weight"], mine[0]):
             return experts(ids, wts)
