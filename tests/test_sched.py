@@ -443,6 +443,10 @@ def test_moe_expert_upload(reg, prefetch, policy):
     else:
         # only the selected experts travel: 3 tokens × 2 of 16 experts
         assert 0 < s.stats.expert_bytes <= s.stats.expert_bytes_total * 6 / 16
+        # the host waits once per layer, to read the ids its three uploads share; the copies
+        # queue on the reading split's stream with no wait (20 / 26 host syncs when each upload
+        # read the ids and waited for its slot)
+        assert s.stats.host_syncs <= 3 * 3, s.stats.host_syncs
     # the slots: one split's three expert inputs plus the prefetch depth, not all nine
     one = m.experts[0].nbytes
     assert 0 < s.expert_pool_bytes < (3 + prefetch + 1) * one < len(m.experts) * one, s.expert_pool_bytes

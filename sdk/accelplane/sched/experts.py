@@ -16,7 +16,9 @@ device's products queue like any other node (:func:`reads_in_place`).
 
 Uploads: the ids are computed first (the split that reads the experts starts where they are
 known), then only the experts they select are copied, in runs of consecutive experts, on the
-split's own stream. With prefetch (``Scheduler(prefetch_experts=N)``), while split k computes,
+split's own stream: the host waits once per compute for each ids tensor (a layer's products
+share one), and the copies wait for nothing, queued behind every split that read their slot
+before. With prefetch (``Scheduler(prefetch_experts=N)``), while split k computes,
 the next N expert inputs whose batch uses nearly every expert (a prefill's: :data:`PREFETCH_SHARE`)
 are copied whole on a second stream of the device, each after the split that last used its slot
 has finished with it (an event recorded after that split, waited on by the copy stream), and
@@ -113,6 +115,7 @@ class ExpertUploads:
         self.ready: dict[int, Event] = {}  # id(SplitInput) -> recorded after its prefetch copy
         # this compute's prefetched inputs not yet read: id(SplitInput) -> (copy done, reader's backend)
         self.pending: dict[int, tuple[Event, int]] = {}
+        self.ids: dict[int, np.ndarray] = {}  # id(ids tensor) -> its values in this compute
 
     # --- planning and placement ---------------------------------------------------------------------
     def plan(self, splits: list[Split]) -> ExpertSlots:
@@ -172,6 +175,7 @@ class ExpertUploads:
         for ev, b in self.pending.values():
             ev.wait(self.s.backends[b])
         self.pending = {}
+        self.ids = {}
 
     def upload(self, plan: _Plan, inp: SplitInput, bi: int, b: Backend, c: int) -> None:
         """Queue ``inp``'s experts on ``b`` for the split about to run: its prefetched copy
@@ -185,27 +189,23 @@ class ExpertUploads:
             st.expert_bytes += src.nbytes
             return
         ids_t = inp.moe_ids
-        owner = ids_t.view_src or ids_t
-        s._sync(s.backends[plan.assign.get(id(owner), plan.assign.get(id(ids_t), bi))])
-        ids = ids_t.get().reshape(-1)
+        ids = self.ids.get(id(ids_t))
+        if ids is None:  # the experts of one MoE layer share their ids: read them once
+            owner = ids_t.view_src or ids_t
+            s._sync(s.backends[plan.assign.get(id(owner), plan.assign.get(id(ids_t), bi))])
+            ids = self.ids[id(ids_t)] = ids_t.get().reshape(-1)
         n_exp = src.ne[2]
-        used = np.zeros(n_exp + 1, bool)
-        used[ids[(ids >= 0) & (ids < n_exp)]] = True
-        host = src.buffer.host_array
-        nb2 = src.nb[2]
-        s._wait_slot(bi, b)
-        e = 0
-        while e < n_exp:
-            if not used[e]:
-                e += 1
-                continue
-            e1 = e
-            while used[e1]:
-                e1 += 1
-            start = src.offs + e * nb2
-            b.set_tensor_async(dst, host[start : src.offs + e1 * nb2], e * nb2, (e1 - e) * nb2)
-            st.expert_bytes += (e1 - e) * nb2
-            e = e1
+        used = np.zeros(n_exp + 2, bool)
+        used[ids[(ids >= 0) & (ids < n_exp)] + 1] = True
+        # runs of consecutive selected experts: where `used` turns on, where it turns off
+        edges = np.flatnonzero(used[1:] != used[:-1])
+        first, end = edges[0::2], edges[1::2]
+        host, nb2 = src.buffer.host_array, src.nb[2]
+        # queued on b's own stream, behind every split that read the slot before: no wait
+        for e0, e1 in zip(first.tolist(), end.tolist(), strict=True):
+            start = src.offs + e0 * nb2
+            b.set_tensor_async(dst, host[start : start + (e1 - e0) * nb2], e0 * nb2, (e1 - e0) * nb2)
+            st.expert_bytes += (e1 - e0) * nb2
 
     def computed(self, es: ExpertSlots, sp: Split, b: Backend, c: int) -> None:
         """After split ``sp`` was queued on ``b``: its slots are free again once it finishes."""

@@ -849,7 +849,10 @@ class Scheduler(GraphRunner):
         if not sp.inputs:
             return
         self._sync(b)
-        touched: dict[int, Backend] = {bi: b}
+        # the streams whose copies read host memory that may change once this returns; the
+        # experts uploaded from weights never change, so a split reading only them goes on
+        # while its uploads run
+        touched: dict[int, Backend] = {}
         waited: set[int] = set()
         for inp in sp.inputs:
             ev = self._copied_out.pop(id(inp), None)
@@ -865,6 +868,7 @@ class Scheduler(GraphRunner):
                 continue
             if self._copy_async(src_b, b, inp.src, dst, True):
                 touched[inp.src_backend] = src_b
+                touched[bi] = b
             else:
                 self._sync(src_b)
                 tensor_copy(inp.src, dst)
