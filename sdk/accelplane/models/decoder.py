@@ -1074,9 +1074,10 @@ class DecoderModel:
         Where layer ``il`` gives its device slots (:meth:`_device_slots`; experts in host
         memory): those first slots pinned to the device, which reads their experts in place
         (accelplane.sched.experts: reads_in_place; else the CPU computes all), then the others
-        on the CPU with the weights, the two weighted sums added on the device. The device's come first in the
-        graph: the scheduler queues them behind the router and the copies of what the CPU needs,
-        and the CPU computes its slots while the device computes its own (docs/ordering.md)."""
+        on the CPU with the weights, the two weighted sums added on the device. The device's
+        come first in the graph: the scheduler queues them behind the router and the copies of
+        what the CPU needs, and the CPU computes its slots while the device computes its own
+        (docs/ordering.md)."""
         w, cfg, p = self.w, self.cfg, f"blk.{il}."
         k = cfg.n_expert_used
         logits = cb(ctx.mul_mat(w[p + "ffn_gate_inp.weight"], x), "ffn_moe_logits")  # [T, E]
