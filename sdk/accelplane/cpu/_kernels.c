@@ -1617,38 +1617,40 @@ static void mm_range(const mm_ctx *c, int isa, int64_t m0, int64_t m1) {
 
 /* Work item `it` of mm_groups: row chunk it % nch of group it / nch, on a copy of the context
  * that points at the group's weights and its x, y and quantized activation rows. */
-static void mm_item(const mm_ctx *base, int isa, const int64_t *gw, const int64_t *gs, int64_t nch,
-                    int64_t chunk, int64_t M, int64_t it) {
+static void mm_item(const mm_ctx *base, int isa, const int64_t *gw, const int64_t *gs, const int64_t *gx,
+                    int64_t nch, int64_t chunk, int64_t M, int64_t it) {
     const int64_t g = it / nch, m0 = (it % nch) * chunk, m1 = m0 + chunk < M ? m0 + chunk : M;
-    const int64_t r0 = gs[g], n = gs[g + 1] - r0;
+    const int64_t r0 = gs[g], n = gs[g + 1] - r0, rx = gx ? gx[g] : r0;
     if (n == 0) return;
     mm_ctx c = *base;
     c.w = base->w + gw[g];
     c.N = n;
-    c.x = base->x + r0 * base->xs;
+    c.x = base->x + rx * base->xs;
     c.y = base->y + r0 * base->ys;
 #if AP_X86
     act_t a;
     if (base->a != NULL) {
         a = *base->a;
-        a.q += r0 * a.K;
-        a.d += r0 * a.nd;
-        a.c += r0 * a.nd;
-        a.bs += r0 * (a.K / 16);
-        if (a.z) a.z = Z_ROW(&a, r0);
+        a.q += rx * a.K;
+        a.d += rx * a.nd;
+        a.c += rx * a.nd;
+        a.bs += rx * (a.K / 16);
+        if (a.z) a.z = Z_ROW(&a, rx);
         c.a = &a;
     }
 #endif
     mm_range(&c, isa, m0, m1);
 }
 
-/* The products of G groups: group g multiplies x rows [gs[g], gs[g + 1]) by the M x K matrix
- * at w + gw[g] (rows ws bytes apart) into the same rows of y (MUL_MAT: one group; MUL_MAT_ID:
- * one per used expert). The caller has checked every size and offset. Activation rows are
- * quantized once for all groups; the (group, row chunk) items are shared among the threads. */
+/* The products of G groups: group g multiplies the M x K matrix at w + gw[g] (rows ws bytes
+ * apart) by n_g = gs[g + 1] - gs[g] rows of x into y rows [gs[g], gs[g + 1]) (MUL_MAT: one
+ * group; MUL_MAT_ID: one per used expert). x rows: [gx[g], gx[g] + n_g) of its NX rows, or with
+ * gx NULL the y rows' own (NX = N). The caller has checked every size and offset. The NX
+ * activation rows are quantized once for all groups (a decode's experts share one row); the
+ * (group, row chunk) items are shared among the threads. */
 static int mm_groups(int type, int x8, const uint8_t *w, int64_t ws, int64_t M, int64_t K, const float *x,
-                     int64_t xs, int64_t N, float *y, int64_t ys, const int64_t *gw, const int64_t *gs,
-                     int64_t G, int nthreads) {
+                     int64_t xs, int64_t NX, int64_t N, float *y, int64_t ys, const int64_t *gw, const int64_t *gs,
+                     const int64_t *gx, int64_t G, int nthreads) {
     if (K == 0) {
         for (int64_t n = 0; n < N; n++) memset(y + n * ys, 0, (size_t)M * sizeof(float));
         return AP_OK;
@@ -1681,9 +1683,9 @@ static int mm_groups(int type, int x8, const uint8_t *w, int64_t ws, int64_t M, 
     if (quant_x) {
         a.K = K;
         a.nd = k_quant ? K / QKK : K / QK;
-        const size_t nq = (size_t)(N * K), nd = (size_t)(N * a.nd);
-        const size_t nbs = k_quant ? (size_t)(N * K / 16) : 0, nc = k_quant ? 0 : nd;
-        const size_t nz = isa == AP_ISA_AVX512 && type == AP_T_Q4_0 && !x8 && K <= Z_K_MAX ? (size_t)(N * Z_ROW_BYTES(K)) : 0;
+        const size_t nq = (size_t)(NX * K), nd = (size_t)(NX * a.nd);
+        const size_t nbs = k_quant ? (size_t)(NX * K / 16) : 0, nc = k_quant ? 0 : nd;
+        const size_t nz = isa == AP_ISA_AVX512 && type == AP_T_Q4_0 && !x8 && K <= Z_K_MAX ? (size_t)(NX * Z_ROW_BYTES(K)) : 0;
         /* one allocation: floats first (alignment), then int16 sums, then int8 quants */
         ws_mem = malloc((nd + nc) * sizeof(float) + nbs * sizeof(int16_t) + nq + nz + 64);
         if (!ws_mem) return AP_ENOMEM;
@@ -1695,11 +1697,11 @@ static int mm_groups(int type, int x8, const uint8_t *w, int64_t ws, int64_t M, 
     }
     /* Few activation rows are quantized before the parallel region (microseconds of work):
      * that saves a barrier, and a barrier is a futex sleep/wake when threads wait passively. */
-    const int quant_inside = quant_x && nt > 1 && N * K > (1 << 16);
-    if (quant_x && !quant_inside) quant_rows(&a, type, x, xs, N, 0, N);
+    const int quant_inside = quant_x && nt > 1 && NX * K > (1 << 16);
+    if (quant_x && !quant_inside) quant_rows(&a, type, x, xs, NX, 0, NX);
 #endif
     if (nt == 1) { /* no OpenMP region at all: even a serialized one costs microseconds */
-        for (int64_t it = 0; it < items; it++) mm_item(&c, isa, gw, gs, nch, chunk, M, it);
+        for (int64_t it = 0; it < items; it++) mm_item(&c, isa, gw, gs, gx, nch, chunk, M, it);
     } else {
 #pragma omp parallel num_threads(nt)
         {
@@ -1708,11 +1710,11 @@ static int mm_groups(int type, int x8, const uint8_t *w, int64_t ws, int64_t M, 
                 /* rows split over threads; the barrier at the end of the loop makes them
                  * visible before W rows are dotted against them */
 #pragma omp for schedule(static)
-                for (int64_t n = 0; n < N; n++) quant_rows(&a, type, x, xs, N, n, n + 1);
+                for (int64_t n = 0; n < NX; n++) quant_rows(&a, type, x, xs, NX, n, n + 1);
             }
 #endif
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t it = 0; it < items; it++) mm_item(&c, isa, gw, gs, nch, chunk, M, it);
+            for (int64_t it = 0; it < items; it++) mm_item(&c, isa, gw, gs, gx, nch, chunk, M, it);
         }
     }
     free(ws_mem);
@@ -1742,13 +1744,15 @@ int ap_mul_mat(int type, const void *w_, int64_t ws, int64_t w_size, int64_t M, 
         return AP_ERANGE;
     if (!w_ || !x || !y) return AP_EINVAL;
     const int64_t gw = 0, gs[2] = {0, N};
-    return mm_groups(type, x8, (const uint8_t *)w_, x8 ? row_bytes : ws, M, K, x, xs, N, y, ys, &gw, gs, 1,
-                     nthreads);
+    return mm_groups(type, x8, (const uint8_t *)w_, x8 ? row_bytes : ws, M, K, x, xs, N, N, y, ys, &gw, gs,
+                     NULL, 1, nthreads);
 }
 
-int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
-                  int64_t K, const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
-                  int64_t y_size, const int32_t *experts, const int64_t *starts, int64_t G, int nthreads) {
+/* ap_mul_mat_id with mm_groups' gx: group g reads x rows [gx[g], gx[g] + its rows) of NX */
+static int mul_mat_id_x(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
+                        int64_t K, const float *x, int64_t xs, int64_t x_size, int64_t NX, int64_t N, float *y,
+                        int64_t ys, int64_t y_size, const int32_t *experts, const int64_t *starts, const int64_t *gx,
+                        int64_t G, int nthreads) {
     int64_t blk, bsz;
     const int x8 = take_layout(&type);
     if (x8 < 0 || !type_info(type, &blk, &bsz)) return AP_ETYPE;
@@ -1761,8 +1765,10 @@ int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_si
     const int64_t row_bytes = K / blk * bsz;
     if (x8 && ws != row_bytes && M > 1) return AP_EINVAL;
     if (x8) ws = row_bytes;
-    const int64_t ew = extent(M, ws, row_bytes), ex = extent(N, xs, K), ey = extent(N, ys, M);
+    const int64_t ew = extent(M, ws, row_bytes), ex = extent(NX, xs, K), ey = extent(N, ys, M);
     if (ew < 0 || ex < 0 || ey < 0 || ex > x_size || ey > y_size) return AP_ERANGE;
+    for (int64_t g = 0; gx && g < G; g++)
+        if (gx[g] < 0 || gx[g] > NX - (starts[g + 1] - starts[g])) return AP_ERANGE;
     int64_t *gw = malloc((size_t)(G > 0 ? G : 1) * sizeof(int64_t));
     if (!gw) return AP_ENOMEM;
     for (int64_t g = 0; g < G; g++) {
@@ -1778,9 +1784,17 @@ int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_si
         free(gw);
         return AP_EINVAL;
     }
-    const int rc = mm_groups(type, x8, (const uint8_t *)w_, ws, M, K, x, xs, N, y, ys, gw, starts, G, nthreads);
+    const int rc = mm_groups(type, x8, (const uint8_t *)w_, ws, M, K, x, xs, NX, N, y, ys, gw, starts, gx, G,
+                             nthreads);
     free(gw);
     return rc;
+}
+
+int ap_mul_mat_id(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
+                  int64_t K, const float *x, int64_t xs, int64_t x_size, int64_t N, float *y, int64_t ys,
+                  int64_t y_size, const int32_t *experts, const int64_t *starts, int64_t G, int nthreads) {
+    return mul_mat_id_x(type, w_, es, ws, w_size, E, M, K, x, xs, x_size, N, N, y, ys, y_size, experts, starts,
+                        NULL, G, nthreads);
 }
 
 int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t w_size, int64_t E, int64_t M,
@@ -1801,8 +1815,8 @@ int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t 
     if (xl > x_size || il > ids_size || yl > y_size) return AP_ERANGE;
     if (!w_ || !x || !ids || !y) return AP_EINVAL;
     /* one workspace: per expert its row count and next place, the groups (expert, start), the
-     * rows' order; then the gathered x and y rows */
-    int64_t *cnt = calloc((size_t)(2 * E + 1 + 2 * N), sizeof(int64_t));
+     * rows' order, each group's x row (shared: 0); then the gathered x and y rows */
+    int64_t *cnt = calloc((size_t)(2 * E + 1 + 3 * N), sizeof(int64_t));
     int32_t *gex = malloc((size_t)(N > 0 ? N : 1) * sizeof(int32_t));
     float *xg = malloc((size_t)(N * (K + M)) * sizeof(float));
     if (!cnt || !gex || !xg) {
@@ -1811,7 +1825,7 @@ int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t 
         free(xg);
         return AP_ENOMEM;
     }
-    int64_t *next = cnt + E, *gs = next + E, *order = gs + N + 1, G = 0;
+    int64_t *next = cnt + E, *gs = next + E, *order = gs + N + 1, *gx = order + N, G = 0;
     int rc = AP_OK;
     for (int64_t n = 0; n < N && rc == AP_OK; n++) {
         const int32_t e = ids[(n / U) * ids_stride + n % U];
@@ -1833,12 +1847,20 @@ int ap_mul_mat_id_ids(int type, const void *w_, int64_t es, int64_t ws, int64_t 
         gs[G] = N;
         for (int64_t n = 0; n < N; n++) order[next[ids[(n / U) * ids_stride + n % U]]++] = n;
         float *yg = xg + N * K;
-        for (int64_t i = 0; i < N; i++) {
-            const int64_t t = order[i] / U, u = order[i] % U;
-            memcpy(xg + i * K, x + t * x_tok + (u % x_slots) * x_slot, (size_t)K * sizeof(float));
+        /* One token whose slots all read its one row, each slot another expert (a decode's gate
+         * and up): every group reads that row where it is, quantized once, rather than a
+         * gathered copy per slot. gx stays 0 (calloc). */
+        if (T == 1 && x_slots == 1 && G == N) {
+            rc = mul_mat_id_x(type, w_, es, ws, w_size, E, M, K, x, K, K, 1, N, yg, M, N * M, gex, gs, gx, G,
+                              nthreads);
+        } else {
+            for (int64_t i = 0; i < N; i++) {
+                const int64_t t = order[i] / U, u = order[i] % U;
+                memcpy(xg + i * K, x + t * x_tok + (u % x_slots) * x_slot, (size_t)K * sizeof(float));
+            }
+            rc = ap_mul_mat_id(type, w_, es, ws, w_size, E, M, K, xg, K, N * K, N, yg, M, N * M, gex, gs, G,
+                               nthreads);
         }
-        rc = ap_mul_mat_id(type, w_, es, ws, w_size, E, M, K, xg, K, N * K, N, yg, M, N * M, gex, gs, G,
-                           nthreads);
         for (int64_t i = 0; i < N && rc == AP_OK; i++) {
             const int64_t t = order[i] / U, u = order[i] % U;
             memcpy(y + t * y_tok + u * y_slot, yg + i * M, (size_t)M * sizeof(float));
