@@ -137,6 +137,38 @@ def test_computes_queued_behind_each_other(reg, policy):
                 np.testing.assert_allclose(out.view(np.float32).reshape(16, 64), want, rtol=1e-6)
 
 
+def test_relaxed_copy_of_a_cpu_output_is_waited_for_by_the_next_allocation(reg, monkeypatch):
+    """Relaxed: graph_compute returns before the device's copy of a CPU split's output has run
+    (the scheduler does not wait for it); the next allocation does, so another graph whose input
+    takes that memory, written right away, cannot change what the copy reads."""
+    monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "20000")  # read by the backends made below
+    ca, cb_ = Context(), Context()
+    xa = ca.new_tensor(GGMLType.F32, (16, 64), "xa").set_input()
+    w = ca.new_tensor(GGMLType.F32, (16, 64), "w")
+    h = ca.scale(xa, 2.0)
+    ya = ca.mul(h, w)
+    ga = ca.graph(ya)
+    xb = cb_.new_tensor(GGMLType.F32, (64, 64), "xb").set_input()  # over xa's and h's memory
+    yb = cb_.scale(xb, 3.0)
+    gb = cb_.graph(yb)
+    rng = np.random.default_rng(9)
+    wv = rng.standard_normal((16, 64)).astype(np.float32)
+    with _device_and_cpu(reg, on_cpu=[h, yb], device_leafs=[w], policy="relaxed") as (s, db):
+        w.set(wv)
+        for _ in range(3):
+            xv = rng.standard_normal((16, 64)).astype(np.float32)
+            s.alloc_graph(ga)
+            xa.set(xv)
+            s.graph_compute(ga)
+            assert s._host_reads, "the copy of h was waited for before graph_compute returned"
+            s.alloc_graph(gb)
+            xb.set(np.full((64, 64), np.nan, np.float32))
+            s.graph_compute(gb)
+            s.synchronize()
+            want = reference.evaluate(ga, {xa: xv, w: wv})[ya].reshape(16, 64)
+            np.testing.assert_allclose(ya.get(), want, rtol=1e-6)
+
+
 def test_relaxed_syncs_fewer(reg):
     """Weights on the device, inputs on the CPU: relaxed does at most 2 host syncs per split
     with inputs, and fewer than strict."""

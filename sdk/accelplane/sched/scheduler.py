@@ -10,7 +10,12 @@ re-planning. Execution follows docs/ordering.md with a pluggable synchronization
   synchronize); user inputs are copied blocking;
 * ``relaxed`` (llama.cpp #20793): one synchronize before and one after the input copies of a
   split, asynchronous copies in between (user inputs too, and host→device copies from a CPU
-  split). A device whose caps say ``relaxed_sync=False`` gets ``strict`` for its splits.
+  split). A device whose caps say ``relaxed_sync=False`` gets ``strict`` for its splits. A
+  device split whose host-memory sources are all CPU splits' outputs (none written in place by
+  a later node) is not synchronized after its copies: the allocator keeps a copy's source to
+  the end of the compute, so only a later compute writes it: one of the same plan synchronizes
+  every backend before its first host split (below), and the allocation of another plan, whose
+  inputs the caller may write over that memory, first waits for those copies.
 
 A compute queued before the last one was synchronized (a pipeline: with ``n_copies`` > 1 each
 compute takes the next copy slot) orders its copies by the slots' events as ``strict`` does,
@@ -66,6 +71,9 @@ class SplitInput:
     copies: list[Tensor]  # one per copy slot, on the split's backend
     user_input: bool
     moe_ids: Tensor | None = None  # host expert weights of a MUL_MAT_ID: copy the used ones
+    # a CPU split's output (no graph input) copied to an asynchronous device: the relaxed
+    # policy does not wait for its copy (the module docstring)
+    host_output: bool = False
 
 
 @dataclass
@@ -205,6 +213,8 @@ class Scheduler(GraphRunner):
         # (split, copy slot, backend) -> recorded after its copy-out (_copy_out)
         self._out_events: dict[tuple[int, int, int], Event] = {}
         self._copied_out: dict[int, Event] = {}  # id(SplitInput) -> its copy-out's event, this compute
+        # backends with copies from CPU splits' outputs queued and not waited for (module docstring)
+        self._host_reads: set[int] = set()
         self._debug = int(env.SCHED_DEBUG.get())
         self._check = env.CHECK_RESULTS.get()
 
@@ -446,7 +456,11 @@ class Scheduler(GraphRunner):
                             cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT
                         a[id(cp)] = b
                         cps.append(cp)
-                    inp = copies[key] = SplitInput(s, sb, cps, user, self._moe_ids(n, s))
+                    owner = memory_owner(s)
+                    host_out = (dev.caps.async_ and not self.backends[sb].device.caps.async_
+                                and owner.op not in VIEW_OPS and id(owner) not in written
+                                and not owner.flags & TensorFlag.INPUT)  # fmt: skip
+                    inp = copies[key] = SplitInput(s, sb, cps, user, self._moe_ids(n, s), host_out)
                 if inp not in cur.inputs:
                     cur.inputs.append(inp)
         if self.policy == "relaxed":
@@ -612,6 +626,8 @@ class Scheduler(GraphRunner):
     def alloc_graph(self, graph: Graph) -> None:
         """Assign, split and allocate; advances the pipeline copy slot."""
         plan = self._plan_for(graph)
+        if self._host_reads and plan is not self._computed:
+            self._drain_host_reads()  # another layout: the caller's inputs may take that memory
         self.cur_copy = self.next_copy
         self.next_copy = (self.next_copy + 1) % self.n_copies
         for k, g in enumerate(plan.alloc_graphs):
@@ -681,11 +697,13 @@ class Scheduler(GraphRunner):
         super().synchronize()
         for pb in self._experts.pf_backends.values():
             pb.synchronize()
+        self._host_reads.clear()
         self._queued = False
         if self._allocated is None:
             self.next_copy = 0  # token generation keeps reusing slot 0 (stable device graphs)
 
     def free(self) -> None:
+        self._drain_host_reads()
         for row in self.events:
             for e in row:
                 if e is not None:
@@ -741,6 +759,11 @@ class Scheduler(GraphRunner):
             self.stats.host_syncs += 1
         ev.synchronize()
 
+    def _drain_host_reads(self) -> None:
+        """Wait for every queued copy that reads a CPU split's output (module docstring)."""
+        while self._host_reads:
+            self._sync(self.backends[self._host_reads.pop()])
+
     def _wait_slot(self, bi: int, b: Backend) -> None:
         ev = self.events[bi][self.cur_copy]
         if ev is not None:
@@ -778,6 +801,7 @@ class Scheduler(GraphRunner):
                 # copying the last ones out (asynchronous copies from host memory): wait for it
                 for ob in self.backends:
                     self._sync(ob)
+                self._host_reads.clear()
                 behind = False
             relaxed = (self.policy == "relaxed" and b.device.caps.relaxed_sync
                        and not (behind and self.events[bi][c] is not None))  # fmt: skip
@@ -849,11 +873,13 @@ class Scheduler(GraphRunner):
         if not sp.inputs:
             return
         self._sync(b)
+        self._host_reads.discard(bi)
         # the streams whose copies read host memory that may change once this returns; the
         # experts uploaded from weights never change, so a split reading only them goes on
         # while its uploads run
         touched: dict[int, Backend] = {}
         waited: set[int] = set()
+        deferred = False
         for inp in sp.inputs:
             ev = self._copied_out.pop(id(inp), None)
             if ev is not None:  # copied right behind the split that computed it
@@ -867,13 +893,18 @@ class Scheduler(GraphRunner):
                 self._experts.upload(plan, inp, bi, b, c)
                 continue
             if self._copy_async(src_b, b, inp.src, dst, True):
-                touched[inp.src_backend] = src_b
-                touched[bi] = b
+                if inp.host_output:  # waited for by the next allocation
+                    deferred = True
+                else:
+                    touched[inp.src_backend] = src_b
+                    touched[bi] = b
             else:
                 self._sync(src_b)
                 tensor_copy(inp.src, dst)
         for tb in touched.values():
             self._sync(tb)
+        if deferred and bi not in touched:
+            self._host_reads.add(bi)
 
     def _node_graph(self, plan: _Plan, key: tuple, nodes: list[Tensor]) -> Graph:
         g = plan.node_graphs.get(key)
