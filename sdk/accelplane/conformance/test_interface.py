@@ -365,6 +365,41 @@ def test_host_reads_experts_in_place(ap_suite, ap_device, ap_backend, ap_rng):
             b.free()
 
 
+def test_host_reads_activations_in_place(ap_suite, ap_device, ap_backend, ap_rng):
+    """caps.host_reads: nodes read activations in the device's own host buffer type where they
+    are (the scheduler's small CPU split outputs: accelplane.sched.scheduler): a broadcast MUL
+    (a MoE's weighting of its expert outputs) and a MUL_MAT whose activations are host memory,
+    each compute seeing the host values set before it."""
+    if not ap_device.caps.host_reads:
+        pytest.skip("the device does not read its host buffers in place (caps.host_reads)")
+    ctx = Context()
+    a = ctx.new_tensor(T.F32, (8, 64), "expert_out")
+    x = ctx.new_tensor(T.F32, (1, 64), "x")
+    p = ctx.new_tensor(T.F32, (8, 1), "weights")
+    w = ctx.new_tensor(T.F32, (32, 64), "w")
+    y1, y2 = ctx.mul(a, p), ctx.mul_mat(w, x)
+    for t in (y1, y2):
+        if not ap_device.supports_op(t):
+            pytest.skip(f"the device does not run {t.op.name} on F32")
+    g = ctx.graph(y1, y2)
+    hbuf = alloc_tensors([a, x], ap_device.host_buffer_type, accelplane.runtime.backend.BufferUsage.COMPUTE)
+    bufs = [hbuf, _alloc(ap_device, p, w, y1, y2)]
+    try:
+        assert hbuf.is_host
+        for i in range(repeats(ap_suite, 4)):
+            vals = {t: ap_rng.standard_normal(t.shape).astype(np.float32) for t in (a, x, p, w)}
+            for t, v in vals.items():
+                t.set(v)
+            av, xv, pv, wv = (vals[t].astype(np.float64) for t in (a, x, p, w))
+            ap_backend.graph_compute(g)
+            ap_backend.synchronize()
+            np.testing.assert_allclose(y1.get(), av * pv, rtol=1e-6, err_msg=f"repeat {i}")
+            np.testing.assert_allclose(y2.get(), xv @ wv.T, rtol=1e-4, atol=1e-4, err_msg=f"repeat {i}")
+    finally:
+        for b in bufs:
+            b.free()
+
+
 def test_blocking_tensor_copy(ap_device, ap_rng):
     ctx = Context()
     a = ctx.new_tensor(T.F32, (300,))

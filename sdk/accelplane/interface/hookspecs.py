@@ -56,9 +56,10 @@ class DeviceCaps:
     host_buffer: bool = False  # get_host_buffer_type gives a pinned host buffer type
     events: bool = False  # event_new/record/wait/synchronize are implemented
     relaxed_sync: bool = True  # the scheduler's relaxed policy may be used (docs/ordering.md)
-    # its kernels read its own host buffer type's memory in place (pinned memory with unified
-    # addressing): the scheduler lets a decode's few selected experts there be read where they
-    # are instead of uploading them (accelplane.sched.experts: reads_in_place)
+    # its kernels read its own host buffer type's memory in place, as any node's source (pinned
+    # memory with unified addressing): the scheduler lets a decode's few selected experts there
+    # be read where they are instead of uploading them (accelplane.sched.experts:
+    # reads_in_place), and small CPU split outputs (accelplane.sched.scheduler: HOST_READ_BYTES)
     host_reads: bool = False
     # the device's work runs on the host's CPU cores (an OpenCL CPU runtime, a software Vulkan
     # driver, an emulated NPU): correct, but never placed above the CPU plugin by default

@@ -10,12 +10,18 @@ re-planning. Execution follows docs/ordering.md with a pluggable synchronization
   synchronize); user inputs are copied blocking;
 * ``relaxed`` (llama.cpp #20793): one synchronize before and one after the input copies of a
   split, asynchronous copies in between (user inputs too, and host→device copies from a CPU
-  split). A device whose caps say ``relaxed_sync=False`` gets ``strict`` for its splits. A
-  device split whose host-memory sources are all CPU splits' outputs (none written in place by
-  a later node) is not synchronized after its copies: the allocator keeps a copy's source to
-  the end of the compute, so only a later compute writes it: one of the same plan synchronizes
-  every backend before its first host split (below), and the allocation of another plan, whose
-  inputs the caller may write over that memory, first waits for those copies.
+  split). A device whose caps say ``relaxed_sync=False`` gets ``strict`` for its splits.
+
+  A CPU split's output (no graph input, not written in place by a later node) that a device
+  split reads is, under relaxed, not waited for once queued: a device whose kernels reach the
+  CPU's memory (``caps.host_reads``, the CPU computing in the device's pinned host memory) reads
+  one of up to :data:`HOST_READ_BYTES` where it is, with no copy (a decode's expert outputs
+  with experts in host memory: a copy call costs more host time than the device's read over
+  its link); a bigger one is copied without the synchronize after the copies. Either way the
+  allocator keeps that memory to the end of the compute, so only a later compute writes it:
+  one of the same plan synchronizes every backend before its first host split (below), and the
+  allocation of another plan, whose inputs the caller may write over that memory, first waits
+  for those reads.
 
 A compute queued before the last one was synchronized (a pipeline: with ``n_copies`` > 1 each
 compute takes the next copy slot) orders its copies by the slots' events as ``strict`` does,
@@ -61,6 +67,9 @@ from accelplane.runtime.backend import (
 from accelplane.sched.experts import ExpertSlots, ExpertUploads, is_expert_input, reads_in_place
 
 MAX_COPIES = 4
+# a CPU split's output up to this size is read in place by a device that reaches the CPU's
+# memory (module docstring); a bigger one is copied (one DMA rather than reads by each node)
+HOST_READ_BYTES = 256 << 10
 EvalCallback = Callable[[Tensor, bool], bool]
 
 
@@ -85,6 +94,7 @@ class Split:
     reused: list[SplitInput] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)  # one per copy slot
     keep: frozenset[int] | None = None  # memory read outside the split (accelplane.core.fusion)
+    host_reads: bool = False  # a node reads a CPU split's output where it is (module docstring)
 
 
 @dataclass
@@ -213,7 +223,8 @@ class Scheduler(GraphRunner):
         # (split, copy slot, backend) -> recorded after its copy-out (_copy_out)
         self._out_events: dict[tuple[int, int, int], Event] = {}
         self._copied_out: dict[int, Event] = {}  # id(SplitInput) -> its copy-out's event, this compute
-        # backends with copies from CPU splits' outputs queued and not waited for (module docstring)
+        # backends with copies or reads of CPU splits' outputs queued and not waited for
+        # (module docstring)
         self._host_reads: set[int] = set()
         self._debug = int(env.SCHED_DEBUG.get())
         self._check = env.CHECK_RESULTS.get()
@@ -440,6 +451,10 @@ class Scheduler(GraphRunner):
                 sb = a.get(id(s), a.get(id(s.view_src), b) if s.view_src is not None else b)
                 if sb == b or dev.supports_buft(self._tensor_buft(plan, s)) or self._in_place(dev, n, s):
                     continue
+                host_out = self._host_output(dev, sb, s, written)
+                if host_out and self._reads_host(plan, dev, s):
+                    cur.host_reads = True
+                    continue
                 key = (id(s), b)
                 inp = copies.get(key)
                 if inp is not None and inp.user_input and id(memory_owner(s)) not in written:
@@ -456,10 +471,6 @@ class Scheduler(GraphRunner):
                             cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT
                         a[id(cp)] = b
                         cps.append(cp)
-                    owner = memory_owner(s)
-                    host_out = (dev.caps.async_ and not self.backends[sb].device.caps.async_
-                                and owner.op not in VIEW_OPS and id(owner) not in written
-                                and not owner.flags & TensorFlag.INPUT)  # fmt: skip
                     inp = copies[key] = SplitInput(s, sb, cps, user, self._moe_ids(n, s), host_out)
                 if inp not in cur.inputs:
                     cur.inputs.append(inp)
@@ -532,6 +543,19 @@ class Scheduler(GraphRunner):
             return n.src[2]
         return None
 
+    def _host_output(self, dev: Device, sb: int, s: Tensor, written: set[int]) -> bool:
+        """Whether ``s``, computed on backend ``sb`` and read on ``dev``, is a CPU split's output
+        whose reads need no wait once queued (module docstring)."""
+        owner = memory_owner(s)
+        return (dev.caps.async_ and not self.backends[sb].device.caps.async_ and owner.op not in VIEW_OPS
+                and id(owner) not in written and not owner.flags & TensorFlag.INPUT)  # fmt: skip
+
+    def _reads_host(self, plan: _Plan, dev: Device, s: Tensor) -> bool:
+        """Whether ``dev`` reads such an output ``s`` where it is (module docstring)."""
+        return (dev.caps.host_reads and self.n_copies == 1 and self.policy == "relaxed"
+                and s.nbytes <= HOST_READ_BYTES
+                and self._tensor_buft(plan, s) is dev.host_buffer_type)  # fmt: skip
+
     def _in_place(self, dev: Device, n: Tensor, s: Tensor) -> bool:
         """Whether node ``n`` on ``dev`` reads host experts ``s`` where they are (experts.py)."""
         return self._moe_ids(n, s) is not None and reads_in_place(dev, s, n.src[2])
@@ -555,6 +579,7 @@ class Scheduler(GraphRunner):
                 out.append(sp)
                 continue
             head, tail = Split(sp.backend, sp.nodes[: last + 1]), Split(sp.backend, sp.nodes[last + 1 :])
+            head.host_reads = tail.host_reads = sp.host_reads
             hs, ts = ({id(x) for n in part.nodes for x in n.src if x is not None} for part in (head, tail))
             # an input goes with its first reader; the tail reads what the head copied in
             head.inputs = [i for i in sp.inputs if id(i.src) in hs]
@@ -760,7 +785,7 @@ class Scheduler(GraphRunner):
         ev.synchronize()
 
     def _drain_host_reads(self) -> None:
-        """Wait for every queued copy that reads a CPU split's output (module docstring)."""
+        """Wait for every queued copy or read of a CPU split's output (module docstring)."""
         while self._host_reads:
             self._sync(self.backends[self._host_reads.pop()])
 
@@ -827,6 +852,8 @@ class Scheduler(GraphRunner):
                     return
             else:
                 b.graph_compute(g)
+            if sp.host_reads:
+                self._host_reads.add(bi)
             ev = self.events[bi][c]
             if ev is not None:
                 ev.record(b)
