@@ -138,12 +138,14 @@ def test_computes_queued_behind_each_other(reg, policy):
 
 
 @pytest.mark.parametrize("rows", [16, 2048])
-def test_relaxed_read_of_a_cpu_output_is_waited_for_by_the_next_allocation(reg, monkeypatch, rows):
+def test_relaxed_read_of_a_cpu_output_is_waited_for_by_the_next_allocation(reg, monkeypatch, capsys, rows):
     """Relaxed: graph_compute returns before the device has read a CPU split's output (16 rows:
     in place, caps.host_reads; 2048 rows, over HOST_READ_BYTES: through a copy), and the
     scheduler does not wait for that read; the next allocation of another plan does, so that
-    plan's input, taking that memory and written right away, cannot change what the device reads."""
+    plan's input, taking that memory and written right away, cannot change what the device reads.
+    ACCELPLANE_SCHED_DEBUG=1 shows which splits read in place."""
     monkeypatch.setenv("ACCELPLANE_TEST_DELAY_US", "20000")  # read by the backends made below
+    monkeypatch.setenv("ACCELPLANE_SCHED_DEBUG", "1")
     ca, cb_ = Context(), Context()
     xa = ca.new_tensor(GGMLType.F32, (rows, 64), "xa").set_input()
     w = ca.new_tensor(GGMLType.F32, (rows, 64), "w")
@@ -170,6 +172,7 @@ def test_relaxed_read_of_a_cpu_output_is_waited_for_by_the_next_allocation(reg, 
             s.synchronize()
             want = reference.evaluate(ga, {xa: xv, w: wv})[ya].reshape(rows, 64)
             np.testing.assert_allclose(ya.get(), want, rtol=1e-6)
+    assert ("reads CPU outputs in place" in capsys.readouterr().err) is (rows <= 16)
 
 
 def test_relaxed_syncs_fewer(reg):

@@ -1000,6 +1000,7 @@ class Scheduler(GraphRunner):
                             for i in sp.inputs)  # fmt: skip
             names = ", ".join(str(i.src.name or i.src.uid) for i in sp.reused)
             reused = f", reused [{names}]" if sp.reused else ""
+            reused += ", reads CPU outputs in place" if sp.host_reads else ""
             print(f"  split {k}: {self.backends[sp.backend].device.name}, {len(sp.nodes)} nodes,"
                   f" inputs [{ins}]{reused}", file=out)  # fmt: skip
             if self._debug >= 2:
