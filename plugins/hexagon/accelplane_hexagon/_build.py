@@ -59,19 +59,6 @@ def make_builder(absolute: bool = False) -> FFI:
 ffibuilder = make_builder()
 
 if __name__ == "__main__":
-    import importlib.machinery
-    import tempfile
+    from accelplane.runtime.cffibuild import build_in_place  # the SDK: this plugin's dependency
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = make_builder(absolute=True).compile(tmpdir=tmp, verbose=False)
-        # cffi's C targets the limited API: take the name pip's build gives it (_htp.abi3.so), as
-        # a build under another suffix would shadow, or be shadowed by, the next pip install -e
-        name = os.path.basename(out)
-        if ".abi3.so" in importlib.machinery.EXTENSION_SUFFIXES and name.endswith(".so"):
-            name = "_htp.abi3.so"
-        for old in os.listdir(_HERE):  # drop builds under other suffixes
-            if old.startswith("_htp.") and old.endswith((".so", ".pyd")):
-                os.remove(os.path.join(_HERE, old))
-        dest = os.path.join(_HERE, name)
-        os.replace(out, dest)
-        print(dest)
+    print(build_in_place(make_builder(absolute=True), _HERE, "_htp"))

@@ -64,22 +64,8 @@ def make_builder(absolute: bool = False) -> FFI:
 
 ffibuilder = make_builder()
 
-if __name__ == "__main__":
-    # compile into sdk/ so the module lands at sdk/accelplane/cpu/_kernels.*.so
-    import importlib.machinery
-    import tempfile
+if __name__ == "__main__":  # the extension lands at sdk/accelplane/cpu/_kernels.*.so
+    sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))  # sdk/: run from a source tree
+    from accelplane.runtime.cffibuild import build_in_place
 
-    with tempfile.TemporaryDirectory() as tmp:
-        # compile() chdirs into tmp, so sources must be absolute here
-        out = make_builder(absolute=True).compile(tmpdir=tmp, verbose=True)
-        # cffi's C already targets the limited API, so take the name pip's build gives it
-        # (_kernels.abi3.so): a second build under another suffix would shadow or be shadowed
-        name = os.path.basename(out)
-        if ".abi3.so" in importlib.machinery.EXTENSION_SUFFIXES and name.endswith(".so"):
-            name = "_kernels.abi3.so"
-        for old in os.listdir(_HERE):  # drop builds under other suffixes
-            if old.startswith("_kernels.") and old.endswith((".so", ".pyd")):
-                os.remove(os.path.join(_HERE, old))
-        dest = os.path.join(_HERE, name)
-        os.replace(out, dest)
-        print(dest)
+    print(build_in_place(make_builder(absolute=True), _HERE, "_kernels", verbose=True))
