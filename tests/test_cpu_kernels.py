@@ -767,7 +767,22 @@ def test_default_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ConfigError, match="ACCELPLANE_NTHREADS"):
             kernels.default_threads()
     monkeypatch.setenv("ACCELPLANE_NTHREADS", "")
-    assert kernels.default_threads() == (os.cpu_count() or 1)
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    assert kernels.default_threads() == len(mask)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity masks here")
+def test_default_threads_follow_the_affinity_mask() -> None:
+    """A process pinned to one CPU (taskset, a container's cpuset) runs one kernel thread by
+    default, and the CPU device says so, whatever the machine's CPU count."""
+    cpu = min(os.sched_getaffinity(0))
+    code = ("import accelplane; from accelplane.cpu import kernels; "
+            "print(kernels.default_threads(), accelplane.get_registry().device('CPU').description)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ACCELPLANE_NTHREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu})).stdout  # fmt: skip
+    assert out.split()[0] == "1"
+    assert out.rstrip().endswith("(1 threads)"), out
 
 
 # --- bad input raises typed errors ---------------------------------------------------------

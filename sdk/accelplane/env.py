@@ -365,7 +365,8 @@ MODEL_MOE_DEVICE_SHARE = number(
 
 # --- the CPU plugin (accelplane.cpu) -------------------------------------------------------------
 NTHREADS = integer(
-    "ACCELPLANE_NTHREADS", None, "CPU plugin threads (default: one per CPU)", min=1, max=1024
+    "ACCELPLANE_NTHREADS", None, "CPU plugin threads (default: one per CPU this process may run on)",
+    min=1, max=1024,
 )
 CPU_SPIN = integer(
     "ACCELPLANE_CPU_SPIN", None,

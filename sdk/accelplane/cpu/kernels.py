@@ -22,7 +22,7 @@ Q4_0 mat-vec in ggml's layout; AVX-512 F, BW, VL, VNNI and VBMI); the best the C
 default. Environment: ``ACCELPLANE_CPU_ISA`` (``auto``, ``avx512``, ``avx2-vnni``, ``avx2``,
 ``portable``) picks
 one (``set_isa`` changes it at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count
-(else ``os.cpu_count()``).
+(else :func:`usable_cpus`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ import numpy as np
 from accelplane import env
 from accelplane.core.types import GGMLType, parse_type
 from accelplane.errors import ComputeError, ConfigError, OutOfRangeError, ShapeError, TypeMismatchError
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (``taskset``, a
+    container's cpuset), else every CPU. More threads than these only queue behind each other."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity masks (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+_CPU_COUNT: Final = usable_cpus()  # cached: the mask is read once, at import
 
 # OpenMP threads that spin while waiting starve everything else on a busy or oversubscribed
 # machine (measured: 13x slower decode at load 4.5 on 2 cores); sleep instead, unless the user
@@ -51,7 +63,7 @@ _SPIN = env.CPU_SPIN.get()
 if _SPIN is not None:
     os.environ["GOMP_SPINCOUNT"] = str(_SPIN)
 else:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000" if (os.cpu_count() or 1) <= 4 else "1000000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000" if _CPU_COUNT <= 4 else "1000000")
 
 try:
     from accelplane.cpu._kernels import ffi as _ffi
@@ -135,7 +147,6 @@ Layout = Literal["ggml", "x8"]
 
 _ISA_NAMES: Final = {0: "portable", 1: "avx2", 2: "avx2-vnni", 3: "avx512"}  # AP_ISA_* of _kernels.h
 _ISA_CODES: Final = {"": 3, "auto": 3, **{name: code for code, name in _ISA_NAMES.items()}}
-_CPU_COUNT: Final = os.cpu_count() or 1  # cached: os.cpu_count() reads sysfs, ~5 us a call
 _ERRORS: Final = {
     -1: (ShapeError, "invalid size or stride"),
     -2: (TypeMismatchError, "type not handled by the CPU kernels"),
@@ -186,7 +197,7 @@ def get_isa() -> str:
 
 
 def default_threads() -> int:
-    """Threads used when a call passes none: ``ACCELPLANE_NTHREADS`` or ``os.cpu_count()``."""
+    """Threads used when a call passes none: ``ACCELPLANE_NTHREADS``, else :func:`usable_cpus`."""
     return env.NTHREADS.get() or _CPU_COUNT
 
 

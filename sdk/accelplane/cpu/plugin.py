@@ -9,8 +9,6 @@ the repack buffer type (accelplane.cpu.repack) for weights.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from accelplane.core.ops import RULES, Op
@@ -56,7 +54,9 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    n = os.cpu_count() or 1
+    from accelplane.cpu.kernels import default_threads  # the threads its kernels will use
+
+    n = default_threads()
     return [DeviceSpec("CPU", f"{_cpu_name()} ({n} threads)", DeviceType.CPU, DeviceCaps())]
 
 

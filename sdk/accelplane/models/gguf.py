@@ -830,8 +830,9 @@ def parallel_sources(srcs: list[TensorSource], jobs: int | None = None):
     import contextlib
 
     if not jobs:
-        affinity = getattr(os, "sched_getaffinity", None)
-        jobs = len(affinity(0)) if affinity else os.cpu_count() or 1
+        from accelplane.cpu.kernels import usable_cpus
+
+        jobs = usable_cpus()
     if jobs <= 1 or len(srcs) < 2:
         return contextlib.nullcontext(srcs)
 
