@@ -776,8 +776,8 @@ def test_default_threads_follow_the_affinity_mask() -> None:
     """A process pinned to one CPU (taskset, a container's cpuset) runs one kernel thread by
     default, and the CPU device says so, whatever the machine's CPU count."""
     cpu = min(os.sched_getaffinity(0))
-    code = ("import accelplane; from accelplane.cpu import kernels; "
-            "print(kernels.default_threads(), accelplane.get_registry().device('CPU').description)")  # fmt: skip
+    code = ("import accelplane; from accelplane.cpu import kernels; print(kernels.default_threads(), "
+            "accelplane.get_registry().device('CPU').description)")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "ACCELPLANE_NTHREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu})).stdout  # fmt: skip
