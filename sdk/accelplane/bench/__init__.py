@@ -236,10 +236,10 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
 
 
 def machine() -> dict:
+    from accelplane.cpu.host import cpu_name
     from accelplane.cpu.kernels import default_threads
-    from accelplane.cpu.plugin import _cpu_name
 
-    return {"cpu": _cpu_name(), "threads": default_threads(), "python": platform.python_version(),
+    return {"cpu": cpu_name(), "threads": default_threads(), "python": platform.python_version(),
             "numpy": np.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
 
 

@@ -22,7 +22,7 @@ Q4_0 mat-vec in ggml's layout; AVX-512 F, BW, VL, VNNI and VBMI); the best the C
 default. Environment: ``ACCELPLANE_CPU_ISA`` (``auto``, ``avx512``, ``avx2-vnni``, ``avx2``,
 ``portable``) picks
 one (``set_isa`` changes it at run time); ``ACCELPLANE_NTHREADS`` sets the default thread count
-(else :func:`usable_cpus`).
+(else the CPUs the process may run on: :func:`accelplane.cpu.host.usable_cpus`).
 """
 
 from __future__ import annotations
@@ -35,17 +35,8 @@ import numpy as np
 
 from accelplane import env
 from accelplane.core.types import GGMLType, parse_type
+from accelplane.cpu.host import usable_cpus
 from accelplane.errors import ComputeError, ConfigError, OutOfRangeError, ShapeError, TypeMismatchError
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask where the OS has one (``taskset``, a
-    container's cpuset), else every CPU. More threads than these only queue behind each other."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # no affinity masks (macOS, Windows)
-        return os.cpu_count() or 1
-
 
 _CPU_COUNT: Final = usable_cpus()  # cached: the mask is read once, at import
 
@@ -197,7 +188,8 @@ def get_isa() -> str:
 
 
 def default_threads() -> int:
-    """Threads used when a call passes none: ``ACCELPLANE_NTHREADS``, else :func:`usable_cpus`."""
+    """Threads used when a call passes none: ``ACCELPLANE_NTHREADS``, else the CPUs the
+    process may run on (:func:`accelplane.cpu.host.usable_cpus`)."""
     return env.NTHREADS.get() or _CPU_COUNT
 
 

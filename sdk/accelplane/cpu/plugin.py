@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from accelplane.core.ops import RULES, Op
-from accelplane.cpu import repack
+from accelplane.cpu import host, repack
 from accelplane.errors import AllocationError
 from accelplane.interface import BufferTypeSpec, DeviceCaps, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.dlpack import HOST_MEMORY, host_bytes
@@ -22,31 +22,6 @@ ALIGNMENT = 64
 _SUPPORTED = frozenset(RULES) - {Op.NONE}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def _mem() -> tuple[int, int]:
-    try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                info[k] = int(v.split()[0]) * 1024
-        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
-    except (OSError, ValueError):
-        return 0, 0
-
-
 @hookimpl
 def api_version():
     return (1, 2)  # the interface version this plugin was written for: a literal, never the SDK's
@@ -54,15 +29,13 @@ def api_version():
 
 @hookimpl
 def get_devices():
-    from accelplane.cpu.kernels import default_threads  # the threads its kernels will use
-
-    n = default_threads()
-    return [DeviceSpec("CPU", f"{_cpu_name()} ({n} threads)", DeviceType.CPU, DeviceCaps())]
+    name = f"{host.cpu_name()} ({host.usable_cpus()} threads)"
+    return [DeviceSpec("CPU", name, DeviceType.CPU, DeviceCaps())]
 
 
 @hookimpl
 def device_memory(device):
-    return _mem()
+    return host.memory()
 
 
 def _memory(buffer) -> np.ndarray:

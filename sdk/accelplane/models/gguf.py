@@ -830,7 +830,7 @@ def parallel_sources(srcs: list[TensorSource], jobs: int | None = None):
     import contextlib
 
     if not jobs:
-        from accelplane.cpu.kernels import usable_cpus
+        from accelplane.cpu.host import usable_cpus
 
         jobs = usable_cpus()
     if jobs <= 1 or len(srcs) < 2:
