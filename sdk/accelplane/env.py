@@ -371,7 +371,7 @@ NTHREADS = integer(
 CPU_SPIN = integer(
     "ACCELPLANE_CPU_SPIN", None,
     "how long idle CPU plugin threads spin before they sleep, in libgomp spin iterations (~100 a "
-    "microsecond; sets GOMP_SPINCOUNT; default 10000 on up to 4 CPUs, 1000000 on more)",
+    "microsecond; sets GOMP_SPINCOUNT; default 10000 on up to 4 usable CPUs, 1000000 on more)",
     min=0,
 )  # fmt: skip
 CPU_ISA = choice(
