@@ -230,10 +230,10 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
     f = read_gguf(path)
     f.check_tensors(f.model_config())
     reg = accelplane.get_registry()
-    print(f"model: {path}\n  {describe_model(f)}", file=out)
     for sp in args.split or []:
         check_split(sp)
-    configs = bench_configs(reg, args.device, args.split)
+    configs = bench_configs(reg, args.device, args.split)  # a bad -d/--split fails before any output
+    print(f"model: {path}\n  {describe_model(f)}", file=out)
     prof = None
     if args.profile:
         import cProfile

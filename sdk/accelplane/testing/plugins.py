@@ -44,9 +44,18 @@ def cpu_and_async_registry(n_async: int = 2, delay_us: int | None = None) -> Reg
     the device's own default); read when a backend is created."""
     if delay_us is not None:
         os.environ["ACCELPLANE_TEST_DELAY_US"] = str(delay_us)
+    # the device count is read while registering, and only this registry may see it: a count
+    # left in os.environ would change what later registries and child processes find
+    old = os.environ.get("ACCELPLANE_ASYNCDEV_NDEV")
     os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = str(n_async)
-    reg = Registry()
-    for module, name in ((cpu_plugin, "cpu"), (asyncdev, "asynctest")):
-        if reg.register(module, name) is None:
-            raise RuntimeError(f"test registry: {name} failed: {reg.failures[-1].reason}")
+    try:
+        reg = Registry()
+        for module, name in ((cpu_plugin, "cpu"), (asyncdev, "asynctest")):
+            if reg.register(module, name) is None:
+                raise RuntimeError(f"test registry: {name} failed: {reg.failures[-1].reason}")
+    finally:
+        if old is None:
+            del os.environ["ACCELPLANE_ASYNCDEV_NDEV"]
+        else:
+            os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = old
     return reg
