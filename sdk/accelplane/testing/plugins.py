@@ -12,6 +12,7 @@ import os
 import types
 from collections.abc import Callable
 
+from accelplane import env
 from accelplane.cpu import plugin as cpu_plugin
 from accelplane.interface import HOOK_NAMES, DeviceSpec, DeviceType, hookimpl
 from accelplane.runtime.registry import Registry
@@ -46,8 +47,9 @@ def cpu_and_async_registry(n_async: int = 2, delay_us: int | None = None) -> Reg
         os.environ["ACCELPLANE_TEST_DELAY_US"] = str(delay_us)
     # the device count is read while registering, and only this registry may see it: a count
     # left in os.environ would change what later registries and child processes find
-    old = os.environ.get("ACCELPLANE_ASYNCDEV_NDEV")
-    os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = str(n_async)
+    var = env.ASYNCDEV_NDEV.name
+    old = os.environ.get(var)
+    os.environ[var] = str(n_async)
     try:
         reg = Registry()
         for module, name in ((cpu_plugin, "cpu"), (asyncdev, "asynctest")):
@@ -55,7 +57,7 @@ def cpu_and_async_registry(n_async: int = 2, delay_us: int | None = None) -> Reg
                 raise RuntimeError(f"test registry: {name} failed: {reg.failures[-1].reason}")
     finally:
         if old is None:
-            del os.environ["ACCELPLANE_ASYNCDEV_NDEV"]
+            del os.environ[var]
         else:
-            os.environ["ACCELPLANE_ASYNCDEV_NDEV"] = old
+            os.environ[var] = old
     return reg
