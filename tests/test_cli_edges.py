@@ -126,10 +126,13 @@ def test_tokens_past_the_context_are_refused_naming_it(capsys, tiny):
     assert err.strip().splitlines()[-1].startswith("accelplane: error: ")
 
 
-def test_an_unknown_device_is_one_line(capsys, tiny):
-    rc, _, err = run(capsys, "run", "--model", str(tiny), "-d", "NOPE")
+@pytest.mark.parametrize("cmd", [["run"], ["bench", "model"]])
+def test_an_unknown_device_is_one_line(capsys, tiny, cmd):
+    rc, out, err = run(capsys, *cmd, "--model", str(tiny), "-d", "NOPE")
     assert rc == 2
     assert err.strip().splitlines()[-1].startswith("accelplane: error: no device named 'NOPE'")
+    if cmd == ["bench", "model"]:
+        assert out == "", out  # the device is checked before the model is described
 
 
 @pytest.fixture(scope="module")

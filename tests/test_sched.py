@@ -29,6 +29,18 @@ def reg():
     return cpu_and_async_registry(n_async=2)
 
 
+def test_a_test_registry_keeps_its_device_count_to_itself(monkeypatch):
+    """cpu_and_async_registry(n_async=N) has N asynchronous devices and leaves the environment
+    as it was: later registries and child processes find their own count."""
+    monkeypatch.delenv("ACCELPLANE_ASYNCDEV_NDEV", raising=False)
+    one = cpu_and_async_registry(n_async=1)
+    assert [d.name for d in one.devices_of("asynctest")] == ["ASYNC0"]
+    assert "ACCELPLANE_ASYNCDEV_NDEV" not in os.environ
+    monkeypatch.setenv("ACCELPLANE_ASYNCDEV_NDEV", "3")
+    assert len(cpu_and_async_registry(n_async=2).devices_of("asynctest")) == 2
+    assert os.environ["ACCELPLANE_ASYNCDEV_NDEV"] == "3"
+
+
 def _layer_setup(reg, devices, n_layers=1, seed=0, **kw):
     """A llama layer with its weights spread over ``devices`` round-robin."""
     lg = llama_layer(n_layers=n_layers, **kw)
