@@ -46,6 +46,9 @@ ARCHS = {
                    rope_scaling="linear", rope_factor=8.0, seed=15),
 }
 MODELS = {f"{name}-{wt}": dict(kw, wtype=wt) for name, kw in ARCHS.items() for wt in ("f32", "q8_0")}
+# the MoE architectures in Q4_0 too: the weight type of the MoE benchmarks' files
+MOE_ARCHS = ("llama-moe", "qwen3moe")
+MODELS |= {f"{name}-q4_0": dict(ARCHS[name], wtype="q4_0") for name in MOE_ARCHS}
 
 
 def tokens(n_vocab: int) -> np.ndarray:
