@@ -8,9 +8,8 @@ Q8_0 blocks, an error of its own of that order; for the MoE models, whose near-t
 choices flip under that error, >= 0.999 with 95 % of the positions >= 0.9999 against llama.cpp
 or, for a device whose products keep the activations in float, against the float64 forward pass
 of tests/decoder_ref.py). The two MoE architectures also in Q4_0 (the MoE benchmarks' weight
-type), held to the MoE check. Vulkan and
-SYCL run two F32 models too, where installed; Vulkan, SYCL and CUDA run the MoE models with every
-expert in host memory."""
+type), held to the MoE check. Vulkan and SYCL run two F32 models too, where installed; Vulkan,
+SYCL and CUDA run the MoE models with every expert in host memory."""
 
 from __future__ import annotations
 
