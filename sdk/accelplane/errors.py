@@ -92,6 +92,11 @@ class CommTimeoutError(CommError):
     peer-memory all-reduce, ~10 s): a peer died, hung, or did not enter the same collective."""
 
 
+class PeerError(AccelplaneError):
+    """A benchmark's peer (llama.cpp's llama-bench) could not run, failed, or reported no
+    result for a test it was asked to run."""
+
+
 class ConfigError(AccelplaneError, ValueError):
     """An ACCELPLANE_* environment variable (or another setting) has a value outside the ones
     it accepts; the message names the variable, the value and what it accepts."""

@@ -1,6 +1,7 @@
 """Benchmarks (``accelplane bench …``): op perf in the manner of test-backend-ops' perf mode,
-and the per-node host overhead of replaying a plan. Results are tables and JSON; ratios
-against peers are computed by whoever runs both (see docs/performance.md)."""
+and the per-node host overhead of replaying a plan. Results are tables and JSON; ``bench model``
+and ``bench graph`` run their peers (llama.cpp's llama-bench, PyTorch) in the same call and print
+the ratios; the op tables' peers are run beside them (see docs/performance.md)."""
 
 from __future__ import annotations
 

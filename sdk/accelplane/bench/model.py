@@ -4,7 +4,9 @@ at a time, both from an empty context, after two warm-up runs (a device may run 
 once and record it the second time: CUDA's plugin does), each timed run without garbage
 collector pauses (:func:`~accelplane.models.runner.no_gc_pauses`); for tg also the decode graph's
 rate without the host's work between tokens, and the weights' read rate (of a MoE's experts, the
-used share) against the same run's device copy bandwidth."""
+used share) against the same run's device copy bandwidth. With a ``llama-bench`` executable,
+each config also runs llama.cpp's tests on the same file beside ours
+(:mod:`accelplane.bench.llama_peer`), and its rows carry the ratio."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from accelplane.bench import copy_bandwidth
+from accelplane.bench.llama_peer import PeerRun, attach, peer_args, run_llama_bench
 from accelplane.errors import DeviceError
 from accelplane.interface import DeviceType
 from accelplane.models.decoder import DecoderModel
@@ -71,9 +74,23 @@ def graph_only_rate(model: DecoderModel, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def threads() -> int:
+    """The CPU plugin's thread count, which the peer is given too."""
+    from accelplane.cpu.kernels import default_threads
+
+    return default_threads()
+
+
+def _peer(show: bool, label: str, exe: str, f: GGUFFile, args: list[str], when: str) -> PeerRun:
+    with _step(show, f"{label}: llama-bench {when} ours") as ph:
+        run = run_llama_bench(exe, str(f.path), args)
+        ph.note(", ".join(f"{t} {sum(s) / len(s):.1f} tokens/s" for t, s in run.samples.items()))
+    return run
+
+
 def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: Device, pp: int, tg: int,
                 reps: int = 2, profiler=None, show: bool = False,
-                cpu_moe: int | Sequence[int] = 0) -> list[dict]:  # fmt: skip
+                cpu_moe: int | Sequence[int] = 0, llama_bench: str | None = None) -> list[dict]:  # fmt: skip
     """llama-bench's pp and tg tests per config; one dict per (config, test). pp: one eval of
     the tokens; tg: DecoderModel.decode, greedy, from position 0 (each step queued before the
     last one's pick is read, as a generation runs; llama-bench waits for every token). ``profiler``: a
@@ -82,7 +99,10 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     model load's bar, then a line per step, the copy bandwidth, the warm-up and each timed
     run with its tokens/s. ``cpu_moe``: the layers whose experts live in host memory
     (DecoderModel's), or a list of values, each config run with each; a MoE model's rows record
-    it as ``n_cpu_moe``."""
+    it as ``n_cpu_moe``. ``llama_bench``: llama.cpp's llama-bench, run on ``f``'s file right
+    before and right after each config that llama.cpp can run alike
+    (:func:`~accelplane.bench.llama_peer.peer_args`); those rows gain the peer's figures and
+    ``vs_peer`` (:func:`~accelplane.bench.llama_peer.attach`); PeerError when it fails."""
     rows = []
     cfg = f.model_config()
     n_ctx = context_for(cfg, max(pp, tg), "--pp/--tg")
@@ -100,6 +120,11 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
             with _step(show, f"{label}: copy bandwidth") as ph:
                 copy_bw[label] = bw = copy_bandwidth(devs[0])
                 ph.note(f"{bw / 1e9:.1f} GB/s" if bw else "not measured")
+        largs = peer_args(devs, split, cm, pp, tg, reps, threads()) if llama_bench else None
+        peer_runs: list[PeerRun] = []
+        if largs is not None:  # the peer first, then ours, then the peer again: drift shows in both
+            peer_runs.append(_peer(show, label, llama_bench, f, largs, "before"))
+        first = len(rows)
         model = load(f, devs, cpu, split, n_ctx, show=show, cpu_moe=cm)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
@@ -149,6 +174,9 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
                 rows.append(row)
         finally:
             model.free()
+        if largs is not None:
+            peer_runs.append(_peer(show, label, llama_bench, f, largs, "after"))
+            attach(rows[first:], peer_runs)
     for r in rows:  # multi-device rows against their first device alone, where that ran too
         first = r["devices"].split(",")[0]
         base = [b for b in rows if b["devices"] == first and b["split"] == "none" and b["test"] == r["test"]
@@ -163,7 +191,8 @@ def format_bench(rows: list[dict]) -> str:
     weights' read rate for tg, and that rate as a fraction of the same run's device copy
     bandwidth, read + written; tg rows also get the decode graph's rate computed back to back,
     without the host's work between tokens; multi-device rows also get their speed-up over
-    their first device alone, when that config ran too)."""
+    their first device alone, when that config ran too; rows with a peer get llama.cpp's
+    tokens/s and our ratio to it)."""
     cols = [("model", 28, "<"), ("size", 10, ">"), ("params", 8, ">"), ("devices", 20, "<"),
             ("split", 5, "<"), ("load s", 6, ">"), ("test", 6, ">"), ("t/s", 18, ">"),
             ("weights GB/s", 12, ">"),
@@ -171,6 +200,9 @@ def format_bench(rows: list[dict]) -> str:
     multi = any("vs_first_device" in r for r in rows)
     if multi:
         cols.append(("vs 1 device", 11, ">"))
+    peer = any("vs_peer" in r for r in rows)
+    if peer:
+        cols += [("llama.cpp t/s", 13, ">"), ("vs llama.cpp", 12, ">")]
     moe = any("n_cpu_moe" in r for r in rows)
     if moe:  # llama-bench's n_cpu_moe column
         cols.insert(5, ("ncmoe", 5, ">"))
@@ -187,6 +219,9 @@ def format_bench(rows: list[dict]) -> str:
                 f"{r['graph_only_tokens_per_s']:.2f}" if "graph_only_tokens_per_s" in r else ""]  # fmt: skip
         if multi:
             vals.append(f"{r['vs_first_device']:.2f}x" if "vs_first_device" in r else "")
+        if peer:
+            has = "vs_peer" in r
+            vals += [f"{r['peer_tokens_per_s']:.2f}", f"{r['vs_peer']:.2f}x"] if has else ["", ""]
         if moe:
             vals.insert(5, str(r.get("n_cpu_moe", "")))
         lines.append("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols, strict=True)) + " |")

@@ -497,6 +497,10 @@ def _model_args(sub, b) -> None:
                         "non-CPU devices when there are several); model: -d takes a comma list "
                         "as one device set")  # fmt: skip
     _moe_args(b, "model: ", many=True)
+    b.add_argument("--llama-bench", metavar="PATH",
+                   help="model: llama.cpp's llama-bench, run on the same file right before and "
+                        "after each config (-fa 1, the same -p/-n/-r, threads, -ncmoe); "
+                        "prints the ratio")  # fmt: skip
     b.add_argument("--png", help="model: write a bar chart (needs matplotlib)")
     b.add_argument("--profile", type=_int(0), default=0, metavar="N",
                    help="model: profile the host side of the timed tg runs, print the top N")  # fmt: skip
@@ -602,6 +606,13 @@ def _check_inputs(args) -> None:
         raise UsageError("--experts and --n-cpu-moe both say where the experts live: give one")
     if args.cmd == "bench" and args.what == "model" and args.pp == 0 and args.tg == 0:
         raise UsageError("bench model: --pp 0 and --tg 0 leave nothing to measure")
+    if args.cmd == "bench" and args.llama_bench is not None:
+        from accelplane.bench.llama_peer import executable
+
+        if args.what != "model":
+            raise UsageError("--llama-bench is a peer of bench model only")
+        if not executable(args.llama_bench):
+            raise UsageError(f"--llama-bench {args.llama_bench}: not an executable file")
     if args.cmd == "run":
         _check_run(args)
 
@@ -659,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error argparse has printed
         return int(e.code or 0)
     from accelplane import env
-    from accelplane.errors import AccelplaneError, AllocationError, ComputeError
+    from accelplane.errors import AccelplaneError, AllocationError, ComputeError, PeerError
     from accelplane.runtime import progress
 
     def fail(status: int, msg: object) -> int:
@@ -674,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args, extra)
     except UsageError as e:
         return fail(EXIT_USAGE, e)
-    except (ComputeError, AllocationError) as e:  # the work itself failed
+    except (ComputeError, AllocationError, PeerError) as e:  # the work itself, or its peer, failed
         return fail(EXIT_FAILED, e)
     except AccelplaneError as e:  # bad input: a setting, a file, a device name, a shape
         return fail(EXIT_USAGE, e)

@@ -241,7 +241,8 @@ def cmd_bench_model(args, out: TextIO | None = None) -> int:
         prof = cProfile.Profile()
     # progress (on a terminal, without -q): each model load's bar, a line per run, kernel builds
     rows = bench_model(f, configs, _cpu_of(reg), args.pp, args.tg, args.reps or 2, prof, show=True,
-                       cpu_moe=cpu_moe_values(args, f.model_config()))  # fmt: skip
+                       cpu_moe=cpu_moe_values(args, f.model_config()),
+                       llama_bench=args.llama_bench)  # fmt: skip
     print(format_bench(rows), file=out)
     if prof is not None and not prof.getstats():
         print("--profile: no tg run was timed (--tg 0), so there is no profile", file=out)
