@@ -17,7 +17,7 @@ import numpy as np
 
 from accelplane.bench import copy_bandwidth
 from accelplane.bench.llama_peer import PeerRun, attach, peer_args, run_llama_bench
-from accelplane.errors import DeviceError
+from accelplane.errors import DeviceError, PeerError
 from accelplane.interface import DeviceType
 from accelplane.models.decoder import DecoderModel
 from accelplane.models.gguf import GGUFFile, total_bytes
@@ -103,6 +103,8 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
     before and right after each config that llama.cpp can run alike
     (:func:`~accelplane.bench.llama_peer.peer_args`); those rows gain the peer's figures and
     ``vs_peer`` (:func:`~accelplane.bench.llama_peer.attach`); PeerError when it fails."""
+    if llama_bench and f.path is None:
+        raise PeerError("llama-bench reads a model file: this model has none")
     rows = []
     cfg = f.model_config()
     n_ctx = context_for(cfg, max(pp, tg), "--pp/--tg")
