@@ -139,6 +139,18 @@ def test_a_peer_that_fails_or_reports_nothing_is_a_peer_error(reg, tiny, fake, m
         bench_model(f, [([cpu], "none")], cpu, pp=8, tg=4, reps=1, llama_bench=str(exe))
 
 
+def test_a_model_without_a_file_has_no_peer(reg, tiny, fake):
+    from accelplane.bench.model import bench_model
+    from accelplane.models.gguf import GGUFFile
+
+    exe, log, _ = fake
+    cpu = next(d for d in reg.devices if d.type == DeviceType.CPU)
+    with read_gguf(tiny) as f, pytest.raises(PeerError, match="reads a model file"):
+        bench_model(GGUFFile(None, f.metadata, f.tensors, f.alignment), [([cpu], "none")], cpu, pp=8, tg=4,
+                    reps=1, llama_bench=str(exe))  # fmt: skip
+    assert not calls(log)
+
+
 def test_a_peer_that_cannot_start_is_a_peer_error(tmp_path, tiny):
     bad = tmp_path / "llama-bench"
     bad.write_text("not a program")

@@ -126,7 +126,7 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
         peer_runs: list[PeerRun] = []
         if largs is not None:  # the peer first, then ours, then the peer again: drift shows in both
             peer_runs.append(_peer(show, label, llama_bench, f, largs, "before"))
-        first = len(rows)
+        start = len(rows)  # this config's rows begin here
         model = load(f, devs, cpu, split, n_ctx, show=show, cpu_moe=cm)
         try:
             for test, n in (("pp", pp), ("tg", tg)):
@@ -178,7 +178,7 @@ def bench_model(f: GGUFFile, configs: Sequence[tuple[list[Device], str]], cpu: D
             model.free()
         if largs is not None:
             peer_runs.append(_peer(show, label, llama_bench, f, largs, "after"))
-            attach(rows[first:], peer_runs)
+            attach(rows[start:], peer_runs)
     for r in rows:  # multi-device rows against their first device alone, where that ran too
         first = r["devices"].split(",")[0]
         base = [b for b in rows if b["devices"] == first and b["split"] == "none" and b["test"] == r["test"]
