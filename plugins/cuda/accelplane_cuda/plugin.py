@@ -171,7 +171,7 @@ def buffer_get_tensor(buffer, tensor, out, offset, size):
     else:
         if not out.flags.c_contiguous:
             raise DeviceError("get_tensor needs a contiguous output array")
-        memcpy(out.ctypes.data, buffer.ctx.ptr + tensor.offs + offset, size)
+        memcpy(out.ctypes.data, buffer.ctx.ptr + tensor.offs + offset, size, to_host=True)
 
 
 @hookimpl

@@ -7,8 +7,10 @@ imported when a device opens (its first use: :func:`open_device`), never at modu
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import importlib.util
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,16 +121,30 @@ class DevMem:
         return self
 
 
+# every live PinnedMem as sorted (address, size) pairs (pinned(): a bisection, since experts in
+# host memory make many blocks)
+_PINNED: list[tuple[int, int]] = []
+
+
 class PinnedMem:
     """Page-locked host memory (host buffer ctx): numpy view for the host, fast DMA for the GPU."""
 
-    __slots__ = ("mem", "arr", "ptr")
+    __slots__ = ("mem", "arr", "ptr", "__weakref__")
 
     def __init__(self, size: int) -> None:
         cp = cupy()
         self.mem = cp.cuda.alloc_pinned_memory(max(size, 1))
         self.arr = np.frombuffer(self.mem, np.uint8, size)
         self.ptr = int(self.mem.ptr)
+        entry = (self.ptr, size)
+        bisect.insort(_PINNED, entry)
+        weakref.finalize(self, _PINNED.remove, entry)
+
+
+def pinned(addr: int, size: int) -> bool:
+    """Whether host bytes ``[addr, addr + size)`` lie in one live PinnedMem."""
+    i = bisect.bisect_right(_PINNED, (addr, 1 << 64)) - 1
+    return i >= 0 and addr + size <= _PINNED[i][0] + _PINNED[i][1]
 
 
 class ErrFlag:
@@ -262,8 +278,16 @@ def address(t) -> int:
     return t.buffer.ctx.ptr + t.offs
 
 
-def memcpy(dst: int, src: int, size: int) -> None:
-    cupy().cuda.runtime.memcpy(dst, src, size, MEMCPY_DEFAULT)
+def memcpy(dst: int, src: int, size: int, *, to_host: bool = False) -> None:
+    """A blocking copy (docs/ordering.md rule 4): complete on return. cudaMemcpy returns before
+    its DMA ends for a device→device copy and for one from pageable host memory (once staged),
+    and the plugin's non-blocking streams do not wait for the legacy stream it ran on: wait for
+    that stream then. A copy to the host (``to_host``) or from pinned memory is synchronous
+    already, and skips the wait."""
+    cp = cupy()
+    cp.cuda.runtime.memcpy(dst, src, size, MEMCPY_DEFAULT)
+    if not to_host and not pinned(src, size):
+        cp.cuda.Stream.null.synchronize()
 
 
 def memset(mem: DevMem, ptr: int, value: int, size: int) -> None:
@@ -280,7 +304,7 @@ def raw_io(mem: DevMem):
 
     def read(off: int, n: int) -> np.ndarray:
         out = np.empty(n, np.uint8)
-        memcpy(out.ctypes.data, mem.ptr + off, n)
+        memcpy(out.ctypes.data, mem.ptr + off, n, to_host=True)
         return out
 
     return write, read

@@ -12,7 +12,7 @@ from accelplane.core.graph import Context
 from accelplane.core.types import GGMLType, quantize
 from accelplane.errors import AccelplaneError
 from accelplane.runtime.alloc import alloc_tensors
-from accelplane.runtime.backend import Comm
+from accelplane.runtime.backend import Comm, tensor_copy
 from accelplane_cuda import compiler
 
 T = GGMLType
@@ -68,6 +68,75 @@ def test_replays_as_cuda_graph():
     assert be.ctx.plans.builds == 1
     be.free()
     buf.free()
+
+
+def test_pinned_ranges(monkeypatch):
+    """runtime.pinned (which blocking copies skip the wait for): a range inside one registered
+    block, against a brute-force check over random blocks, with blocks dropped as they are freed
+    (no GPU needed: the registry is plain Python)."""
+    import bisect
+    import random
+
+    from accelplane_cuda import runtime
+
+    rnd = random.Random(0)
+    for _ in range(100):
+        blocks, base = [], 4096
+        for _ in range(rnd.randint(0, 12)):
+            base += rnd.randint(0, 64)
+            n = rnd.randint(1, 64)
+            blocks.append((base, n))
+            base += n
+        reg: list[tuple[int, int]] = []
+        monkeypatch.setattr(runtime, "_PINNED", reg)
+        for b in blocks:
+            bisect.insort(reg, b)
+        for drop in [None, *blocks[:2]]:
+            if drop is not None:
+                reg.remove(drop)
+                blocks.remove(drop)
+            for _ in range(200):
+                a, size = rnd.randint(4000, base + 50), rnd.randint(1, 40)
+                want = any(p <= a and a + size <= p + n for p, n in blocks)
+                assert runtime.pinned(a, size) == want, (blocks, a, size)
+
+
+@pytest.mark.parametrize("nbytes", [4, 260, 4 << 20])
+@pytest.mark.parametrize("pinned", [True, False])
+def test_copies_follow_the_stream(nbytes, pinned):
+    """Blocking copies (a set from pageable memory, a device→device copy) are complete before
+    the stream's next compute reads them (docs/ordering.md rule 4), and an async read right
+    behind the compute, into pinned or pageable memory, has the computed bytes once an event
+    recorded after it completes."""
+    dev = _cuda()
+    ctx = Context()
+    n = nbytes // 4
+    x = ctx.new_tensor(T.F32, (n,), "x")
+    x2 = ctx.new_tensor(T.F32, (n,), "x2")
+    y = ctx.scale(x2, 2.0, 1.0)
+    g = ctx.graph(y)
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    be = dev.new_backend()
+    host = dev.host_buffer_type.alloc(2 * nbytes) if pinned else None
+    out = host.host_array[nbytes : 2 * nbytes] if pinned else np.zeros(nbytes, np.uint8)
+    ev = dev.new_event()
+    rng = np.random.default_rng(nbytes)
+    try:
+        for _ in range(3):
+            v = rng.standard_normal(n).astype(np.float32)
+            x.set(v)
+            tensor_copy(x, x2)
+            be.graph_compute(g)
+            be.get_tensor_async(y, out)
+            ev.record(be)
+            ev.synchronize()
+            np.testing.assert_allclose(out.view(np.float32), v.astype(np.float64) * 2 + 1, rtol=1e-6)
+    finally:
+        ev.free()
+        be.free()
+        buf.free()
+        if host is not None:
+            host.free()
 
 
 def test_bad_row_index_raises():
@@ -831,7 +900,7 @@ def test_x8_weights(wtype):
     (mat-vec for 1 and 3 rows, the dequantize + GEMM path, GET_ROWS, CPY to F32, CPY and
     SET_ROWS into them: Q4_0 and Q8_0) agrees with float64 numpy on the gguf package's
     dequantization, and a copy to a compute buffer holds GGUF bytes."""
-    from accelplane.runtime.backend import BufferUsage, tensor_copy
+    from accelplane.runtime.backend import BufferUsage
     from accelplane_cuda import layout
 
     dev = _cuda()

@@ -197,15 +197,15 @@ def run_case(
 
 
 def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 0.3) -> float | None:
-    """Bytes per second read plus written (STREAM's convention: copying N bytes moves 2N) by a
-    blocking copy of ``nbytes`` between two tensors in ``device``'s memory: the plugin's own
-    device copy (buffer_cpy_tensor) where it has one, else the SDK's fallback. The peer that
-    memory-bound results (a decode's weight reads) are held against in the same run. Best of
-    five batches of copies, each batch ended by a 4-byte read back (which waits for them).
-    None when the device cannot hold the two tensors."""
+    """Bytes per second read plus written (STREAM's convention: copying N bytes moves 2N) by
+    copies of ``nbytes`` between two tensors in ``device``'s memory, queued back to back on one
+    of its backends (the plugin's cpy_tensor_async, as a graph's copies run; else the SDK's
+    fallback, a blocking copy). The peer that memory-bound results (a decode's weight reads)
+    are held against in the same run. Best of five batches of copies, each batch ended by a
+    synchronize. None when the device cannot hold the two tensors."""
     from accelplane.errors import AccelplaneError
     from accelplane.runtime.alloc import alloc_tensors
-    from accelplane.runtime.backend import tensor_copy
+    from accelplane.runtime.backend import tensor_copy_async
 
     free, _ = device.memory()
     nbytes = min(nbytes, max(free // 4, 0)) // 4 * 4
@@ -218,21 +218,23 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
         buf = alloc_tensors([src, dst], device.buffer_type)
     except AccelplaneError:
         return None
+    backend = device.new_backend()
     try:
         src.set_bytes(np.full(nbytes, 1, np.uint8))
-        tensor_copy(src, dst)  # warm-up
-        dst.get_bytes(0, 4)
+        tensor_copy_async(backend, backend, src, dst)  # warm-up
+        backend.synchronize()
         k, best = 1, float("inf")
         for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(k):
-                tensor_copy(src, dst)
-            dst.get_bytes(0, 4)
+                tensor_copy_async(backend, backend, src, dst)
+            backend.synchronize()
             dt = time.perf_counter() - t0
             best = min(best, dt / k)
             k = max(k, int(min_time_s / max(dt / k, 1e-9)))
         return 2 * nbytes / best
     finally:
+        backend.free()
         buf.free()
 
 
