@@ -218,8 +218,9 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
         buf = alloc_tensors([src, dst], device.buffer_type)
     except AccelplaneError:
         return None
-    backend = device.new_backend()
+    backend = None
     try:
+        backend = device.new_backend()
         src.set_bytes(np.full(nbytes, 1, np.uint8))
         tensor_copy_async(backend, backend, src, dst)  # warm-up
         backend.synchronize()
@@ -234,7 +235,8 @@ def copy_bandwidth(device: Device, nbytes: int = 256 << 20, min_time_s: float = 
             k = max(k, int(min_time_s / max(dt / k, 1e-9)))
         return 2 * nbytes / best
     finally:
-        backend.free()
+        if backend is not None:
+            backend.free()
         buf.free()
 
 
