@@ -943,8 +943,10 @@ def test_decode_feeds_picks_back_on_the_device(reg, models, setup):
     (random delays) a step that ran before its positions were copied, or read a token before
     the last step wrote it, would pick differently: the picks equal a loop of evals that
     each wait, across attention windows (kv_pad 8); steps after the first were queued behind
-    the last (Stats.queued_behind), except where a window changes. A stop ends it at that
-    pick with the context where it was, and decoding on from there picks the same again."""
+    the last (Stats.queued_behind), except where a window changes. The host reads each pick
+    on a second queue of an asynchronous device, after an event of the computing one: a read
+    that did not wait would find the pick's slot unwritten. A stop ends it at that pick with
+    the context where it was, and decoding on from there picks the same again."""
     name, devs, kw = DECODE_SETUPS[setup]
     if setup.startswith("installed"):
         reg = accelplane.get_registry()
@@ -959,6 +961,8 @@ def test_decode_feeds_picks_back_on_the_device(reg, models, setup):
         seen: list[int] = []
         assert m.decode(want[0], 30, on_token=seen.append) == want[1:] == seen
         assert m.n_past == len(prompt) + 30
+        if m.meta is None:
+            assert (m._ring.reader is not None) == (m.embd_dev.caps.async_ and m.embd_dev.has_events)
         if m.meta is None:  # 30 steps, the first and the first of each new window not behind
             windows = len({m.window(p + 1) for p in range(len(prompt), len(prompt) + 30)})
             assert m.sched.stats.queued_behind - behind == 30 - windows

@@ -360,6 +360,37 @@ class _Step:
     mask_rows: Tensor | None = None
 
 
+class _PickRing:
+    """Where :meth:`DecoderModel.decode` reads its picks: two 4-byte slots (in the embeddings'
+    device's pinned host memory where it has some: a copy into pageable memory would block
+    until it ran), an event per slot, and, on a device with events and asynchronous queues,
+    a second queue (``reader``) that reads once the computing queue has recorded ``done``."""
+
+    def __init__(self, dev: Device) -> None:
+        host = dev.host_buffer_type
+        self.buf = host.alloc(8) if host is not None and host.is_host else None
+        mem = self.buf.host_array[:8] if self.buf is not None else np.zeros(8, np.uint8)
+        self.slots = [mem[:4], mem[4:]]
+        self.events = [dev.new_event() for _ in range(2)]
+        side = dev.caps.async_ and dev.has_events
+        self.reader: Backend | None = dev.new_backend() if side else None
+        self.done: Event | None = dev.new_event() if side else None
+
+    def take(self, k: int) -> int:
+        """The pick in slot ``k``, once its read has landed."""
+        self.events[k].synchronize()
+        return int(self.slots[k].view(np.float32)[0])
+
+    def free(self) -> None:
+        for ev in [*self.events, self.done]:
+            if ev is not None:
+                ev.free()
+        if self.reader is not None:
+            self.reader.free()
+        if self.buf is not None:
+            self.buf.free()
+
+
 @dataclass
 class EvalResult:
     """``ids``: the greedy next token after each output row; ``logits``: F32 [rows, n_vocab]
@@ -670,8 +701,12 @@ class DecoderModel:
         self._steps: dict[tuple[int, int, bool, str, bool], _Step] = {}  # step()'s key
         self._positions_set: tuple[_Step, int] | None = None  # (step, n_past) its inputs hold
         self.tok_state: Tensor | None = None  # a decode step's token, which its argmax replaces
+        # decode()'s picks by position (F32: SET_ROWS writes floats; ids < 2^24 are exact) and the
+        # table that turns an I32 pick into that float (a GET_ROWS of row id: the value id)
+        self.pick_hist: Tensor | None = None
+        self.pick_value: Tensor | None = None
         self._chain_ok: bool | None = None  # _chains(), once known
-        self._ring: tuple[np.ndarray, list[Event], Buffer | None] | None = None  # decode()'s reads
+        self._ring: _PickRing | None = None  # decode()'s reads
         self._v_base: np.ndarray | None = None  # e * n_ctx: the V cache slot of feature e at position 0
         if cfg.n_embd_kv * self.n_ctx > np.iinfo(np.int32).max:  # the I32 V cache slot indices
             raise ConfigError(f"n_ctx {self.n_ctx} is too large for this model: its V cache of "
@@ -757,7 +792,10 @@ class DecoderModel:
             cache_by_dev.setdefault(self.layer_dev[i], []).extend((k, v))
         if self.meta is None:  # next to the embeddings its GET_ROWS reads (a decode's token feedback)
             self.tok_state = self.wctx.new_tensor(T.I32, (1,), "tok_state")
-            cache_by_dev.setdefault(self.embd_dev, []).append(self.tok_state)
+            self.pick_hist = self.wctx.new_tensor(T.F32, (self.n_ctx, 1), "pick_hist")
+            self.pick_value = self.wctx.new_tensor(T.F32, (cfg.n_vocab, 1), "pick_value")
+            picks = (self.tok_state, self.pick_hist, self.pick_value)
+            cache_by_dev.setdefault(self.embd_dev, []).extend(picks)
         if self.meta is not None:
             place = _Place("+".join(d.name for d in self.meta.devices))
             self.placement = {name: place for name in self.w}
@@ -781,6 +819,8 @@ class DecoderModel:
                     # unwritten slots are masked out, but 0 * NaN garbage would still be NaN
                     buf.clear(0)
                     self.buffers.append(buf)
+            if self.pick_value is not None:
+                set_bytes(self.pick_value, np.arange(cfg.n_vocab, dtype=np.float32))
         except Exception:
             self.free()
             raise
@@ -867,10 +907,7 @@ class DecoderModel:
             buf.free()
         self.buffers = []
         if self._ring is not None:
-            for ev in self._ring[1]:
-                ev.free()
-            if self._ring[2] is not None:
-                self._ring[2].free()
+            self._ring.free()
             self._ring = None
         self._steps = {}
         self._positions_set = None
@@ -892,7 +929,8 @@ class DecoderModel:
         model's own, nothing kept), "trace" (each MoE layer's probabilities and ARGSORT kept as
         outputs) or "forced" (each MoE layer's experts an input, its probabilities kept).
         ``chain`` (one token, the model's own routing): the token is read from ``tok_state``
-        and the step's argmax copied over it, for the next step (:meth:`decode`)."""
+        and the step's argmax copied over it, for the next step, and into ``pick_hist`` at its
+        position, for the host (:meth:`decode`)."""
         chain = chain and n_tokens == 1 and not routing and self._chains()
         key = (n_tokens, n_kv, all_rows or n_tokens == 1, routing if self.cfg.is_moe else "", chain)
         st = self._steps.get(key)
@@ -1001,9 +1039,12 @@ class DecoderModel:
             logits = ctx.scale(cb(ctx.tanh(cb(ctx.scale(logits, 1.0 / c), "softcap_in")), "softcap_tanh"), c)
         logits = cb(logits, "result_output")  # the last of them
         ids = cb(ctx.argmax(logits), "result_argmax")
+        outs = [logits]
         if chain:
+            outs.append(cb(ctx.set_rows(self.pick_hist, cb(ctx.get_rows(self.pick_value, ids), "result_pick"),
+                                        pos), "result_kept"))  # fmt: skip
             ids = cb(ctx.cpy(ids, self.tok_state), "result_fed")
-        graph = ctx.graph(logits, ids, *(t for r in routes for t in r), expand=gating)
+        graph = ctx.graph(*outs, ids, *(t for r in routes for t in r), expand=gating)
         return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask_in, v_idx, logits, ids, groups,
                      mask_swa_in, routes, mask_rows)  # fmt: skip
 
@@ -1230,8 +1271,11 @@ class DecoderModel:
         A step's pick goes from its argmax to the next step's embedding lookup on the device
         (a CPY into ``tok_state``), so the host queues step i + 1 (its positions written into
         the scheduler's other copy slot) before it reads step i's pick: no host round trip
-        between tokens. Under the tensor split, or where the embeddings' device cannot copy an
-        I32, each step is one :meth:`eval` instead."""
+        between tokens. The host reads the pick from ``pick_hist`` (where the step wrote it at
+        its position, so no later step writes over it) on a second queue of the device where
+        it has events: a read in the computing queue would hold the next step until it landed.
+        Under the tensor split, where the embeddings' device cannot run those copies, or with
+        a vocabulary of 2^24 tokens or more, each step is one :meth:`eval` instead."""
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
             raise ShapeError(f"decode: n must be an integer >= 0, got {n!r}")
         v = self.cfg.n_vocab
@@ -1254,8 +1298,9 @@ class DecoderModel:
                 if pick(tok):
                     break
             return out
-        ring, evs = self._token_ring()
+        ring = self._pick_ring()
         be = self.sched.backends[self._embd_backend()]
+        reader = ring.reader or be
         self._positions_set = None
         self.sched.synchronize()
         set_bytes(self.tok_state, np.array([first], dtype=np.int32))
@@ -1270,21 +1315,25 @@ class DecoderModel:
                 self.sched.alloc_graph(st.graph)
                 self._set_positions(st, self.n_past)
                 self.sched.graph_compute(st.graph)
-                be.get_tensor_async(self.tok_state, ring[i % 2])
-                evs[i % 2].record(be)
+                if ring.done is not None:
+                    ring.done.record(be)
+                    ring.done.wait(reader)
+                reader.get_tensor_async(self.pick_hist, ring.slots[i % 2], 4 * self.n_past, 4)
+                ring.events[i % 2].record(reader)
                 self.n_past += 1
                 queued += 1
                 if i > 0:
-                    evs[(i - 1) % 2].synchronize()
+                    t = ring.take((i - 1) % 2)
                     queued -= 1
-                    if pick(int(ring[(i - 1) % 2].view(np.int32)[0])):
+                    if pick(t):
                         break
             else:
                 if queued:
-                    evs[(n - 1) % 2].synchronize()
                     queued = 0
-                    pick(int(ring[(n - 1) % 2].view(np.int32)[0]))
+                    pick(ring.take((n - 1) % 2))
         finally:
+            if ring.reader is not None:
+                ring.reader.synchronize()
             self.sched.synchronize()
             self.n_past -= queued  # the step queued past a stop: its cache row stays masked
         return out
@@ -1292,27 +1341,24 @@ class DecoderModel:
     def _chains(self) -> bool:
         """Whether :meth:`decode` feeds picks back on the device (its docstring)."""
         if self._chain_ok is None:
-            ok = self.tok_state is not None
+            # picks are kept as floats: exact below 2^24
+            ok = self.tok_state is not None and self.cfg.n_vocab <= 1 << 24
             if ok:
                 ctx = Context("chain-check")
-                ok = self.embd_dev.supports_op(ctx.cpy(ctx.new_tensor(T.I32, (1,), "pick"), self.tok_state))
+                ids = ctx.new_tensor(T.I32, (1,), "pick")
+                value = ctx.get_rows(self.pick_value, ids)
+                kept = ctx.set_rows(self.pick_hist, value, ctx.new_tensor(T.I32, (1,), "pos"))
+                ok = all(self.embd_dev.supports_op(t) for t in (ctx.cpy(ids, self.tok_state), value, kept))
             self._chain_ok = ok
         return self._chain_ok
 
     def _embd_backend(self) -> int:
         return next(i for i, b in enumerate(self.sched.backends) if b.device is self.embd_dev)
 
-    def _token_ring(self) -> tuple[list[np.ndarray], list[Event]]:
-        """Two 4-byte slots decode() reads picks into (in the embeddings' device's pinned host
-        memory where it has some: a copy into pageable memory would block until it ran) and an
-        event per slot."""
+    def _pick_ring(self) -> _PickRing:
         if self._ring is None:
-            host = self.embd_dev.host_buffer_type
-            buf = host.alloc(8) if host is not None and host.is_host else None
-            mem = buf.host_array[:8] if buf is not None else np.zeros(8, np.uint8)
-            self._ring = (mem, [self.embd_dev.new_event() for _ in range(2)], buf)
-        mem, evs, _ = self._ring
-        return [mem[:4], mem[4:]], evs
+            self._ring = _PickRing(self.embd_dev)
+        return self._ring
 
     def generate(self, prompt: Sequence[int], n_new: int,
                  on_token: Callable[[int], None] | None = None) -> list[int]:  # fmt: skip
