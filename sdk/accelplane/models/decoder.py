@@ -1039,12 +1039,12 @@ class DecoderModel:
             logits = ctx.scale(cb(ctx.tanh(cb(ctx.scale(logits, 1.0 / c), "softcap_in")), "softcap_tanh"), c)
         logits = cb(logits, "result_output")  # the last of them
         ids = cb(ctx.argmax(logits), "result_argmax")
-        outs = [logits]
+        kept: tuple[Tensor, ...] = ()
         if chain:
-            outs.append(cb(ctx.set_rows(self.pick_hist, cb(ctx.get_rows(self.pick_value, ids), "result_pick"),
-                                        pos), "result_kept"))  # fmt: skip
+            value = cb(ctx.get_rows(self.pick_value, ids), "result_pick")
+            kept = (cb(ctx.set_rows(self.pick_hist, value, pos), "result_kept"),)
             ids = cb(ctx.cpy(ids, self.tok_state), "result_fed")
-        graph = ctx.graph(*outs, ids, *(t for r in routes for t in r), expand=gating)
+        graph = ctx.graph(logits, *kept, ids, *(t for r in routes for t in r), expand=gating)
         return _Step(graph, n_tok, n_kv, all_rows, tokens, pos, mask_in, v_idx, logits, ids, groups,
                      mask_swa_in, routes, mask_rows)  # fmt: skip
 
