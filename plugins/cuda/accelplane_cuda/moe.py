@@ -174,7 +174,7 @@ def router_gating(plan, n, g: MoeGating) -> None:
     a, b = n.src
     early = int(id(a.buffer) not in plan.written)
     P, out, smem = _gating_args(plan, g, (a.ne[0], a.nb[1], early))
-    counter = plan.params([0])  # zeroed; each launch's last block zeroes it again
+    counter = plan.zeros(1)  # each launch's last block zeroes it again
     threads = max(128, -(-a.ne[1] // 32) * 32)
     plan.launch("k_moe_router", 0, (P, plan.ptr(n), plan.ptr(a), plan.ptr(b), *out, counter), block=threads,
                 grid=(-(-a.ne[1] // (threads // 32)),), smem=smem)  # fmt: skip

@@ -70,6 +70,37 @@ def test_replays_as_cuda_graph():
     buf.free()
 
 
+def test_plans_share_parameter_arrays():
+    """Launches with equal parameters read one device array, across plans too; kernel-written
+    memory (plan.zeros) stays each plan's own."""
+    from accelplane_cuda import plan as cuda_plan
+
+    dev = _cuda()
+    ctx = Context()
+    x = ctx.new_tensor(T.F32, (4, 256), "x")
+    y = x
+    for _ in range(8):  # the same shape eight times: equal norm parameters
+        y = ctx.rms_norm(ctx.scale(y, 2.0, 0.0), 1e-6)
+    g = ctx.graph(y)
+    buf = alloc_tensors(ctx.tensors + list(g.nodes), dev.buffer_type)
+    v = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    want = v.astype(np.float64)
+    for _ in range(8):
+        want = want * 2.0
+        want = want / np.sqrt((want * want).mean(axis=1, keepdims=True) + 1e-6)
+    plans = []
+    for be in (dev.new_backend(), dev.new_backend()):
+        x.set(v)
+        be.compute(g)
+        np.testing.assert_allclose(y.get(), want, rtol=1e-5, atol=1e-5)
+        plans.append(be.ctx.plans.get(g))
+    shared = [[k for k in p.keep if isinstance(k, cuda_plan._Params)] for p in plans]
+    assert len({id(k) for k in shared[0]}) < len(shared[0]), "equal parameters must share one array"
+    assert [id(k) for k in shared[0]] == [id(k) for k in shared[1]], "a second plan must reuse the arrays"
+    assert plans[0].zeros(1) != plans[0].zeros(1), "plan.zeros is never shared"
+    buf.free()
+
+
 def test_pinned_ranges(monkeypatch):
     """runtime.pinned (which blocking copies skip the wait for): a range inside one registered
     block, against a brute-force check over random blocks, with blocks dropped as they are freed
