@@ -88,17 +88,22 @@ def test_plans_share_parameter_arrays():
     for _ in range(8):
         want = want * 2.0
         want = want / np.sqrt((want * want).mean(axis=1, keepdims=True) + 1e-6)
-    plans = []
-    for be in (dev.new_backend(), dev.new_backend()):
-        x.set(v)
-        be.compute(g)
-        np.testing.assert_allclose(y.get(), want, rtol=1e-5, atol=1e-5)
-        plans.append(be.ctx.plans.get(g))
-    shared = [[k for k in p.keep if isinstance(k, cuda_plan._Params)] for p in plans]
-    assert len({id(k) for k in shared[0]}) < len(shared[0]), "equal parameters must share one array"
-    assert [id(k) for k in shared[0]] == [id(k) for k in shared[1]], "a second plan must reuse the arrays"
-    assert plans[0].zeros(1) != plans[0].zeros(1), "plan.zeros is never shared"
-    buf.free()
+    backends = [dev.new_backend(), dev.new_backend()]
+    try:
+        plans = []
+        for be in backends:
+            x.set(v)
+            be.compute(g)
+            np.testing.assert_allclose(y.get(), want, rtol=1e-5, atol=1e-5)
+            plans.append(be.ctx.plans.get(g))
+        shared = [[k for k in p.keep if isinstance(k, cuda_plan._Params)] for p in plans]
+        assert len({id(k) for k in shared[0]}) < len(shared[0]), "equal parameters must share one array"
+        assert [id(k) for k in shared[0]] == [id(k) for k in shared[1]], "a second plan must reuse the arrays"
+        assert plans[0].zeros(1) != plans[0].zeros(1), "plan.zeros is never shared"
+    finally:
+        for be in backends:
+            be.free()
+        buf.free()
 
 
 def test_pinned_ranges(monkeypatch):
